@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# rdmakv's set-up entry point on a fresh machine (see README):
+#   deploy/dev.sh demo [ARGS...]   create .venv, install rdmakv, run `rdmakv demo`
+#   deploy/dev.sh test [PYTEST ARGS...]
+#                                  install the dev extras, run ruff, mypy and pytest
+#   deploy/dev.sh env              only create/refresh .venv (used by .ci/run)
+# The venv lives in the project directory (.venv) so the soft-RoCE VM, which
+# mounts only this directory read-write, can use it too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+
+ensure_venv() {
+  if [[ ! -x $VENV/bin/python ]]; then
+    echo "[rdmakv] creating $VENV with $($PY --version 2>&1)"
+    "$PY" -m venv "$VENV"
+  fi
+  # Reinstall only when the project metadata or the native sources changed.
+  local stamp=$VENV/.rdmakv-installed sig
+  sig=$({ cat pyproject.toml; cat native/* 2>/dev/null || true; } | sha256sum | cut -c1-16)
+  if [[ "$(cat "$stamp" 2>/dev/null)" != "$sig" ]]; then
+    echo "[rdmakv] installing rdmakv[dev] into $VENV (torch==2.13.0: the local CPU build)"
+    "$VENV/bin/python" -m pip install -q -e ".[dev]" 2> >(grep -v "is ignored: it is neither" >&2)
+    echo "$sig" > "$stamp"
+  fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  demo)
+    ensure_venv
+    exec "$VENV/bin/rdmakv" demo "$@"
+    ;;
+  test)
+    ensure_venv
+    echo "[rdmakv] ruff"
+    "$VENV/bin/ruff" check rdmakv tests bench
+    echo "[rdmakv] mypy"
+    "$VENV/bin/mypy" rdmakv
+    echo "[rdmakv] pytest"
+    exec "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  env)
+    ensure_venv
+    ;;
+  *)
+    echo "usage: deploy/dev.sh demo|test|env [ARGS...]" >&2
+    exit 2
+    ;;
+esac

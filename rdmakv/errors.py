@@ -1,0 +1,64 @@
+"""The one exception hierarchy of rdmakv.
+
+Everything rdmakv raises on purpose derives from :class:`RdmakvError`, so an
+engine connector can catch one class and turn any failure into a cache miss.
+Subclasses say *what* went wrong; messages say which value was wrong and why.
+"""
+
+from __future__ import annotations
+
+
+class RdmakvError(Exception):
+    """Root of every error rdmakv raises deliberately."""
+
+
+class ConfigError(RdmakvError, ValueError):
+    """A caller passed an invalid argument or configuration value."""
+
+
+class SlabError(RdmakvError):
+    """Misuse of the L1 slab (bad handle, double free, ...)."""
+
+
+class SlabExhausted(SlabError):
+    """The slab has no free block left."""
+
+
+class InvalidHandle(SlabError):
+    """A block handle that is out of range or no longer allocated."""
+
+
+class MemoryLockWarning(RuntimeWarning):
+    """The slab could not be locked in RAM (memlock limit too small)."""
+
+
+class ProtocolError(RdmakvError):
+    """A peer sent a malformed, oversized or unexpected frame."""
+
+
+class AuthError(RdmakvError):
+    """The shared-secret token was missing or wrong."""
+
+
+class TransportError(RdmakvError):
+    """A data-path or control-path operation failed."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A remote wait ran past its deadline."""
+
+
+class ConnectionLost(TransportError, ConnectionError):
+    """The connection to the peer broke (peer died, reset, closed)."""
+
+
+class RemoteError(RdmakvError):
+    """The node refused a request; the message is the node's reason."""
+
+
+class RdmaError(TransportError):
+    """Verbs set-up or a work completion failed."""
+
+
+class RdmaUnavailable(RdmaError):
+    """No usable RDMA device/port/GID: callers fall back to TCP."""

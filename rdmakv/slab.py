@@ -1,0 +1,244 @@
+"""Slab: the L1 memory arena, carved into fixed-size blocks.
+
+One anonymous, page-aligned ``mmap`` per slab, locked in RAM when the memlock
+limit allows. It is registered with an RDMA device exactly once (by the
+transport, using :attr:`Slab.base_addr` / :attr:`Slab.nbytes`), so every block
+is addressable as ``(addr, lkey/rkey)`` for zero-copy one-sided I/O.
+
+Invariants:
+
+* A block handle is an ``int`` in ``[0, num_blocks)``. A handle is *live*
+  while its refcount is > 0; :meth:`alloc` returns it with refcount 1.
+* Each owner (cache entry, in-flight I/O, reader holding a view) takes one
+  reference with :meth:`incref` and gives it back with :meth:`decref`; the
+  block returns to the free list when the count reaches 0. A block on the free
+  list is never handed out twice and never overlaps another block.
+* Views (memoryview / numpy / torch) alias the arena; they do not keep a block
+  alive by themselves -- hold a reference while you use one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import resource
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rdmakv.errors import ConfigError, InvalidHandle, MemoryLockWarning, SlabExhausted
+
+if TYPE_CHECKING:
+    import torch
+
+PAGE_SIZE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def memlock_limit() -> int | None:
+    """Soft RLIMIT_MEMLOCK in bytes, or None when unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _mlock(addr: int, length: int) -> int:
+    """mlock(2); returns 0 or the errno."""
+    rc = _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length))
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+class Slab:
+    """A pinned arena of ``num_blocks`` blocks of ``block_size`` bytes.
+
+    ``capacity`` is rounded down to a whole number of blocks; the mapping itself
+    is rounded up to whole pages. Not thread-safe: the owner (L1Cache, KV node)
+    serialises alloc/free.
+    """
+
+    def __init__(self, capacity: int, block_size: int, *, lock: bool = True) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise ConfigError(f"slab capacity must be a positive int, got {capacity!r}")
+        if block_size > capacity:
+            raise ConfigError(
+                f"block_size {block_size} is larger than the slab capacity {capacity}"
+            )
+        self.block_size = block_size
+        self.num_blocks = capacity // block_size
+        self.nbytes = self.num_blocks * block_size
+        map_len = -(-self.nbytes // PAGE_SIZE) * PAGE_SIZE
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, map_len, flags=flags)
+        self._array: np.ndarray[Any, np.dtype[np.uint8]] = np.frombuffer(
+            self._mmap, dtype=np.uint8, count=self.nbytes
+        )
+        self._view = memoryview(self._mmap)[: self.nbytes]
+        self.base_addr: int = int(self._array.ctypes.data)
+        self.locked = False
+        if lock:
+            self.locked = self._try_lock(map_len)
+        # Free list as a stack: O(1) alloc/free, most recently freed reused first
+        # (warm in cache and TLB).
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self._refs = [0] * self.num_blocks
+
+    def _try_lock(self, length: int) -> bool:
+        err = _mlock(self.base_addr, length)
+        if err == 0:
+            return True
+        limit = memlock_limit()
+        shown = "unlimited" if limit is None else f"{limit} bytes"
+        warnings.warn(
+            f"rdmakv: could not lock the {length}-byte slab in RAM "
+            f"(mlock: {ctypes.cast(_libc.strerror(err), ctypes.c_char_p).value!r}; "
+            f"RLIMIT_MEMLOCK is {shown}). RDMA registration of this slab may fail. "
+            "Raise the limit with `ulimit -l unlimited` (or LimitMEMLOCK=infinity in a "
+            "systemd unit, `--ulimit memlock=-1` in docker).",
+            MemoryLockWarning,
+            stacklevel=3,
+        )
+        # Touch every page so registration and first I/O don't fault.
+        self._array[::PAGE_SIZE] = 0
+        return False
+
+    # -- allocation ---------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def alloc(self) -> int:
+        """Take one free block; it starts with refcount 1."""
+        if not self._free:
+            raise SlabExhausted(
+                f"slab exhausted: all {self.num_blocks} blocks of {self.block_size} bytes in use"
+            )
+        h = self._free.pop()
+        self._refs[h] = 1
+        return h
+
+    def alloc_many(self, n: int) -> list[int]:
+        """Take ``n`` blocks at once, or none (raises) if fewer are free."""
+        if n < 0:
+            raise ConfigError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free):
+            raise SlabExhausted(
+                f"slab exhausted: asked for {n} blocks, {len(self._free)} of "
+                f"{self.num_blocks} free"
+            )
+        out = [self._free.pop() for _ in range(n)]
+        for h in out:
+            self._refs[h] = 1
+        return out
+
+    def _check(self, h: int) -> None:
+        if not (0 <= h < self.num_blocks):
+            raise InvalidHandle(f"block handle {h!r} out of range [0, {self.num_blocks})")
+        if self._refs[h] == 0:
+            raise InvalidHandle(f"block handle {h} is not allocated (freed or never handed out)")
+
+    def incref(self, h: int) -> None:
+        self._check(h)
+        self._refs[h] += 1
+
+    def decref(self, h: int) -> None:
+        """Drop one reference; the block is freed when the last one goes."""
+        self._check(h)
+        self._refs[h] -= 1
+        if self._refs[h] == 0:
+            self._free.append(h)
+
+    free = decref
+
+    def refcount(self, h: int) -> int:
+        if not (0 <= h < self.num_blocks):
+            raise InvalidHandle(f"block handle {h!r} out of range [0, {self.num_blocks})")
+        return self._refs[h]
+
+    def is_live(self, h: int) -> bool:
+        return 0 <= h < self.num_blocks and self._refs[h] > 0
+
+    # -- addressing and views -------------------------------------------------
+    def offset(self, h: int) -> int:
+        self._check(h)
+        return h * self.block_size
+
+    def addr(self, h: int) -> int:
+        """Virtual address of block ``h`` (for SGEs against the slab's MR)."""
+        return self.base_addr + self.offset(h)
+
+    def handle_at(self, offset: int) -> int:
+        """The block containing arena offset ``offset`` (bounds-checked)."""
+        if not (0 <= offset < self.nbytes):
+            raise InvalidHandle(f"offset {offset} outside the {self.nbytes}-byte slab")
+        return offset // self.block_size
+
+    def view(self, h: int, length: int | None = None) -> memoryview:
+        """Writable zero-copy memoryview of block ``h`` (first ``length`` bytes)."""
+        off = self.offset(h)
+        n = self.block_size if length is None else self._check_len(length)
+        return self._view[off : off + n]
+
+    def _check_len(self, length: int) -> int:
+        if not (0 <= length <= self.block_size):
+            raise ConfigError(f"length {length} outside [0, block_size={self.block_size}]")
+        return length
+
+    def numpy(self, h: int, dtype: Any = np.uint8) -> np.ndarray[Any, Any]:
+        """Zero-copy numpy view of block ``h`` reinterpreted as ``dtype``."""
+        off = self.offset(h)
+        return self._array[off : off + self.block_size].view(dtype)
+
+    def torch(self, h: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Zero-copy CPU tensor aliasing block ``h`` (uint8 unless ``dtype``)."""
+        import torch  # heavy import: only when a tensor view is asked for
+
+        t = torch.from_numpy(self.numpy(h))
+        return t if dtype is None else t.view(dtype)
+
+    @property
+    def buffer(self) -> memoryview:
+        """The whole arena as one writable memoryview."""
+        return self._view
+
+    @property
+    def array(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The whole arena as a flat uint8 numpy array."""
+        return self._array
+
+    # -- lifetime ------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap the arena. Views handed out earlier must not be used after."""
+        if self._mmap is None:
+            return
+        self._view.release()
+        del self._array
+        mm, self._mmap = self._mmap, None
+        try:
+            mm.close()
+        except BufferError:
+            # A caller still holds a view: the mapping lives until it is dropped.
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def __enter__(self) -> Slab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Slab(blocks={self.num_blocks}x{self.block_size}, used={self.used_blocks}, "
+            f"locked={self.locked}, base=0x{self.base_addr:x})"
+        )
