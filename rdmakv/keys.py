@@ -1,0 +1,346 @@
+"""Block keys: fixed-size, chained names for KV blocks, plus value digests.
+
+A *block key* names a whole token prefix in 16 bytes::
+
+    key_i = H(key_{i-1} || tokens of block i || extra || u32le(len(extra)))
+
+with ``key_{-1}`` = the namespace seed (model fingerprint, dtype, KV layout and,
+where the layout differs per rank, TP rank/size), so different models never share
+keys. ``H`` is XXH3-128 (chosen by measurement, see ``bench/l1.py``): the chain is
+a sequential Python loop, so the per-call cost of the hash dominates and XXH3 beats
+BLAKE2b and SHA-256 there. Tokens are hashed as their little-endian int32 bytes
+(one vectorised conversion per sequence), never via pickle.
+
+Every encoding is unambiguous: the parent is fixed-size, the extra is followed by
+its length, so the token bytes are whatever lies between; different inputs can
+only share a key through a genuine hash collision.
+
+Because XXH3 is fast but not collision resistant, every stored value also carries
+a *digest* of ``(parent key, block tokens, extra)`` made with a different
+algorithm (BLAKE2b-128 with a fixed personalisation string). A get compares the
+digest the caller computed with the stored one, so a key collision -- accidental
+or crafted -- becomes a miss, never wrong KV. Checking costs O(block), not
+O(prefix): the parent key already stands for everything before the block, and a
+prefix lookup verifies block by block from the first, so the first block whose
+inputs differ stops the hit.
+
+Everything here is deterministic across processes and machines: no random seed,
+no ``hash()``, no pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from rdmakv.errors import ConfigError
+
+BlockKey = bytes
+"""A block key: exactly :data:`KEY_BYTES` bytes."""
+
+KEY_BYTES = 16
+DIGEST_BYTES = 16
+
+TOKEN_DTYPE = np.dtype("<i4")
+"""Tokens are hashed as little-endian int32: every real vocabulary fits."""
+_TOKEN_MIN = int(np.iinfo(TOKEN_DTYPE).min)
+_TOKEN_MAX = int(np.iinfo(TOKEN_DTYPE).max)
+
+# Domain-separation strings: the namespace seed and the value digest must never be
+# computable from each other or from a key, even for equal inputs.
+_NAMESPACE_PERSON = b"rdmakv.ns.v1"
+_DIGEST_PERSON = b"rdmakv.digest.v1"
+
+_LEN = struct.Struct("<I")
+_NO_EXTRA_TAIL = _LEN.pack(0)
+
+KeyHash = Callable[[bytes], bytes]
+"""A key hash: message bytes -> :data:`KEY_BYTES` bytes."""
+
+
+def xxh3_key_hash(data: bytes) -> bytes:
+    """The default key hash, XXH3-128 (canonical big-endian digest, seed 0)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def _blake2b_16(data: bytes | memoryview, person: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=person).digest()
+
+
+def _lp(data: bytes) -> bytes:
+    """Length-prefixed field, so concatenated fields stay unambiguous."""
+    return _LEN.pack(len(data)) + data
+
+
+def _lp_opt_int(value: int | None) -> bytes:
+    # None and 0 must encode differently: "no TP split" is not "rank 0".
+    return b"\x00" if value is None else b"\x01" + struct.pack("<q", value)
+
+
+@dataclass(frozen=True)
+class KeyNamespace:
+    """What must match for two engines to share KV blocks.
+
+    ``model`` should be a fingerprint of the weights (name plus revision or a
+    hash), ``dtype`` the KV dtype, ``kv_layout`` anything that changes the bytes
+    of a block (e.g. ``"NHD"``, ``"HND"``, head count/size). ``tp_rank`` and
+    ``tp_size`` belong here only when a rank's block holds a different slice of
+    the KV; leave both ``None`` when all ranks store identical layouts so that
+    different TP sizes can share.
+    """
+
+    model: str
+    dtype: str
+    kv_layout: str = ""
+    tp_rank: int | None = None
+    tp_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"KeyNamespace.model must be a non-empty str, got {self.model!r}")
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise ConfigError(f"KeyNamespace.dtype must be a non-empty str, got {self.dtype!r}")
+        if not isinstance(self.kv_layout, str):
+            raise ConfigError(f"KeyNamespace.kv_layout must be a str, got {self.kv_layout!r}")
+        if (self.tp_rank is None) != (self.tp_size is None):
+            raise ConfigError(
+                "KeyNamespace.tp_rank and tp_size must be given together "
+                f"(got tp_rank={self.tp_rank!r}, tp_size={self.tp_size!r})"
+            )
+        if self.tp_size is not None and self.tp_rank is not None:
+            if not isinstance(self.tp_size, int) or self.tp_size <= 0:
+                raise ConfigError(
+                    f"KeyNamespace.tp_size must be a positive int, got {self.tp_size!r}"
+                )
+            if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+                raise ConfigError(
+                    f"KeyNamespace.tp_rank must be in [0, tp_size={self.tp_size}), "
+                    f"got {self.tp_rank!r}"
+                )
+
+    def seed(self) -> bytes:
+        """The 16-byte root "parent" of the first block, derived from all fields."""
+        msg = b"".join(
+            (
+                _lp(self.model.encode()),
+                _lp(self.dtype.encode()),
+                _lp(self.kv_layout.encode()),
+                _lp_opt_int(self.tp_rank),
+                _lp_opt_int(self.tp_size),
+            )
+        )
+        return _blake2b_16(msg, _NAMESPACE_PERSON)
+
+
+def extra_bytes(
+    lora_name: str | None = None,
+    mm_hashes: Sequence[str] = (),
+    cache_salt: str | None = None,
+) -> bytes | None:
+    """Canonical bytes for the per-request inputs that change KV besides tokens.
+
+    Returns ``None`` when there is nothing extra, so plain requests share keys.
+    Each field is tagged and length-prefixed: a LoRA called ``"a"`` with salt
+    ``"b"`` never collides with a LoRA called ``"ab"``.
+    """
+    if isinstance(mm_hashes, str):
+        # A bare str is a Sequence[str] of characters: almost certainly a mistake.
+        raise ConfigError("mm_hashes must be a sequence of str, not a single str")
+    parts: list[bytes] = []
+    if lora_name is not None:
+        parts.append(b"L" + _lp(lora_name.encode()))
+    if mm_hashes:
+        parts.append(b"M" + _LEN.pack(len(mm_hashes)))
+        parts.extend(_lp(h.encode()) for h in mm_hashes)
+    if cache_salt is not None:
+        parts.append(b"S" + _lp(cache_salt.encode()))
+    return b"".join(parts) if parts else None
+
+
+def _tail(extra: bytes | None) -> bytes:
+    if extra is None:
+        return _NO_EXTRA_TAIL
+    if not isinstance(extra, bytes | bytearray):
+        raise ConfigError(f"extra must be bytes or None, got {type(extra).__name__}")
+    return bytes(extra) + _LEN.pack(len(extra))
+
+
+def _check_parent(parent: object) -> None:
+    check_key(parent, "parent key")
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``tokens`` as a 1-D little-endian int32 array (no copy when already one).
+
+    Raises :class:`ConfigError` for non-integer tokens or values outside int32.
+    """
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.ndim != 1:
+            raise ConfigError(f"tokens must be 1-D, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ConfigError(f"tokens must be integers, got dtype {arr.dtype}")
+        if arr.dtype != TOKEN_DTYPE:
+            if arr.size and arr.dtype.itemsize >= TOKEN_DTYPE.itemsize:
+                # astype would wrap silently; out-of-range ids must fail loudly.
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < _TOKEN_MIN or hi > _TOKEN_MAX:
+                    bad = lo if lo < _TOKEN_MIN else hi
+                    raise ConfigError(f"token id {bad} does not fit in int32")
+            arr = arr.astype(TOKEN_DTYPE)
+        return arr
+    try:
+        return np.fromiter(tokens, dtype=TOKEN_DTYPE, count=len(tokens))
+    except (OverflowError, TypeError, ValueError) as e:
+        raise ConfigError(f"tokens must be int32-range integers: {e}") from e
+
+
+class BlockKeyer:
+    """Computes chained block keys and value digests for one namespace and block size.
+
+    ``block_size`` is in tokens. Only *full* blocks get keys; a partial tail is
+    ignored (it cannot be shared until it fills). ``key_hash`` replaces XXH3-128
+    for the keys only -- tests inject a deliberately weak one to force
+    collisions; the digest always uses BLAKE2b, so such collisions are still
+    caught. Stateless apart from configuration, so safe to share across threads.
+    """
+
+    def __init__(
+        self,
+        namespace: KeyNamespace,
+        block_size: int,
+        *,
+        key_hash: KeyHash | None = None,
+    ) -> None:
+        if not isinstance(namespace, KeyNamespace):
+            raise ConfigError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int (tokens), got {block_size!r}")
+        self.namespace = namespace
+        self.block_size = block_size
+        self._root = namespace.seed()
+        self._hash: KeyHash = key_hash if key_hash is not None else xxh3_key_hash
+        self._step = block_size * TOKEN_DTYPE.itemsize
+
+    @property
+    def root(self) -> BlockKey:
+        """The parent of block 0 when none is given: the namespace seed."""
+        return self._root
+
+    def num_blocks(self, tokens: Sequence[int] | np.ndarray[Any, Any]) -> int:
+        """How many full blocks ``tokens`` holds."""
+        return len(tokens) // self.block_size
+
+    def keys(
+        self,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        extra: bytes | None = None,
+        parent: BlockKey | None = None,
+    ) -> list[BlockKey]:
+        """One key per full block of ``tokens``, chained from ``parent``.
+
+        ``parent=None`` starts at the namespace seed; pass the last key of an
+        earlier call to continue a chain incrementally (keys of the new blocks
+        only -- identical to recomputing from the start).
+        """
+        p = self._root if parent is None else parent
+        _check_parent(p)
+        tail = _tail(extra)
+        n = self.num_blocks(tokens)
+        tb = as_token_array(tokens[: n * self.block_size]).tobytes()
+        h = self._hash
+        step = self._step
+        out: list[BlockKey] = []
+        append = out.append
+        # The hot loop: one slice, two concatenations and one hash call per block.
+        for off in range(0, n * step, step):
+            p = h(p + tb[off : off + step] + tail)
+            append(p)
+        if self._hash is not xxh3_key_hash:
+            for k in out:
+                check_key(k, "key hash output")
+        return out
+
+    def block_tokens(
+        self, tokens: Sequence[int] | np.ndarray[Any, Any], i: int
+    ) -> np.ndarray[Any, Any]:
+        """Tokens of full block ``i`` as an int32 array."""
+        n = self.num_blocks(tokens)
+        if not 0 <= i < n:
+            raise ConfigError(
+                f"block index {i} out of range: {len(tokens)} tokens hold {n} full blocks"
+            )
+        bs = self.block_size
+        return as_token_array(tokens[i * bs : (i + 1) * bs])
+
+    def digest(
+        self,
+        parent: BlockKey,
+        block_tokens: Sequence[int] | np.ndarray[Any, Any],
+        extra: bytes | None = None,
+    ) -> bytes:
+        """Value digest: BLAKE2b-128 of ``(parent, block tokens, extra)``. O(block).
+
+        Independent of the key hash (different algorithm, own personalisation),
+        so a key collision does not imply a digest collision. Pass the same
+        ``extra`` that produced the key (``chain`` does).
+        """
+        _check_parent(parent)
+        arr = as_token_array(block_tokens)
+        if len(arr) != self.block_size:
+            raise ConfigError(f"a block has {self.block_size} tokens, digest() got {len(arr)}")
+        return self._digest_bytes(parent, arr.tobytes(), _tail(extra))
+
+    @staticmethod
+    def _digest_bytes(parent: bytes, tb: bytes, tail: bytes) -> bytes:
+        return _blake2b_16(parent + _LEN.pack(len(tb)) + tb + tail, _DIGEST_PERSON)
+
+    def chain(
+        self,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        extra: bytes | None = None,
+        parent: BlockKey | None = None,
+    ) -> list[tuple[BlockKey, BlockKey, bytes]]:
+        """``(parent, key, digest)`` for every full block: what a put or a verified get needs."""
+        p = self._root if parent is None else parent
+        _check_parent(p)
+        tail = _tail(extra)
+        n = self.num_blocks(tokens)
+        tb = as_token_array(tokens[: n * self.block_size]).tobytes()
+        h = self._hash
+        step = self._step
+        length = _LEN.pack(step)
+        out: list[tuple[BlockKey, BlockKey, bytes]] = []
+        for off in range(0, n * step, step):
+            chunk = tb[off : off + step]
+            k = h(p + chunk + tail)
+            # Same bytes as digest(): keep the two in step.
+            d = _blake2b_16(p + length + chunk + tail, _DIGEST_PERSON)
+            out.append((p, k, d))
+            p = k
+        if self._hash is not xxh3_key_hash:
+            for _, k, _ in out:
+                check_key(k, "key hash output")
+        return out
+
+
+def check_key(key: object, what: str = "key") -> BlockKey:
+    """``key`` if it is a valid :data:`BlockKey`, else :class:`ConfigError` naming it."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        shown = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+        raise ConfigError(f"{what} must be {KEY_BYTES} bytes, got {shown}")
+    return key
+
+
+def check_digest(digest: object, what: str = "digest") -> bytes:
+    """``digest`` if it is :data:`DIGEST_BYTES` bytes, else :class:`ConfigError`."""
+    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+        shown = f"{len(digest)} bytes" if isinstance(digest, bytes) else type(digest).__name__
+        raise ConfigError(f"{what} must be {DIGEST_BYTES} bytes, got {shown}")
+    return digest
