@@ -1,0 +1,561 @@
+"""Verbs layer: device/port/GID selection and the objects of one RDMA device.
+
+The verbs objects live in the native core (``rdmakv._native_verbs``, built by
+cffi from ``native/``), not in pyverbs: pyverbs keeps its ``ibv_qp*`` /
+``ibv_cq*`` in Cython-private fields, so a native hot loop cannot post on a
+pyverbs QP without poking at object layouts. Owning PD, MR, CQ and QP in one
+small C file keeps the ownership plain and the hot loop free of Python.
+
+Ownership and lifetimes:
+
+* :class:`Device` owns one device context and ONE protection domain. Every
+  :class:`MemoryRegion` and :class:`QueuePair` made from it must be closed
+  before it (``Device.close`` does this for what it handed out).
+* A region (client slab, node pool) is registered ONCE per device
+  (:meth:`Device.register`); registering the same range again returns the
+  existing region, so callers cannot register a slab twice by accident.
+* A :class:`QueuePair` is an RC QP with its own CQ, serving one peer. Its jobs
+  (:meth:`QueuePair.run`) are serialised by the caller. After any failed job
+  the QP is in ERROR (or was forced there on timeout) and must be
+  :meth:`QueuePair.reset` and reconnected before it is used again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rdmakv.errors import ConfigError, RdmaError, RdmaUnavailable
+
+try:  # the native core is optional: without libibverbs-dev rdmakv is TCP-only
+    from rdmakv._native_verbs import ffi as _ffi
+    from rdmakv._native_verbs import lib as _lib
+
+    NATIVE_ERROR: str | None = None
+except ImportError as _exc:  # pragma: no cover - depends on the build machine
+    _ffi = None
+    _lib = None
+    NATIVE_ERROR = (
+        f"the native RDMA core rdmakv._native_verbs is not built ({_exc}); install "
+        "libibverbs-dev and reinstall rdmakv (pip install -e .)"
+    )
+
+SYSFS_IB = Path("/sys/class/infiniband")
+ENV_DEVICE = "RDMAKV_RDMA_DEVICE"
+ENV_PORT = "RDMAKV_RDMA_PORT"
+ENV_GID_INDEX = "RDMAKV_RDMA_GID_INDEX"
+
+PORT_ACTIVE = 4  # enum ibv_port_state
+LINK_LAYER_ETHERNET = 2  # enum ibv_link_layer values reported by ibv_query_port
+MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu
+GID_LEN = 16
+ERRLEN = 256
+
+# Per-op status codes (mirror native/rk_verbs.h). Values below 64 are the
+# device's ibv_wc_status.
+ST_OK = 0
+ST_TIMEOUT = 1001
+ST_NOT_POSTED = 1002
+ST_POST_FAILED = 1003
+ST_FLUSHED = 1004
+WC_STATUS_NAMES = {
+    0: "success", 1: "local length error", 2: "local QP operation error",
+    4: "local protection error", 5: "work request flushed", 9: "remote invalid request",
+    10: "remote access error (bad address or rkey)", 11: "remote operation error",
+    12: "transport retry counter exceeded (peer unreachable or dead)",
+    13: "RNR retry counter exceeded",
+    ST_TIMEOUT: "timed out", ST_NOT_POSTED: "not posted (QP had already failed)",
+    ST_POST_FAILED: "ibv_post_send failed", ST_FLUSHED: "flushed after an earlier failure",
+}
+# Statuses that say nothing about the op itself: it may be retried on a fresh QP.
+RETRYABLE = frozenset({ST_NOT_POSTED, ST_FLUSHED, ST_POST_FAILED, 5})
+
+OP_WRITE = 0
+OP_READ = 1
+
+# QP transport settings (RTS). timeout is 4.096 us * 2**QP_TIMEOUT: 14 ~ 67 ms,
+# large enough for soft-RoCE under emulation, small enough that a dead peer is
+# detected in well under a second with QP_RETRY_CNT retries.
+QP_TIMEOUT = 14
+QP_RETRY_CNT = 7
+QP_RNR_RETRY = 7  # 7 = retry forever; one-sided traffic never sees RNR NAKs
+DEFAULT_MAX_WR = 1024  # send queue depth per QP (capped by the device's max_qp_wr)
+
+
+def status_name(code: int) -> str:
+    return WC_STATUS_NAMES.get(code, f"work completion status {code}")
+
+
+def native_available() -> bool:
+    return _lib is not None
+
+
+def _need_native() -> Any:
+    if _lib is None:
+        raise RdmaUnavailable(NATIVE_ERROR or "native RDMA core missing")
+    return _lib
+
+
+# -- discovery (sysfs: works without opening the device) ----------------------
+@dataclass(frozen=True)
+class GidEntry:
+    """One GID table entry of a port, as the kernel reports it in sysfs."""
+
+    index: int
+    gid: bytes
+    type: str  # "RoCE v2", "IB/RoCE v1", or "" when the kernel does not say
+    netdev: str | None
+
+    @property
+    def text(self) -> str:
+        return str(ipaddress.IPv6Address(self.gid))
+
+    @property
+    def is_roce_v2(self) -> bool:
+        return self.type.strip().lower() == "roce v2"
+
+    @property
+    def ipv4_mapped(self) -> bool:
+        return ipaddress.IPv6Address(self.gid).ipv4_mapped is not None
+
+
+@dataclass(frozen=True)
+class PortInfo:
+    device: str
+    port: int
+    state: str  # e.g. "ACTIVE", "DOWN"
+    phys_state: str
+    link_layer: str  # "Ethernet" (RoCE) or "InfiniBand"
+    lid: int
+    gids: tuple[GidEntry, ...] = field(default_factory=tuple)
+
+    @property
+    def active(self) -> bool:
+        return self.state.upper() == "ACTIVE"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def list_devices(root: Path = SYSFS_IB) -> list[str]:
+    """Names of the RDMA devices the kernel knows (empty without any)."""
+    try:
+        return sorted(p.name for p in root.iterdir())
+    except OSError:
+        return []
+
+
+def list_ports(device: str, root: Path = SYSFS_IB) -> list[int]:
+    try:
+        return sorted(int(p.name) for p in (root / device / "ports").iterdir())
+    except OSError:
+        return []
+
+
+def port_info(device: str, port: int, root: Path = SYSFS_IB) -> PortInfo:
+    """State, link layer and non-empty GIDs of one port, read from sysfs."""
+    base = root / device / "ports" / str(port)
+    if not base.is_dir():
+        raise RdmaUnavailable(f"RDMA device {device!r} has no port {port}")
+    gids = []
+    gid_dir = base / "gids"
+    try:
+        indexes = sorted(int(p.name) for p in gid_dir.iterdir())
+    except OSError:
+        indexes = []
+    for i in indexes:
+        text = _read(gid_dir / str(i))
+        if not text:
+            continue
+        raw = bytes.fromhex(text.replace(":", ""))
+        if len(raw) != GID_LEN or raw == bytes(GID_LEN):
+            continue  # empty slot
+        gtype = _read(base / "gid_attrs" / "types" / str(i))
+        ndev = _read(base / "gid_attrs" / "ndevs" / str(i)) or None
+        gids.append(GidEntry(i, raw, gtype, ndev))
+
+    def after_colon(s: str) -> str:  # "4: ACTIVE" -> "ACTIVE"
+        return s.split(":", 1)[1].strip() if ":" in s else s
+
+    lid_text = _read(base / "lid")
+    return PortInfo(
+        device=device,
+        port=port,
+        state=after_colon(_read(base / "state")),
+        phys_state=after_colon(_read(base / "phys_state")),
+        link_layer=_read(base / "link_layer"),
+        lid=int(lid_text, 16) if lid_text else 0,
+        gids=tuple(gids),
+    )
+
+
+def best_gid(info: PortInfo) -> GidEntry | None:
+    """RoCE v2 with an IPv4-mapped address first (routable, what RoCE fabrics
+    use), then any RoCE v2, then whatever else the port has."""
+
+    def rank(g: GidEntry) -> tuple[int, int]:
+        return (0 if g.is_roce_v2 else 1, 0 if g.ipv4_mapped else 1)
+
+    return min(info.gids, key=lambda g: (*rank(g), g.index), default=None)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which device, port and GID index to use, and why."""
+
+    device: str
+    port: int
+    gid_index: int
+    gid: bytes
+    gid_type: str
+    link_layer: str
+    lid: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.device} port {self.port} gid[{self.gid_index}]="
+            f"{ipaddress.IPv6Address(self.gid)} ({self.gid_type or self.link_layer})"
+        )
+
+
+def select(
+    device: str | None = None, port: int | None = None, gid_index: int | None = None
+) -> Selection:
+    """Pick device, port and GID; explicit arguments (or the environment
+    variables RDMAKV_RDMA_DEVICE / _PORT / _GID_INDEX) override the choice.
+
+    Raises :class:`RdmaUnavailable` saying why when nothing usable exists.
+    """
+    device = device or os.environ.get(ENV_DEVICE) or None
+    if port is None and os.environ.get(ENV_PORT):
+        port = _env_int(ENV_PORT)
+    if gid_index is None and os.environ.get(ENV_GID_INDEX):
+        gid_index = _env_int(ENV_GID_INDEX)
+    devices = list_devices()
+    if not devices:
+        raise RdmaUnavailable(
+            "no RDMA device (/sys/class/infiniband is empty or missing); "
+            "see `rdmakv doctor` (soft-RoCE: deploy/softroce/setup-host.sh)"
+        )
+    if device is not None and device not in devices:
+        raise RdmaUnavailable(f"RDMA device {device!r} not found (have: {', '.join(devices)})")
+    reasons = []
+    for dev in [device] if device else devices:
+        for p in [port] if port is not None else list_ports(dev):
+            info = port_info(dev, p)
+            if not info.active:
+                reasons.append(f"{dev} port {p} is {info.state or 'in an unknown state'}")
+                continue
+            if gid_index is not None:
+                entry = next((g for g in info.gids if g.index == gid_index), None)
+                if entry is None:
+                    reasons.append(f"{dev} port {p} has no GID at index {gid_index}")
+                    continue
+            else:
+                entry = best_gid(info)
+                if entry is None:
+                    reasons.append(f"{dev} port {p} has no GID")
+                    continue
+            return Selection(dev, p, entry.index, entry.gid, entry.type, info.link_layer, info.lid)
+    raise RdmaUnavailable("no usable RDMA port: " + "; ".join(reasons or ["no ports"]))
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
+# -- connection info --------------------------------------------------------
+@dataclass(frozen=True)
+class ConnInfo:
+    """What one side of an RC connection tells the other over the control
+    channel: its QP, its address, and the one registered region it exposes."""
+
+    qpn: int
+    psn: int
+    gid: bytes
+    lid: int
+    mtu: int  # enum ibv_mtu of the sender's port
+    region_addr: int
+    region_len: int
+    rkey: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form for the control channel."""
+        return {
+            "qpn": self.qpn, "psn": self.psn, "gid": self.gid.hex(), "lid": self.lid,
+            "mtu": self.mtu, "region_addr": self.region_addr,
+            "region_len": self.region_len, "rkey": self.rkey,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ConnInfo:
+        """Parse and validate a peer's connection info (untrusted input)."""
+        if not isinstance(d, dict):
+            raise RdmaError(f"RDMA connection info must be an object, got {type(d).__name__}")
+        limits = {"qpn": 1 << 24, "psn": 1 << 24, "lid": 1 << 16, "mtu": 6,
+                  "region_addr": 1 << 64, "region_len": 1 << 64, "rkey": 1 << 32}
+        vals: dict[str, int] = {}
+        for name, bound in limits.items():
+            v = d.get(name)
+            if not isinstance(v, int) or isinstance(v, bool) or not (0 <= v < bound):
+                raise RdmaError(f"RDMA connection info field {name!r} invalid: {v!r}")
+            vals[name] = v
+        if vals["mtu"] not in MTU_BYTES:
+            raise RdmaError(f"RDMA connection info mtu {vals['mtu']} is not an ibv_mtu value")
+        gid_hex = d.get("gid")
+        try:
+            gid = bytes.fromhex(gid_hex) if isinstance(gid_hex, str) else b""
+        except ValueError:
+            gid = b""
+        if len(gid) != GID_LEN:
+            raise RdmaError(f"RDMA connection info gid invalid: {gid_hex!r}")
+        return cls(gid=gid, **vals)
+
+
+# -- device objects ------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceAttrs:
+    max_sge: int
+    max_qp_wr: int
+    max_qp_rd_atom: int
+    max_cqe: int
+    max_mr_size: int
+    port_state: int
+    active_mtu: int
+    max_msg_sz: int
+    lid: int
+    link_layer: int
+    gid_tbl_len: int
+
+
+@dataclass(frozen=True)
+class JobStats:
+    """What one :meth:`QueuePair.run` did (for the bench and tests)."""
+
+    wrs: int
+    sges: int
+    post_calls: int
+    signaled: int
+    polls: int
+    max_outstanding: int
+    first_error: int
+    failed_ops: int
+
+
+class MemoryRegion:
+    """One registered range; dies with :meth:`close` or its :class:`Device`."""
+
+    def __init__(self, dev: Device, handle: Any, addr: int, length: int) -> None:
+        self._dev = dev
+        self._h = handle
+        self.addr = addr
+        self.length = length
+        lib = _need_native()
+        self.lkey: int = int(lib.rk_mr_lkey(handle))
+        self.rkey: int = int(lib.rk_mr_rkey(handle))
+
+    def contains(self, addr: int, length: int) -> bool:
+        return length >= 0 and self.addr <= addr and addr + length <= self.addr + self.length
+
+    def close(self) -> None:
+        if self._h is not None:
+            _need_native().rk_dereg_mr(self._h)
+            self._h = None
+            self._dev._forget(self)
+
+
+class Device:
+    """An opened RDMA device port with its one protection domain."""
+
+    def __init__(self, sel: Selection | None = None) -> None:
+        lib = _need_native()
+        self.sel = sel or select()
+        err = _ffi.new("char[]", ERRLEN)
+        self._ctx = lib.rk_open(self.sel.device.encode(), self.sel.port, err)
+        if self._ctx == _ffi.NULL:
+            raise RdmaUnavailable(f"cannot open {self.sel.device}: {_ffi.string(err).decode()}")
+        a = _ffi.new("rk_attrs*")
+        if lib.rk_query(self._ctx, a, err) != 0:
+            lib.rk_close(self._ctx)
+            raise RdmaUnavailable(f"cannot query {self.sel.device}: {_ffi.string(err).decode()}")
+        self.attrs = DeviceAttrs(
+            a.max_sge, a.max_qp_wr, a.max_qp_rd_atom, a.max_cqe, a.max_mr_size, a.port_state,
+            a.active_mtu, a.max_msg_sz, a.lid, a.link_layer, a.gid_tbl_len,
+        )
+        if a.port_state != PORT_ACTIVE:
+            self.close()
+            raise RdmaUnavailable(f"{self.sel.device} port {self.sel.port} is not ACTIVE")
+        self._lock = threading.Lock()
+        self._regions: dict[tuple[int, int], MemoryRegion] = {}
+        self._qps: list[QueuePair] = []
+
+    @property
+    def registrations(self) -> int:
+        """How many ibv_reg_mr calls this device has made (tests: 'once')."""
+        return int(_need_native().rk_reg_count(self._ctx)) if self._ctx else 0
+
+    def register(self, addr: int, length: int) -> MemoryRegion:
+        """Register [addr, addr+length) for local write + remote read/write.
+
+        Idempotent per range: the slab / pool is registered exactly once.
+        """
+        if addr <= 0 or length <= 0:
+            raise ConfigError(f"cannot register addr=0x{addr:x} length={length}")
+        with self._lock:
+            mr = self._regions.get((addr, length))
+            if mr is not None:
+                return mr
+            err = _ffi.new("char[]", ERRLEN)
+            h = _need_native().rk_reg_mr(self._ctx, addr, length, 1, err)
+            if h == _ffi.NULL:
+                raise RdmaError(
+                    f"registering {length} bytes at 0x{addr:x} on {self.sel.device} failed: "
+                    f"{_ffi.string(err).decode()} (memlock limit? see `rdmakv doctor`)"
+                )
+            mr = MemoryRegion(self, h, addr, length)
+            self._regions[(addr, length)] = mr
+            return mr
+
+    def _forget(self, mr: MemoryRegion) -> None:
+        with self._lock:
+            self._regions.pop((mr.addr, mr.length), None)
+
+    def create_qp(self, max_wr: int = DEFAULT_MAX_WR) -> QueuePair:
+        qp = QueuePair(self, max_wr)
+        with self._lock:
+            self._qps.append(qp)
+        return qp
+
+    def _drop_qp(self, qp: QueuePair) -> None:
+        with self._lock:
+            if qp in self._qps:
+                self._qps.remove(qp)
+
+    def close(self) -> None:
+        """Destroy every QP and MR made from this device, then the PD/context."""
+        if getattr(self, "_ctx", None) is None:
+            return
+        for qp in list(getattr(self, "_qps", [])):
+            qp.close()
+        for mr in list(getattr(self, "_regions", {}).values()):
+            mr.close()
+        _need_native().rk_close(self._ctx)
+        self._ctx = None
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class QueuePair:
+    """An RC queue pair (with its own CQ) to one peer. Not thread-safe: the
+    owner serialises :meth:`run` / :meth:`reset` / :meth:`connect`."""
+
+    def __init__(self, dev: Device, max_wr: int) -> None:
+        lib = _need_native()
+        self.dev = dev
+        a = dev.attrs
+        self.max_wr = max(1, min(max_wr, a.max_qp_wr, a.max_cqe))
+        self.max_sge = a.max_sge
+        self.max_rd_atom = max(1, a.max_qp_rd_atom)
+        err = _ffi.new("char[]", ERRLEN)
+        self._h = lib.rk_qp_create(dev._ctx, self.max_wr, self.max_sge, self.max_rd_atom, err)
+        if self._h == _ffi.NULL:
+            why = _ffi.string(err).decode()
+            raise RdmaError(f"creating a QP on {dev.sel.device} failed: {why}")
+        self.connected = False
+        self._status_buf: Any = None
+        self._ops_buf: Any = None
+        self._cap = 0
+
+    def local_info(self, region: MemoryRegion) -> ConnInfo:
+        """This side's connection info, exposing ``region`` to the peer."""
+        info = _ffi.new("rk_qp_info*")
+        _need_native().rk_qp_info_get(self._h, info)
+        s = self.dev.sel
+        return ConnInfo(int(info.qpn), int(info.psn), s.gid, s.lid, self.dev.attrs.active_mtu,
+                        region.addr, region.length, region.rkey)
+
+    def connect(self, remote: ConnInfo) -> None:
+        """INIT -> RTR -> RTS against ``remote``."""
+        r = _ffi.new("rk_remote*")
+        r.qpn, r.psn, r.lid, r.mtu = remote.qpn, remote.psn, remote.lid, remote.mtu
+        _ffi.memmove(r.gid, remote.gid, GID_LEN)
+        use_grh = 1 if self.dev.attrs.link_layer == LINK_LAYER_ETHERNET or remote.lid == 0 else 0
+        err = _ffi.new("char[]", ERRLEN)
+        rc = _need_native().rk_qp_connect(self._h, r, self.dev.sel.gid_index, use_grh,
+                                          QP_TIMEOUT, QP_RETRY_CNT, QP_RNR_RETRY, err)
+        if rc != 0:
+            raise RdmaError(f"QP connect failed: {_ffi.string(err).decode()}")
+        self.connected = True
+
+    def reset(self) -> None:
+        """Back to INIT with a fresh PSN; the peer must reconnect too."""
+        err = _ffi.new("char[]", ERRLEN)
+        self.connected = False
+        if _need_native().rk_qp_reset(self._h, err) != 0:
+            raise RdmaError(f"QP reset failed: {_ffi.string(err).decode()}")
+
+    def state(self) -> int:
+        """ibv_qp_state (3 = RTR, 4 = RTS, 6 = ERROR)."""
+        return int(_need_native().rk_qp_state(self._h))
+
+    def force_error(self) -> None:
+        """Move the QP to ERROR (fault injection in tests)."""
+        _need_native().rk_qp_force_error(self._h)
+
+    def run(
+        self,
+        opcode: int,
+        local: MemoryRegion,
+        rkey: int,
+        ops: Any,
+        timeout: float,
+        sge_limit: int = 0,
+        signal_every: int = 0,
+    ) -> tuple[list[int], JobStats]:
+        """Run one job of same-opcode ops; returns per-op status and stats.
+
+        ``ops`` is a sequence of (local_offset, remote_addr, length). The call
+        releases the GIL and returns within ``timeout`` (plus a bounded drain);
+        a non-zero status means that op's bytes were not (all) moved.
+        """
+        lib = _need_native()
+        n = len(ops)
+        if n > self._cap:
+            self._cap = max(n, 2 * self._cap)
+            self._ops_buf = _ffi.new("rk_op[]", self._cap)
+            self._status_buf = _ffi.new("int32_t[]", self._cap)
+        buf = self._ops_buf
+        for i, (lo, ra, ln) in enumerate(ops):
+            o = buf[i]
+            o.local_offset = lo
+            o.remote_addr = ra
+            o.length = ln
+        st = _ffi.new("rk_stats*")
+        lib.rk_qp_run(self._h, opcode, local.addr, local.lkey, rkey, buf, n, self._status_buf,
+                      sge_limit, signal_every, float(timeout), st)
+        status = list(_ffi.unpack(self._status_buf, n)) if n else []
+        stats = JobStats(st.wrs, st.sges, st.post_calls, st.signaled, st.polls,
+                         st.max_outstanding, st.first_error, st.failed_ops)
+        return status, stats
+
+    def close(self) -> None:
+        if self._h is not None:
+            _need_native().rk_qp_destroy(self._h)
+            self._h = None
+            self.dev._drop_qp(self)
