@@ -1,18 +1,164 @@
-"""The ``rdmakv`` command line."""
+"""The ``rdmakv`` command line: ``serve`` (a KV node), ``stats HOST:PORT``, ``demo``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import re
+import signal
 import sys
+from pathlib import Path
+
+from rdmakv.errors import ConfigError, RdmakvError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"`` -> 1073741824, ``"256KiB"``, ``"16k"`` (decimal), ``"4096"``."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ConfigError(
+            f"bad size {text!r}: use a number with an optional unit "
+            "(B, KiB, MiB, GiB, TiB, or decimal k/M/G/T)"
+        )
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"size {text!r} must be positive")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _read_token(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read token file {path!r}: {e.strerror}") from None
+    if not token:
+        raise ConfigError(f"token file {path!r} is empty")
+    return token
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from rdmakv.node import KVNode
+
+    transports = ["tcp"] if args.transport == "tcp" else [args.transport]
+    if args.transport == "auto":
+        from rdmakv.transport import available_transports
+
+        transports = available_transports()
+    node = KVNode(
+        host=args.host,
+        port=args.port,
+        pool_size=args.pool_size,
+        block_size=args.block_size,
+        transports=transports,
+        lease_timeout=args.lease_timeout,
+        token=_read_token(args.token_file),
+        lock_pool=not args.no_lock,
+    )
+    host, port = node.start()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger("rdmakv.node").info("signal %d: shutting down", signum)
+        node.stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    # The one line on stdout: tests and scripts wait for it.
+    print(
+        f"rdmakv node ready on {host}:{port} transports={','.join(node.transports)} "
+        f"pool={node.pool.nbytes} block={node.pool.block_size}",
+        flush=True,
+    )
+    node.serve_forever()
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from rdmakv.client import KVClient
+
+    host, _, port = args.address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"address must be HOST:PORT, got {args.address!r}")
+    with KVClient(
+        host, int(port), None, token=_read_token(args.token_file), timeout=args.timeout
+    ) as c:
+        print(json.dumps(c.stats(), indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    print("rdmakv demo: not built yet", file=sys.stderr)
+    return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rdmakv", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run a KV node")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7480, help="TCP port (0 = pick a free one)")
+    p.add_argument("--pool-size", type=_size_arg, default=parse_size("1GiB"))
+    p.add_argument("--block-size", type=_size_arg, default=parse_size("256KiB"))
+    p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="tcp")
+    p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds a read lease lasts")
+    p.add_argument("--token-file", help="file holding the shared-secret token clients must send")
+    p.add_argument("--no-lock", action="store_true", help="do not mlock the pool")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("stats", help="print a node's statistics as JSON")
+    p.add_argument("address", metavar="HOST:PORT")
+    p.add_argument("--token-file")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser("demo", help="run the demo workload")
+    p.set_defaults(func=_cmd_demo)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rdmakv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the demo workload")
-    args = parser.parse_args(argv)
-    print(f"rdmakv {args.command}: not built yet", file=sys.stderr)
-    return 1
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        rc: int = args.func(args)
+    except RdmakvError as e:
+        print(f"rdmakv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,382 @@
+"""KVClient: batched put/get/exists/delete against one KV node.
+
+Put of a batch = ``ALLOC`` (node reserves extents) -> one-sided ``write`` of
+the slab blocks into them -> ``COMMIT`` (values become visible). Get = ``LOOKUP``
+with leases -> digest check -> one-sided ``read`` into the caller's slab
+blocks -> ``RELEASE``. A value whose stored digest differs from the digest the
+caller expects is a miss: never wrong KV.
+
+Every wait is bounded by ``timeout`` (no progress for that long raises
+:class:`~rdmakv.errors.TransportTimeout`). A connection failure raises a
+:class:`~rdmakv.errors.TransportError` subclass and drops the connection; the
+next call reconnects (``connect_retries`` attempts), so a restarted node is
+picked up transparently. Callers that prefer misses catch ``RdmakvError``.
+
+Ownership: the caller owns the slab blocks it passes and must keep them
+referenced for the duration of the call; the client never incref/decrefs.
+Thread-safe: calls are serialised on the one connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from rdmakv.errors import (
+    AuthError,
+    ConfigError,
+    ConnectionLost,
+    ProtocolError,
+    RdmakvError,
+    TransportError,
+)
+from rdmakv.protocol import (
+    DIGEST_LEN,
+    LOOKUP_FLAG_LEASE,
+    MAX_KEY_LEN,
+    AllocStatus,
+    Channel,
+    NodeInfo,
+    Op,
+    decode_extents,
+    decode_flags,
+    decode_json,
+    decode_lookup_results,
+    decode_node_info,
+    encode_alloc,
+    encode_hello,
+    encode_keys,
+    encode_u64_list,
+    wrap_socket_errors,
+)
+from rdmakv.slab import Slab
+from rdmakv.transport import Transport, get_transport, resolve_transport
+from rdmakv.transport.base import IoOp
+
+log = logging.getLogger("rdmakv.client")
+
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_CONNECT_RETRIES = 3
+RETRY_BACKOFF = 0.1
+"""First pause between connection attempts (seconds); doubles each attempt."""
+
+
+class KVClient:
+    """Client of one KV node. ``slab`` may be None for a control-only client (stats)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        slab: Slab | None,
+        *,
+        token: bytes | str | None = None,
+        transport: str = "tcp",
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_retries: int = DEFAULT_CONNECT_RETRIES,
+    ) -> None:
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
+        if connect_retries < 1:
+            raise ConfigError(f"connect_retries must be >= 1, got {connect_retries}")
+        self.host = host
+        self.port = port
+        self.slab = slab
+        self.token = token.encode() if isinstance(token, str) else token
+        self.timeout = timeout
+        self.connect_retries = connect_retries
+        self._want_transport = transport
+        get_transport(transport) if transport != "auto" else None  # fail fast on a bad name
+        self._lock = threading.RLock()
+        self._ch: Channel | None = None
+        self._tp: Transport | None = None
+        self.info: NodeInfo | None = None
+        self.transport_name: str | None = None
+        self.reconnects = 0
+        self._closed = False
+        with self._lock:
+            self._connect()
+
+    # -- connection management ------------------------------------------------------------
+    def _connect(self) -> None:
+        delay = RETRY_BACKOFF
+        last: Exception | None = None
+        for attempt in range(self.connect_retries):
+            try:
+                self._connect_once()
+                return
+            except AuthError:
+                raise
+            except (TransportError, ProtocolError, OSError) as e:
+                last = e
+                self._drop()
+                if attempt + 1 < self.connect_retries:
+                    time.sleep(delay)
+                    delay *= 2
+        if isinstance(last, TransportError):
+            raise last
+        raise ConnectionLost(
+            f"cannot connect to rdmakv node {self.host}:{self.port} after "
+            f"{self.connect_retries} attempts: {last}"
+        ) from last
+
+    def _connect_once(self) -> None:
+        what = f"connect to {self.host}:{self.port}"
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as e:
+            raise wrap_socket_errors(what, e) from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ch = Channel(sock)
+        self._ch = ch
+        try:
+            _, payload = ch.call(Op.HELLO, encode_hello(self.token), "HELLO")
+            info = decode_node_info(payload)
+        except OSError as e:
+            raise wrap_socket_errors(what, e) from e
+        name = resolve_transport(self._want_transport, info.transports)
+        tp = get_transport(name).client(ch, info, self.timeout)
+        if self.slab is not None:
+            tp.register_local(self.slab)
+        if self.info is not None and self.info.node_id != info.node_id:
+            log.info("node %s:%d restarted; reconnected", self.host, self.port)
+        self.info, self._tp, self.transport_name = info, tp, name
+
+    def _drop(self) -> None:
+        if self._tp is not None:
+            with contextlib.suppress(RdmakvError):
+                self._tp.close()
+        if self._ch is not None:
+            self._ch.close()
+        self._ch = self._tp = None
+
+    def _conn(self) -> tuple[Channel, Transport]:
+        if self._closed:
+            raise ConfigError("KVClient is closed")
+        if self._ch is None or self._tp is None:
+            self.reconnects += 1
+            self._connect()
+        assert self._ch is not None and self._tp is not None
+        self._ch.sock.settimeout(self.timeout)
+        return self._ch, self._tp
+
+    def _call(self, opcode: Op, payload: bytes, what: str, flags: int = 0) -> bytearray:
+        ch, _ = self._conn()
+        try:
+            return ch.call(opcode, payload, what, flags=flags)[1]
+        except OSError as e:
+            self._drop()
+            raise wrap_socket_errors(what, e) from e
+        except (TransportError, ProtocolError):
+            self._drop()  # the stream can no longer be trusted
+            raise
+
+    def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
+        step = self.info.max_keys if self.info else 1
+        for s in range(0, n, step):
+            yield s, min(n, s + step)
+
+    def _guard(self, exc: BaseException) -> None:
+        """After a failure mid-operation: drop the connection unless the node merely refused."""
+        if not isinstance(exc, RdmakvError) or isinstance(exc, TransportError | ProtocolError):
+            self._drop()
+
+    # -- API -----------------------------------------------------------------------------------
+    def put(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        nbytes: int | Sequence[int],
+        digests: Sequence[bytes],
+    ) -> list[bool]:
+        """Store slab blocks ``handles`` under ``keys``; True where the node now holds the key.
+
+        ``nbytes`` is the value length (one for all, or per key), at most the
+        node's block size. A key already present counts as stored; a key
+        another client is writing right now, or no space, gives False.
+        """
+        slab = self._need_slab()
+        sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
+        _same_len(keys, handles=handles, nbytes=sizes, digests=digests)
+        _check_keys(keys)
+        for h, n in zip(handles, sizes, strict=True):
+            slab.offset(h)  # validates the handle
+            if not (0 < n <= slab.block_size):
+                raise ConfigError(f"nbytes {n} outside (0, slab block size {slab.block_size}]")
+        _check_digests(digests)
+        out: list[bool] = []
+        with self._lock:
+            for s, e in self._chunks(len(keys)):
+                out.extend(self._put_chunk(keys[s:e], handles[s:e], sizes[s:e], digests[s:e]))
+        return out
+
+    def _put_chunk(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        sizes: Sequence[int],
+        digests: Sequence[bytes],
+    ) -> list[bool]:
+        slab = self._need_slab()
+        _, tp = self._conn()
+        payload = self._call(Op.ALLOC, encode_alloc(keys, sizes, digests), "ALLOC")
+        results = decode_extents(payload, len(keys))
+        ops: list[IoOp] = []
+        written: list[bytes] = []
+        out = [r.status == AllocStatus.EXISTS for r in results]
+        for i, r in enumerate(results):
+            if r.status != AllocStatus.OK or r.extent is None:
+                continue
+            if r.extent.length != sizes[i]:
+                raise ProtocolError(
+                    f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
+                )
+            ops.append(IoOp(slab.offset(handles[i]), r.extent.addr, sizes[i]))
+            written.append(keys[i])
+        if not ops:
+            return out
+        try:
+            tp.write(ops, self.timeout).result(self.timeout)
+        except BaseException as exc:
+            self._guard(exc)
+            if self._ch is not None:  # node refused: give its extents back
+                self._call(Op.ABORT, encode_keys(written), "ABORT")
+            raise
+        committed = iter(
+            decode_flags(
+                self._call(Op.COMMIT, encode_keys(written), "COMMIT"), len(written), "COMMIT"
+            )
+        )
+        for i, r in enumerate(results):
+            if r.status == AllocStatus.OK:
+                out[i] = next(committed)
+        return out
+
+    def get(
+        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    ) -> list[bool]:
+        """Fetch ``keys`` into slab blocks ``handles``; True per hit.
+
+        A stored digest different from ``digests[i]`` is a miss (block left as is).
+        """
+        return [n is not None for n in self.get_sizes(keys, handles, digests)]
+
+    def get_sizes(
+        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    ) -> list[int | None]:
+        """Like :meth:`get` but returns the value length per hit (None per miss)."""
+        slab = self._need_slab()
+        _same_len(keys, handles=handles, digests=digests)
+        _check_keys(keys)
+        for h in handles:
+            slab.offset(h)
+        _check_digests(digests)
+        out: list[int | None] = []
+        with self._lock:
+            for s, e in self._chunks(len(keys)):
+                out.extend(self._get_chunk(keys[s:e], handles[s:e], digests[s:e]))
+        return out
+
+    def _get_chunk(
+        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    ) -> list[int | None]:
+        slab = self._need_slab()
+        _, tp = self._conn()
+        payload = self._call(Op.LOOKUP, encode_keys(keys), "LOOKUP", flags=LOOKUP_FLAG_LEASE)
+        found = decode_lookup_results(payload, len(keys))
+        ops: list[IoOp] = []
+        out: list[int | None] = [None] * len(keys)
+        leases = []
+        for i, res in enumerate(found):
+            if res is None:
+                continue
+            leases.append(res.lease_id)
+            if res.digest != bytes(digests[i]) or not (0 < res.extent.length <= slab.block_size):
+                continue  # collision or foreign value: a miss, never wrong KV
+            ops.append(IoOp(slab.offset(handles[i]), res.extent.addr, res.extent.length))
+            out[i] = res.extent.length
+        try:
+            if ops:
+                tp.read(ops, self.timeout).result(self.timeout)
+        except BaseException as exc:
+            self._guard(exc)
+            raise
+        finally:
+            if leases and self._ch is not None:
+                self._call(Op.RELEASE, encode_u64_list(leases), "RELEASE")
+        return out
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: committed on the node (one round trip per batch)."""
+        _check_keys(keys)
+        out: list[bool] = []
+        with self._lock:
+            for s, e in self._chunks(len(keys)):
+                chunk = keys[s:e]
+                out.extend(
+                    decode_flags(
+                        self._call(Op.EXISTS, encode_keys(chunk), "EXISTS"), len(chunk), "EXISTS"
+                    )
+                )
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """Remove keys; True per key that was present."""
+        _check_keys(keys)
+        out: list[bool] = []
+        with self._lock:
+            for s, e in self._chunks(len(keys)):
+                chunk = keys[s:e]
+                out.extend(
+                    decode_flags(
+                        self._call(Op.DELETE, encode_keys(chunk), "DELETE"), len(chunk), "DELETE"
+                    )
+                )
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return decode_json(self._call(Op.STATS, b"", "STATS"), "STATS response")
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+            self._closed = True
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _need_slab(self) -> Slab:
+        if self.slab is None:
+            raise ConfigError("this KVClient has no slab: pass one to put/get blocks")
+        return self.slab
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self._ch else "disconnected")
+        return f"KVClient({self.host}:{self.port}, transport={self.transport_name}, {state})"
+
+
+def _same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:
+    for name, seq in others.items():
+        if len(seq) != len(keys):
+            raise ConfigError(f"{len(keys)} keys but {len(seq)} {name}")
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for i, k in enumerate(keys):
+        if not isinstance(k, bytes | bytearray) or not (1 <= len(k) <= MAX_KEY_LEN):
+            raise ConfigError(f"key #{i} must be 1..{MAX_KEY_LEN} bytes, got {k!r:.60}")
+
+
+def _check_digests(digests: Sequence[bytes]) -> None:
+    for i, d in enumerate(digests):
+        if not isinstance(d, bytes | bytearray) or len(d) != DIGEST_LEN:
+            raise ConfigError(f"digest #{i} must be {DIGEST_LEN} bytes, got {d!r:.40}")

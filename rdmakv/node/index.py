@@ -1,0 +1,82 @@
+"""The node's index: key -> entry (pool block, value length, token digest), in LRU order.
+
+Committed entries live in an ``OrderedDict`` whose order is recency (oldest
+first), so eviction scans from the front. Uncommitted entries live apart, are
+never visible to lookup/exists, and belong to the session that allocated them.
+The index does not own pool memory: the store does the refcounting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class Entry:
+    """One value. ``block`` is a pool block handle; ``length`` <= block size."""
+
+    key: bytes
+    block: int
+    length: int
+    digest: bytes
+    owner: int  # session that allocated it; meaningful while uncommitted
+    committed: bool = False
+
+
+class Index:
+    """Committed entries in LRU order plus uncommitted entries by key. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()
+        self._pending: dict[bytes, Entry] = {}
+        self.committed_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def get(self, key: bytes) -> Entry | None:
+        """Committed entry for ``key`` (no recency change)."""
+        return self._lru.get(key)
+
+    def touch(self, key: bytes) -> Entry | None:
+        """Committed entry for ``key``, marked most recently used."""
+        e = self._lru.get(key)
+        if e is not None:
+            self._lru.move_to_end(key)
+        return e
+
+    def pending(self, key: bytes) -> Entry | None:
+        return self._pending.get(key)
+
+    def add_pending(self, entry: Entry) -> None:
+        assert entry.key not in self._lru and entry.key not in self._pending
+        self._pending[entry.key] = entry
+
+    def drop_pending(self, key: bytes) -> Entry:
+        return self._pending.pop(key)
+
+    def commit(self, key: bytes) -> Entry:
+        e = self._pending.pop(key)
+        e.committed = True
+        self._lru[key] = e
+        self.committed_bytes += e.length
+        return e
+
+    def remove(self, key: bytes) -> Entry | None:
+        e = self._lru.pop(key, None)
+        if e is not None:
+            self.committed_bytes -= e.length
+        return e
+
+    def oldest_first(self) -> Iterator[Entry]:
+        """Committed entries from least to most recently used.
+
+        Live iterator: the caller must stop iterating before mutating the index.
+        """
+        return iter(self._lru.values())

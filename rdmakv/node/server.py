@@ -1,0 +1,401 @@
+"""KVNode: the ``rdmakv serve`` process -- listener, sessions, request dispatch.
+
+One thread per client connection (a *session*). The first frame must be
+HELLO (version + optional shared-secret token, compared in constant time);
+then requests are served in order through a dispatch table ``opcode ->
+handler``: the control ops below plus whatever the enabled transports'
+:class:`~rdmakv.transport.base.NodeDataPath` objects claim (WRITE/READ for
+tcp, RDMA_CONNECT for rdma), so a transport adds opcodes without touching
+this module.
+
+A bad request gets an error response naming what was wrong and the session
+keeps serving; only a broken handshake or a header announcing more than the
+protocol limits closes the connection. Nothing a client sends can touch
+another client's data: addresses are checked by the store against the
+extents handed to that session. When a session ends, its uncommitted extents
+and leases are reclaimed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError
+from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, KVStore
+from rdmakv.protocol import (
+    LOOKUP_FLAG_LEASE,
+    MAX_BULK_BYTES,
+    MAX_ERROR_MESSAGE,
+    MAX_KEYS_PER_REQUEST,
+    MAX_OPS_PER_DATA_REQUEST,
+    MAX_PAYLOAD,
+    PROTOCOL_VERSION,
+    RESPONSE_BIT,
+    U32,
+    Channel,
+    FrameTooLarge,
+    Header,
+    LimitExceeded,
+    NodeInfo,
+    Op,
+    Status,
+    decode_alloc,
+    decode_hello,
+    decode_keys,
+    decode_u64_list,
+    encode_extents,
+    encode_flags,
+    encode_json,
+    encode_lookup_results,
+    encode_node_info,
+)
+from rdmakv.slab import Slab
+from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
+from rdmakv.transport.base import BadAddress
+
+log = logging.getLogger("rdmakv.node")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7480
+POLL_INTERVAL = 0.2
+"""How often idle sessions and the accept loop look at the stop flag (seconds)."""
+IO_TIMEOUT = 30.0
+"""Once a frame has started, the rest of it must arrive within this (seconds)."""
+HANDSHAKE_TIMEOUT = 10.0
+MAX_SESSIONS = 1024
+LISTEN_BACKLOG = 128
+NODE_ID_LEN = 16
+
+
+class Session:
+    """One client connection; implements the NodeSession protocol for data paths."""
+
+    def __init__(self, node: KVNode, session_id: int, sock: socket.socket, peer: str) -> None:
+        self.node = node
+        self.session_id = session_id
+        self.channel = Channel(sock)
+        self.peer = peer
+
+    # -- NodeSession -------------------------------------------------------------
+    def writable_views(self, ops: Sequence[tuple[int, int]]) -> list[memoryview]:
+        return self.node.store.writable_views(self.session_id, ops)
+
+    def pin_readable(
+        self, ops: Sequence[tuple[int, int]]
+    ) -> tuple[list[memoryview], Callable[[], None]]:
+        return self.node.store.pin_readable(self.session_id, ops)
+
+    def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:
+        self.channel.send(
+            req.opcode | RESPONSE_BIT,
+            payload,
+            req_id=req.req_id,
+            bulk=bulk,
+            bulk_len=sum(len(v) for v in bulk),
+        )
+
+    def reply_error(self, req: Header, status: Status, message: str) -> None:
+        data = message.encode("utf-8", errors="replace")[:MAX_ERROR_MESSAGE]
+        self.channel.send(req.opcode | RESPONSE_BIT, data, status=status, req_id=req.req_id)
+
+    # -- loop -------------------------------------------------------------------------
+    def _wait_readable(self, limit: float | None) -> bool:
+        """Block until a frame starts, the node stops (False) or ``limit`` passes (False)."""
+        poller = select.poll()
+        poller.register(self.channel.sock, select.POLLIN)
+        deadline = None if limit is None else time.monotonic() + limit
+        while not self.node.stopping:
+            if poller.poll(POLL_INTERVAL * 1000):
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+        return False
+
+    def run(self) -> None:
+        sock = self.channel.sock
+        try:
+            sock.settimeout(IO_TIMEOUT)
+            if not self._wait_readable(HANDSHAKE_TIMEOUT) or not self._handshake():
+                return
+            while self._wait_readable(None):
+                if not self._serve_one():
+                    return
+        except (OSError, ConnectionLost) as e:
+            log.debug("session %d (%s) ended: %s", self.session_id, self.peer, e)
+        finally:
+            self.node.session_ended(self)
+
+    def _handshake(self) -> bool:
+        ch = self.channel
+        try:
+            hdr = ch.recv_header()
+        except FrameTooLarge as e:
+            self.reply_error(Header(Op.HELLO, 0, 0, 0, 0, 0), Status.FRAME_TOO_LARGE, str(e))
+            return False
+        payload = ch.recv_payload(hdr)
+        if hdr.opcode != Op.HELLO:
+            self.reply_error(hdr, Status.NOT_AUTHENTICATED, "the first frame must be HELLO")
+            return False
+        try:
+            version, token = decode_hello(payload)
+        except ProtocolError as e:
+            self.reply_error(hdr, Status.BAD_REQUEST, str(e))
+            return False
+        if version != PROTOCOL_VERSION:
+            self.reply_error(
+                hdr,
+                Status.BAD_VERSION,
+                f"client speaks protocol version {version}, this node speaks {PROTOCOL_VERSION}",
+            )
+            return False
+        expected = self.node.token
+        if expected is not None and not hmac.compare_digest(expected, token):
+            log.warning("session %d (%s): wrong or missing token", self.session_id, self.peer)
+            self.reply_error(hdr, Status.AUTH_FAILED, "wrong or missing shared-secret token")
+            return False
+        self.reply(hdr, encode_node_info(self.node.info(self.session_id)))
+        return True
+
+    def _serve_one(self) -> bool:
+        """Serve one request; False when the connection must close."""
+        ch = self.channel
+        try:
+            hdr = ch.recv_header()
+        except FrameTooLarge as e:
+            self.node.count("protocol_errors")
+            self.reply_error(Header(0, 0, 0, 0, 0, 0), Status.FRAME_TOO_LARGE, str(e))
+            return False
+        payload = ch.recv_payload(hdr)
+        handler = self.node.handlers.get(hdr.opcode)
+        if handler is None:
+            self.node.count("protocol_errors")
+            ch.skip_bulk()
+            self.reply_error(hdr, Status.UNKNOWN_OPCODE, f"unknown opcode {hdr.opcode}")
+            return True
+        try:
+            handler(self, hdr, payload)
+        except (OSError, ConnectionLost):
+            raise
+        except RdmakvError as e:
+            ch.skip_bulk()
+            status = _status_for(e)
+            self.node.count("protocol_errors" if status != Status.BAD_ADDRESS else "refused_ops")
+            self.reply_error(hdr, status, str(e))
+        except Exception as e:  # a bug must not take the node down with it
+            log.exception("session %d: internal error in opcode %d", self.session_id, hdr.opcode)
+            ch.skip_bulk()
+            self.reply_error(hdr, Status.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        return True
+
+
+def _status_for(e: RdmakvError) -> Status:
+    if isinstance(e, BadAddress):
+        return Status.BAD_ADDRESS
+    if isinstance(e, LimitExceeded):
+        return Status.LIMIT_EXCEEDED
+    if isinstance(e, ConfigError) and "transport" in str(e):
+        return Status.UNSUPPORTED
+    return Status.BAD_REQUEST
+
+
+class KVNode:
+    """A KV node serving one pool: ``start()`` binds, ``serve_forever()`` runs until ``stop()``."""
+
+    def __init__(
+        self,
+        *,
+        pool_size: int,
+        block_size: int,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        transports: Sequence[str] = ("tcp",),
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        token: bytes | None = None,
+        lock_pool: bool = True,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.token = token or None
+        self.pool = Slab(pool_size, block_size, lock=lock_pool)
+        names = list(dict.fromkeys(["tcp", *transports]))  # tcp always serves control + fallback
+        self.datapaths: list[NodeDataPath] = [get_transport(n).node(self.pool) for n in names]
+        self.transports = tuple(dp.name for dp in self.datapaths)
+        rkey = next((dp.rkey for dp in self.datapaths if dp.rkey), 0)
+        self.store = KVStore(self.pool, lease_timeout=lease_timeout, rkey=rkey)
+        self.node_id = os.urandom(NODE_ID_LEN)
+        self.handlers: dict[int, NodeHandler] = {
+            Op.ALLOC: self._alloc,
+            Op.COMMIT: self._commit,
+            Op.ABORT: self._abort,
+            Op.LOOKUP: self._lookup,
+            Op.RELEASE: self._release,
+            Op.DELETE: self._delete,
+            Op.EXISTS: self._exists,
+            Op.STATS: self._stats,
+        }
+        for dp in self.datapaths:
+            for op, h in dp.handlers().items():
+                if op in self.handlers:
+                    raise ConfigError(f"transport {dp.name!r} claims opcode {op} already in use")
+                self.handlers[op] = h
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._sessions: dict[int, tuple[Session, threading.Thread]] = {}
+        self._next_session = 1
+        self._listener: socket.socket | None = None
+        self._counts: dict[str, int] = {"sessions_total": 0, "protocol_errors": 0, "refused_ops": 0}
+        self._started = time.monotonic()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + 1
+
+    def info(self, session_id: int) -> NodeInfo:
+        return NodeInfo(
+            version=PROTOCOL_VERSION,
+            rkey=self.store.rkey,
+            block_size=self.pool.block_size,
+            pool_base=self.pool.base_addr,
+            pool_len=self.pool.nbytes,
+            node_id=self.node_id,
+            session_id=session_id,
+            max_payload=MAX_PAYLOAD,
+            max_keys=MAX_KEYS_PER_REQUEST,
+            max_ops=MAX_OPS_PER_DATA_REQUEST,
+            max_bulk=MAX_BULK_BYTES,
+            transports=self.transports,
+        )
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> tuple[str, int]:
+        """Bind and listen; returns the bound (host, port) (port 0 picks a free one)."""
+        ls = socket.create_server((self.host, self.port), backlog=LISTEN_BACKLOG, reuse_port=False)
+        ls.settimeout(POLL_INTERVAL)
+        self._listener = ls
+        self.host, self.port = ls.getsockname()[:2]
+        return self.host, self.port
+
+    def serve_forever(self) -> None:
+        if self._listener is None:
+            self.start()
+        ls = self._listener
+        assert ls is not None
+        try:
+            while not self._stop.is_set():
+                try:
+                    sock, addr = ls.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self._stop.is_set():
+                        break
+                    raise
+                self._admit(sock, f"{addr[0]}:{addr[1]}")
+        finally:
+            self._shutdown()
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            if len(self._sessions) >= MAX_SESSIONS:
+                log.warning("refusing %s: %d sessions open", peer, MAX_SESSIONS)
+                sock.close()
+                return
+            sid = self._next_session
+            self._next_session += 1
+            self._counts["sessions_total"] += 1
+            session = Session(self, sid, sock, peer)
+            t = threading.Thread(target=session.run, name=f"rdmakv-session-{sid}", daemon=True)
+            self._sessions[sid] = (session, t)
+        log.debug("session %d from %s", sid, peer)
+        t.start()
+
+    def session_ended(self, session: Session) -> None:
+        self.store.session_closed(session.session_id)
+        for dp in self.datapaths:
+            try:
+                dp.session_closed(session)
+            except Exception:
+                log.exception(
+                    "data path %s failed to tear down session %d", dp.name, session.session_id
+                )
+        session.channel.close()
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+
+    def stop(self) -> None:
+        """Ask the node to stop (safe from a signal handler): sessions end within POLL_INTERVAL."""
+        self._stop.set()
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            threads = [t for _, t in self._sessions.values()]
+        for t in threads:
+            t.join(IO_TIMEOUT)
+        for dp in self.datapaths:
+            dp.close()
+        self.pool.close()
+        log.info("node stopped")
+
+    # -- control handlers ----------------------------------------------------------------
+    def _alloc(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        items = decode_alloc(payload)
+        s.reply(req, encode_extents(self.store.alloc(s.session_id, items)))
+
+    def _commit(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        keys = decode_keys(payload, "COMMIT")
+        s.reply(req, encode_flags(self.store.commit(s.session_id, keys)))
+
+    def _abort(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        keys = decode_keys(payload, "ABORT")
+        s.reply(req, encode_flags(self.store.abort(s.session_id, keys)))
+
+    def _lookup(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        keys = decode_keys(payload, "LOOKUP")
+        lease = bool(req.flags & LOOKUP_FLAG_LEASE)
+        s.reply(req, encode_lookup_results(self.store.lookup(s.session_id, keys, lease)))
+
+    def _release(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        ids = decode_u64_list(payload, "RELEASE")
+        s.reply(req, U32.pack(self.store.release(s.session_id, ids)))
+
+    def _delete(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        keys = decode_keys(payload, "DELETE")
+        s.reply(req, encode_flags(self.store.delete(keys)))
+
+    def _exists(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        keys = decode_keys(payload, "EXISTS")
+        s.reply(req, encode_flags(self.store.exists(keys)))
+
+    def _stats(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        if payload:
+            raise ProtocolError(f"STATS takes no payload, got {len(payload)} bytes")
+        s.reply(req, encode_json(self.stats()))
+
+    def stats(self) -> dict[str, Any]:
+        out = self.store.stats()
+        with self._lock:
+            out.update(self._counts)
+            out["sessions_active"] = len(self._sessions)
+        out.update(
+            protocol_version=PROTOCOL_VERSION,
+            transports=list(self.transports),
+            node_id=self.node_id.hex(),
+            uptime_s=round(time.monotonic() - self._started, 3),
+        )
+        return out

@@ -1,0 +1,332 @@
+"""KVStore: the node's pool, index, allocator, leases and eviction behind one lock.
+
+The pool is a :class:`~rdmakv.slab.Slab` of fixed-size blocks; each value takes
+one block (an *extent* = block start address + value length).
+
+Ownership of a pool block, as slab references:
+
+* an uncommitted entry holds 1 reference, owned by the session that allocated
+  it; commit hands it to the index, abort/disconnect frees it;
+* a committed entry holds 1 reference while it is in the index;
+* every lease holds 1 reference until released, expired, or its session ends;
+* a READ in progress pins the block (1 reference) until the bytes are sent.
+
+So a block is reused only when nobody can still read or write it. Eviction
+(byte-capacity LRU: the pool is the capacity) removes committed entries from
+the oldest end whose block has no reference other than the index's -- it
+never evicts an extent under lease, being read, or not yet committed.
+All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rdmakv.errors import ConfigError
+from rdmakv.node.index import Entry, Index
+from rdmakv.node.leases import LeaseTable
+from rdmakv.protocol import AllocResult, AllocStatus, Extent, LookupResult
+from rdmakv.slab import Slab
+from rdmakv.transport.base import BadAddress
+
+DEFAULT_LEASE_TIMEOUT = 30.0
+
+
+@dataclass
+class Counters:
+    allocs: int = 0
+    commits: int = 0
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    deletes: int = 0
+    leases_granted: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    aborted: int = 0
+    reclaimed_on_disconnect: int = 0
+    no_space: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    bad_addresses: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class KVStore:
+    """Thread-safe node state. ``rkey`` is stamped into every extent handed out."""
+
+    def __init__(
+        self,
+        pool: Slab,
+        *,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        rkey: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lease_timeout <= 0:
+            raise ConfigError(f"lease timeout must be > 0 seconds, got {lease_timeout}")
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.lease_timeout = lease_timeout
+        self.rkey = rkey
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index = Index()
+        self._leases = LeaseTable()
+        self._pending_by_session: dict[int, dict[int, Entry]] = {}  # session -> block -> entry
+        self.counters = Counters()
+
+    # -- helpers (lock held) ------------------------------------------------------
+    def _extent(self, e: Entry) -> Extent:
+        return Extent(self.pool.base_addr + e.block * self.block_size, e.length, self.rkey)
+
+    def _expire(self) -> None:
+        for lease in self._leases.pop_expired(self._clock()):
+            self.pool.decref(lease.block)
+            self.counters.leases_expired += 1
+
+    def _evict_one(self) -> bool:
+        for e in self._index.oldest_first():
+            if self.pool.refcount(e.block) == 1:  # only the index holds it
+                self._index.remove(e.key)
+                self.pool.decref(e.block)
+                self.counters.evictions += 1
+                return True
+        return False
+
+    def _take_block(self) -> int | None:
+        if self.pool.free_blocks == 0:
+            self._expire()
+        while self.pool.free_blocks == 0:
+            if not self._evict_one():
+                return None
+        return self.pool.alloc()
+
+    # -- control operations ----------------------------------------------------------
+    def alloc(self, session: int, items: Sequence[tuple[bytes, int, bytes]]) -> list[AllocResult]:
+        """Reserve one extent per (key, size, digest); invisible until commit."""
+        out: list[AllocResult] = []
+        with self._lock:
+            mine = self._pending_by_session.setdefault(session, {})
+            for key, size, digest in items:
+                self.counters.allocs += 1
+                if not (0 < size <= self.block_size):
+                    out.append(AllocResult(AllocStatus.TOO_LARGE, None))
+                elif self._index.get(key) is not None:
+                    out.append(AllocResult(AllocStatus.EXISTS, None))
+                elif self._index.pending(key) is not None:
+                    out.append(AllocResult(AllocStatus.BUSY, None))
+                else:
+                    block = self._take_block()
+                    if block is None:
+                        self.counters.no_space += 1
+                        out.append(AllocResult(AllocStatus.NO_SPACE, None))
+                        continue
+                    e = Entry(key, block, size, digest, owner=session)
+                    self._index.add_pending(e)
+                    mine[block] = e
+                    out.append(AllocResult(AllocStatus.OK, self._extent(e)))
+        return out
+
+    def commit(self, session: int, keys: Sequence[bytes]) -> list[bool]:
+        """Make this session's uncommitted extents visible; False for any other key."""
+        out = []
+        with self._lock:
+            mine = self._pending_by_session.get(session, {})
+            for key in keys:
+                e = self._index.pending(key)
+                if e is None or e.owner != session:
+                    out.append(False)
+                    continue
+                del mine[e.block]
+                self._index.commit(key)
+                self.counters.commits += 1
+                out.append(True)
+        return out
+
+    def abort(self, session: int, keys: Sequence[bytes]) -> list[bool]:
+        """Free this session's uncommitted extents for ``keys``."""
+        out = []
+        with self._lock:
+            mine = self._pending_by_session.get(session, {})
+            for key in keys:
+                e = self._index.pending(key)
+                if e is None or e.owner != session:
+                    out.append(False)
+                    continue
+                self._index.drop_pending(key)
+                del mine[e.block]
+                self.pool.decref(e.block)
+                self.counters.aborted += 1
+                out.append(True)
+        return out
+
+    def lookup(self, session: int, keys: Sequence[bytes], lease: bool) -> list[LookupResult | None]:
+        """Committed extents (+ digest) for ``keys``; with ``lease`` each hit is leased."""
+        out: list[LookupResult | None] = []
+        with self._lock:
+            self._expire()
+            deadline = self._clock() + self.lease_timeout
+            for key in keys:
+                self.counters.lookups += 1
+                e = self._index.touch(key)
+                if e is None:
+                    self.counters.misses += 1
+                    out.append(None)
+                    continue
+                self.counters.hits += 1
+                ext = self._extent(e)
+                lease_id = 0
+                if lease:
+                    self.pool.incref(e.block)
+                    lease_id = self._leases.add(
+                        session, e.block, ext.addr, e.length, deadline
+                    ).lease_id
+                    self.counters.leases_granted += 1
+                out.append(LookupResult(ext, lease_id, e.digest))
+        return out
+
+    def release(self, session: int, lease_ids: Sequence[int]) -> int:
+        """End this session's leases; unknown/foreign/expired ids are ignored."""
+        n = 0
+        with self._lock:
+            for lid in lease_ids:
+                lease = self._leases.get(lid)
+                if lease is None or lease.session != session:
+                    continue
+                self._leases.remove(lid)
+                self.pool.decref(lease.block)
+                self.counters.leases_released += 1
+                n += 1
+        return n
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """Remove committed keys; a leased block lives on until its leases end."""
+        out = []
+        with self._lock:
+            for key in keys:
+                e = self._index.remove(key)
+                if e is None:
+                    out.append(False)
+                    continue
+                self.pool.decref(e.block)
+                self.counters.deletes += 1
+                out.append(True)
+        return out
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [self._index.get(k) is not None for k in keys]
+
+    def session_closed(self, session: int) -> None:
+        """Reclaim everything a departed session held: uncommitted extents and leases."""
+        with self._lock:
+            for e in self._pending_by_session.pop(session, {}).values():
+                self._index.drop_pending(e.key)
+                self.pool.decref(e.block)
+                self.counters.reclaimed_on_disconnect += 1
+            for lease in self._leases.of_session(session):
+                self._leases.remove(lease.lease_id)
+                self.pool.decref(lease.block)
+                self.counters.leases_released += 1
+
+    def expire_leases(self) -> None:
+        with self._lock:
+            self._expire()
+
+    # -- data-path checks -------------------------------------------------------------
+    def _block_of(self, addr: int, length: int, what: str) -> int:
+        off = addr - self.pool.base_addr
+        if length <= 0 or off < 0 or off + length > self.pool.nbytes:
+            self.counters.bad_addresses += 1
+            raise BadAddress(
+                f"{what} of {length} bytes at 0x{addr:x} is outside the node pool "
+                f"[0x{self.pool.base_addr:x}, 0x{self.pool.base_addr + self.pool.nbytes:x})"
+            )
+        return off // self.block_size
+
+    def writable_views(self, session: int, ops: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Pool views for ops inside extents this session allocated and has not committed.
+
+        No pin is needed: only this session can commit/abort them, and it is
+        busy running this write.
+        """
+        views = []
+        buf = self.pool.buffer
+        with self._lock:
+            mine = self._pending_by_session.get(session, {})
+            for addr, length in ops:
+                block = self._block_of(addr, length, "write")
+                e = mine.get(block)
+                start = self.pool.base_addr + block * self.block_size
+                if e is None or addr + length > start + e.length:
+                    self.counters.bad_addresses += 1
+                    raise BadAddress(
+                        f"write of {length} bytes at 0x{addr:x} is not inside an extent "
+                        "allocated to this client and not yet committed"
+                    )
+                off = addr - self.pool.base_addr
+                views.append(buf[off : off + length])
+            self.counters.bytes_written += sum(n for _, n in ops)
+        return views
+
+    def pin_readable(
+        self, session: int, ops: Sequence[tuple[int, int]]
+    ) -> tuple[list[memoryview], Callable[[], None]]:
+        """Pool views for ops inside extents leased to this session, pinned until unpin()."""
+        views = []
+        blocks: list[int] = []
+        buf = self.pool.buffer
+        with self._lock:
+            self._expire()
+            try:
+                for addr, length in ops:
+                    block = self._block_of(addr, length, "read")
+                    lease = self._leases.covering(session, block)
+                    if lease is None or addr + length > lease.addr + lease.length:
+                        self.counters.bad_addresses += 1
+                        raise BadAddress(
+                            f"read of {length} bytes at 0x{addr:x} is not inside an extent "
+                            "this client holds a live lease on (never leased, released or expired)"
+                        )
+                    self.pool.incref(block)
+                    blocks.append(block)
+                    off = addr - self.pool.base_addr
+                    views.append(buf[off : off + length])
+            except BaseException:
+                for b in blocks:
+                    self.pool.decref(b)
+                raise
+            self.counters.bytes_read += sum(n for _, n in ops)
+
+        def unpin() -> None:
+            with self._lock:
+                for b in blocks:
+                    self.pool.decref(b)
+
+        return views, unpin
+
+    # -- introspection ---------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            self._expire()
+            c = self.counters
+            out: dict[str, Any] = {k: v for k, v in vars(c).items() if k != "extra"}
+            out.update(c.extra)
+            out.update(
+                entries=len(self._index),
+                pending=self._index.pending_count,
+                bytes_stored=self._index.committed_bytes,
+                leases_active=len(self._leases),
+                block_size=self.block_size,
+                blocks_total=self.pool.num_blocks,
+                blocks_used=self.pool.used_blocks,
+                pool_bytes=self.pool.nbytes,
+                lease_timeout_s=self.lease_timeout,
+            )
+            return out

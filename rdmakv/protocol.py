@@ -1,0 +1,702 @@
+"""The rdmakv wire protocol: the ONE place the format is defined and versioned.
+
+Every connection between a client and a KV node is a TCP stream of *frames*.
+The first frame a client sends is ``HELLO``; the node answers with its
+:class:`NodeInfo` or an error status and closes. After that the client sends
+requests and the node answers each one, **in order** (so a client may pipeline
+requests and match responses by position; ``req_id`` is echoed as a check).
+
+Frame layout (all integers little-endian)::
+
+    header  (HEADER.size = 24 bytes)
+      u8   opcode       request opcode; responses set RESPONSE_BIT
+      u8   flags        per-opcode flags (LOOKUP_FLAG_LEASE)
+      u16  status       0 in requests; Status in responses
+      u32  payload_len  bytes of payload that follow (<= MAX_PAYLOAD)
+      u64  bulk_len     raw data bytes after the payload (<= MAX_BULK_BYTES);
+                        only WRITE requests and READ responses carry bulk
+      u64  req_id       chosen by the client, echoed in the response
+    payload (payload_len bytes, opcode-specific, encoded below)
+    bulk    (bulk_len bytes: block data, never copied through Python bytes)
+
+An error response has a non-zero status and a UTF-8 reason as its payload.
+After an error the connection keeps serving, except for the errors marked
+*fatal* (bad handshake, oversize header fields) where the stream can no longer
+be trusted: the node answers, then closes.
+
+Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
+
+    HELLO     req: 4s magic, u16 version, u16 token_len, token
+              resp: NodeInfo (see NODE_INFO)
+    ALLOC     req: u32 n, n x (u16 klen, key, u32 size, 16s digest)
+              resp: u32 n, n x EXTENT (u8 status AllocStatus, u64 addr, u32 len, u32 rkey)
+    COMMIT    req: keys           resp: u32 n, n x u8 (1 = committed)
+    ABORT     req: keys           resp: u32 n, n x u8 (1 = freed)
+    LOOKUP    req: keys (flags: LOOKUP_FLAG_LEASE)
+              resp: u32 n, n x LOOKUP_ENTRY (u8 found, u64 addr, u32 len, u32 rkey,
+                                             u64 lease_id, 16s digest)
+    RELEASE   req: u32 n, n x u64 lease_id   resp: u32 released
+    DELETE    req: keys           resp: u32 n, n x u8 (1 = deleted)
+    EXISTS    req: keys           resp: u32 n, n x u8 (1 = present and committed)
+    STATS     req: empty          resp: UTF-8 JSON object
+    WRITE     req: u32 n, n x DATA_OP (u64 addr, u32 len); bulk = the n ranges' bytes
+              resp: empty
+    READ      req: u32 n, n x DATA_OP     resp: empty payload; bulk = the ranges' bytes
+    RDMA_*    reserved for the RDMA transport's connection exchange (QPN, PSN, GID,
+              LID, MTU, rkey); a node data path registers handlers for them.
+
+Addresses are ABSOLUTE virtual addresses inside the node's pool
+(``pool_base + offset``) so an RDMA transport can use them as-is; the node
+refuses any range not inside an extent it handed to the same connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+from rdmakv.errors import (
+    AuthError,
+    ConnectionLost,
+    ProtocolError,
+    RemoteError,
+    TransportTimeout,
+)
+
+Buffer = bytes | bytearray | memoryview
+
+# -- versioning ---------------------------------------------------------------
+MAGIC = b"RDKV"
+PROTOCOL_VERSION = 1
+
+# -- limits: every count and length is checked against these BEFORE allocating --
+MAX_PAYLOAD = 8 * 1024 * 1024
+"""Largest control payload (key lists, op lists, stats JSON)."""
+MAX_KEYS_PER_REQUEST = 16384
+MAX_KEY_LEN = 512
+DIGEST_LEN = 16
+MAX_TOKEN_LEN = 4096
+MAX_OPS_PER_DATA_REQUEST = 4096
+"""Ops per WRITE/READ request; 4096 x 12 bytes keeps a request well inside one
+socket buffer so pipelined requests can never deadlock against bulk replies."""
+MAX_BULK_BYTES = 256 * 1024 * 1024
+"""Bulk bytes in one WRITE request or READ response."""
+MAX_ERROR_MESSAGE = 4096
+
+# Linux IOV_MAX: the most buffers one sendmsg / recvmsg_into call accepts.
+IOV_MAX = 1024
+# recvmsg_into/sendmsg gather at most this many bytes of buffers per call: enough
+# to drain a full socket buffer, small enough that building the iovec stays cheap.
+IO_CHUNK_BYTES = 8 * 1024 * 1024
+
+RESPONSE_BIT = 0x80
+LOOKUP_FLAG_LEASE = 0x01
+
+
+class Op(IntEnum):
+    HELLO = 1
+    ALLOC = 2
+    COMMIT = 3
+    ABORT = 4
+    LOOKUP = 5
+    RELEASE = 6
+    DELETE = 7
+    EXISTS = 8
+    STATS = 9
+    # software one-sided data path (tcp transport)
+    WRITE = 16
+    READ = 17
+    # reserved for the RDMA transport: QP info exchange and teardown
+    RDMA_CONNECT = 32
+    RDMA_DISCONNECT = 33
+
+
+RESERVED_RDMA_OPCODES = range(32, 48)
+"""Opcodes a node data path (RDMA) may claim without changing this module."""
+
+
+class Status(IntEnum):
+    OK = 0
+    BAD_REQUEST = 1  # malformed payload; connection keeps serving
+    BAD_VERSION = 2  # fatal
+    AUTH_FAILED = 3  # fatal
+    LIMIT_EXCEEDED = 4  # a count or length over a named limit
+    BAD_ADDRESS = 5  # a data op outside the caller's extents
+    UNKNOWN_OPCODE = 6
+    NOT_AUTHENTICATED = 7  # fatal: request before HELLO
+    INTERNAL = 8
+    UNSUPPORTED = 9  # e.g. a transport this node does not offer
+    FRAME_TOO_LARGE = 10  # fatal: header announces more than the limits
+
+
+FATAL_STATUSES = frozenset(
+    {Status.BAD_VERSION, Status.AUTH_FAILED, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE}
+)
+
+
+class AllocStatus(IntEnum):
+    OK = 0
+    EXISTS = 1  # committed already (same key = same content by construction)
+    BUSY = 2  # another writer holds it uncommitted
+    NO_SPACE = 3  # pool full of leased / uncommitted extents
+    TOO_LARGE = 4  # size is 0 or above the node's block size
+
+
+HEADER = struct.Struct("<BBHIQQ")
+U8 = struct.Struct("<B")
+U16 = struct.Struct("<H")
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+HELLO_FIXED = struct.Struct("<4sHH")
+ALLOC_ITEM = struct.Struct("<I16s")  # after the key: size, digest
+EXTENT = struct.Struct("<BQII")
+LOOKUP_ENTRY = struct.Struct("<BQIIQ16s")
+DATA_OP = struct.Struct("<QI")
+NODE_INFO = struct.Struct("<HIQQQ16sQIIIQ")
+
+
+class Header(NamedTuple):
+    opcode: int
+    flags: int
+    status: int
+    payload_len: int
+    bulk_len: int
+    req_id: int
+
+
+class Extent(NamedTuple):
+    """A range of the node's pool: absolute address, length, remote key (0 on tcp)."""
+
+    addr: int
+    length: int
+    rkey: int
+
+
+class AllocResult(NamedTuple):
+    status: AllocStatus
+    extent: Extent | None
+
+
+class LookupResult(NamedTuple):
+    extent: Extent
+    lease_id: int
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the node tells a client in its HELLO response."""
+
+    version: int
+    rkey: int
+    block_size: int
+    pool_base: int
+    pool_len: int
+    node_id: bytes  # random per node start: a change means "node restarted"
+    session_id: int
+    max_payload: int
+    max_keys: int
+    max_ops: int
+    max_bulk: int
+    transports: tuple[str, ...]
+
+
+# -- payload codecs --------------------------------------------------------------
+
+
+class Reader:
+    """Bounds-checked cursor over a payload; any overrun is a ProtocolError."""
+
+    __slots__ = ("_buf", "_pos", "_what")
+
+    def __init__(self, buf: Buffer, what: str) -> None:
+        self._buf = memoryview(buf)
+        self._pos = 0
+        self._what = what
+
+    def _take(self, n: int) -> memoryview:
+        end = self._pos + n
+        if end > len(self._buf):
+            raise ProtocolError(
+                f"{self._what}: payload truncated (need {n} bytes at offset {self._pos}, "
+                f"payload is {len(self._buf)} bytes)"
+            )
+        out = self._buf[self._pos : end]
+        self._pos = end
+        return out
+
+    def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
+        return st.unpack(self._take(st.size))
+
+    def u8(self) -> int:
+        return int(self.unpack(U8)[0])
+
+    def u16(self) -> int:
+        return int(self.unpack(U16)[0])
+
+    def u32(self) -> int:
+        return int(self.unpack(U32)[0])
+
+    def u64(self) -> int:
+        return int(self.unpack(U64)[0])
+
+    def raw(self, n: int) -> bytes:
+        return bytes(self._take(n))
+
+    def count(self, limit: int, item_size: int, name: str) -> int:
+        """Read a u32 count, refusing it before anything is allocated for it."""
+        n = self.u32()
+        if n > limit:
+            raise LimitExceeded(f"{self._what}: {n} {name} exceeds the limit of {limit}")
+        if n * item_size > len(self._buf) - self._pos:
+            raise ProtocolError(
+                f"{self._what}: {n} {name} cannot fit in the "
+                f"{len(self._buf) - self._pos} remaining payload bytes"
+            )
+        return n
+
+    def key(self) -> bytes:
+        n = self.u16()
+        if n == 0 or n > MAX_KEY_LEN:
+            raise ProtocolError(f"{self._what}: key length {n} outside [1, {MAX_KEY_LEN}]")
+        return self.raw(n)
+
+    def done(self) -> None:
+        if self._pos != len(self._buf):
+            raise ProtocolError(
+                f"{self._what}: {len(self._buf) - self._pos} unexpected trailing payload bytes"
+            )
+
+
+class LimitExceeded(ProtocolError):
+    """A count or length in a frame is above a named protocol limit."""
+
+
+def check_key(key: bytes) -> None:
+    if not isinstance(key, bytes | bytearray):
+        raise ProtocolError(f"keys must be bytes, got {type(key).__name__}")
+    if not (1 <= len(key) <= MAX_KEY_LEN):
+        raise ProtocolError(f"key length {len(key)} outside [1, {MAX_KEY_LEN}]")
+
+
+def check_digest(digest: bytes) -> None:
+    if not isinstance(digest, bytes | bytearray) or len(digest) != DIGEST_LEN:
+        raise ProtocolError(
+            f"digest must be {DIGEST_LEN} bytes, got {type(digest).__name__} of "
+            f"length {len(digest) if isinstance(digest, bytes | bytearray) else '?'}"
+        )
+
+
+def encode_keys(keys: Sequence[bytes]) -> bytes:
+    parts = [U32.pack(len(keys))]
+    for k in keys:
+        check_key(k)
+        parts.append(U16.pack(len(k)))
+        parts.append(bytes(k))
+    return b"".join(parts)
+
+
+def decode_keys(payload: Buffer, what: str) -> list[bytes]:
+    r = Reader(payload, what)
+    n = r.count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
+    keys = [r.key() for _ in range(n)]
+    r.done()
+    return keys
+
+
+def encode_hello(token: bytes | None, version: int = PROTOCOL_VERSION) -> bytes:
+    tok = token or b""
+    if len(tok) > MAX_TOKEN_LEN:
+        raise ProtocolError(f"token is {len(tok)} bytes, limit {MAX_TOKEN_LEN}")
+    return HELLO_FIXED.pack(MAGIC, version, len(tok)) + tok
+
+
+def decode_hello(payload: Buffer) -> tuple[int, bytes]:
+    """Return (version, token); a wrong magic is a ProtocolError."""
+    r = Reader(payload, "HELLO")
+    magic, version, tlen = r.unpack(HELLO_FIXED)
+    if magic != MAGIC:
+        raise ProtocolError(
+            f"HELLO: bad magic {bytes(magic)!r} (expected {MAGIC!r}): not an rdmakv client"
+        )
+    if tlen > MAX_TOKEN_LEN:
+        raise LimitExceeded(f"HELLO: token length {tlen} exceeds {MAX_TOKEN_LEN}")
+    token = r.raw(tlen)
+    r.done()
+    return int(version), token
+
+
+def encode_node_info(info: NodeInfo) -> bytes:
+    names = ",".join(info.transports).encode("ascii")
+    return (
+        NODE_INFO.pack(
+            info.version,
+            info.rkey,
+            info.block_size,
+            info.pool_base,
+            info.pool_len,
+            info.node_id,
+            info.session_id,
+            info.max_payload,
+            info.max_keys,
+            info.max_ops,
+            info.max_bulk,
+        )
+        + U16.pack(len(names))
+        + names
+    )
+
+
+def decode_node_info(payload: Buffer) -> NodeInfo:
+    r = Reader(payload, "HELLO response")
+    (ver, rkey, bsize, base, plen, node_id, sid, mpay, mkeys, mops, mbulk) = r.unpack(NODE_INFO)
+    n = r.u16()
+    names = r.raw(n).decode("ascii", errors="replace")
+    r.done()
+    return NodeInfo(
+        version=ver,
+        rkey=rkey,
+        block_size=bsize,
+        pool_base=base,
+        pool_len=plen,
+        node_id=bytes(node_id),
+        session_id=sid,
+        max_payload=mpay,
+        max_keys=mkeys,
+        max_ops=mops,
+        max_bulk=mbulk,
+        transports=tuple(t for t in names.split(",") if t),
+    )
+
+
+def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]) -> bytes:
+    parts = [U32.pack(len(keys))]
+    for k, s, d in zip(keys, sizes, digests, strict=True):
+        check_key(k)
+        check_digest(d)
+        parts.append(U16.pack(len(k)))
+        parts.append(bytes(k))
+        parts.append(ALLOC_ITEM.pack(s, bytes(d)))
+    return b"".join(parts)
+
+
+def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes]]:
+    r = Reader(payload, "ALLOC")
+    n = r.count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
+    out = []
+    for _ in range(n):
+        k = r.key()
+        size, digest = r.unpack(ALLOC_ITEM)
+        out.append((k, int(size), bytes(digest)))
+    r.done()
+    return out
+
+
+def encode_extents(results: Sequence[AllocResult]) -> bytes:
+    parts = [U32.pack(len(results))]
+    for st, ext in results:
+        if ext is None:
+            parts.append(EXTENT.pack(st, 0, 0, 0))
+        else:
+            parts.append(EXTENT.pack(st, ext.addr, ext.length, ext.rkey))
+    return b"".join(parts)
+
+
+def decode_extents(payload: Buffer, expected: int) -> list[AllocResult]:
+    r = Reader(payload, "ALLOC response")
+    n = r.count(MAX_KEYS_PER_REQUEST, EXTENT.size, "extents")
+    if n != expected:
+        raise ProtocolError(f"ALLOC response has {n} entries for {expected} keys")
+    out = []
+    for _ in range(n):
+        st, addr, length, rkey = r.unpack(EXTENT)
+        try:
+            status = AllocStatus(st)
+        except ValueError:
+            raise ProtocolError(f"ALLOC response: unknown status {st}") from None
+        out.append(AllocResult(status, Extent(addr, length, rkey) if status == 0 else None))
+    r.done()
+    return out
+
+
+def encode_flags(values: Sequence[bool]) -> bytes:
+    return U32.pack(len(values)) + bytes(1 if v else 0 for v in values)
+
+
+def decode_flags(payload: Buffer, expected: int, what: str) -> list[bool]:
+    r = Reader(payload, what)
+    n = r.count(MAX_KEYS_PER_REQUEST, 1, "flags")
+    if n != expected:
+        raise ProtocolError(f"{what}: {n} entries for {expected} keys")
+    out = [b != 0 for b in r.raw(n)]
+    r.done()
+    return out
+
+
+_NO_DIGEST = bytes(DIGEST_LEN)
+
+
+def encode_lookup_results(results: Sequence[LookupResult | None]) -> bytes:
+    parts = [U32.pack(len(results))]
+    for res in results:
+        if res is None:
+            parts.append(LOOKUP_ENTRY.pack(0, 0, 0, 0, 0, _NO_DIGEST))
+        else:
+            e = res.extent
+            parts.append(LOOKUP_ENTRY.pack(1, e.addr, e.length, e.rkey, res.lease_id, res.digest))
+    return b"".join(parts)
+
+
+def decode_lookup_results(payload: Buffer, expected: int) -> list[LookupResult | None]:
+    r = Reader(payload, "LOOKUP response")
+    n = r.count(MAX_KEYS_PER_REQUEST, LOOKUP_ENTRY.size, "entries")
+    if n != expected:
+        raise ProtocolError(f"LOOKUP response has {n} entries for {expected} keys")
+    out: list[LookupResult | None] = []
+    for _ in range(n):
+        found, addr, length, rkey, lease, digest = r.unpack(LOOKUP_ENTRY)
+        out.append(
+            LookupResult(Extent(addr, length, rkey), lease, bytes(digest)) if found else None
+        )
+    r.done()
+    return out
+
+
+def encode_u64_list(values: Sequence[int]) -> bytes:
+    return U32.pack(len(values)) + struct.pack(f"<{len(values)}Q", *values)
+
+
+def decode_u64_list(payload: Buffer, what: str) -> list[int]:
+    r = Reader(payload, what)
+    n = r.count(MAX_KEYS_PER_REQUEST, U64.size, "ids")
+    out = list(struct.unpack(f"<{n}Q", r.raw(n * U64.size)))
+    r.done()
+    return out
+
+
+def encode_data_ops(ops: Sequence[tuple[int, int]]) -> bytes:
+    return U32.pack(len(ops)) + b"".join(DATA_OP.pack(a, n) for a, n in ops)
+
+
+def decode_data_ops(payload: Buffer, what: str) -> list[tuple[int, int]]:
+    r = Reader(payload, what)
+    n = r.count(MAX_OPS_PER_DATA_REQUEST, DATA_OP.size, "data ops")
+    raw = r.raw(n * DATA_OP.size)
+    r.done()
+    return [(int(a), int(ln)) for a, ln in DATA_OP.iter_unpack(raw)]
+
+
+def encode_json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode("utf-8")
+
+
+def decode_json(payload: Buffer, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(bytes(payload).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"{what}: invalid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# -- status -> exception -------------------------------------------------------
+
+
+def raise_for_status(hdr: Header, payload: Buffer, what: str) -> None:
+    """Turn an error response into the matching exception."""
+    if hdr.status == Status.OK:
+        return
+    msg = bytes(payload[:MAX_ERROR_MESSAGE]).decode("utf-8", errors="replace")
+    try:
+        name = Status(hdr.status).name
+    except ValueError:
+        name = f"status {hdr.status}"
+    text = f"node refused {what}: {name}: {msg}"
+    if hdr.status == Status.AUTH_FAILED:
+        raise AuthError(text)
+    if hdr.status in (Status.BAD_VERSION, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE):
+        raise ProtocolError(text)
+    raise RemoteError(text)
+
+
+# -- scatter-gather socket I/O ---------------------------------------------------
+
+
+def _batches(views: list[memoryview], start: int) -> int:
+    """Index one past the last view to pass to a single sendmsg/recvmsg_into call."""
+    end = start
+    total = 0
+    limit = min(len(views), start + IOV_MAX)
+    while end < limit and total < IO_CHUNK_BYTES:
+        total += len(views[end])
+        end += 1
+    return end
+
+
+def send_views(sock: socket.socket, views: Sequence[Buffer]) -> None:
+    """Send every buffer in order with as few ``sendmsg`` calls as possible."""
+    bufs = [memoryview(v).cast("B") for v in views if len(v)]
+    i = 0
+    while i < len(bufs):
+        end = _batches(bufs, i)
+        sent = sock.sendmsg(bufs[i:end])
+        while sent:
+            n = len(bufs[i])
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                bufs[i] = bufs[i][sent:]
+                sent = 0
+
+
+def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every writable buffer in order, straight from the socket (no copies)."""
+    bufs = [v for v in views if len(v)]
+    i = 0
+    while i < len(bufs):
+        end = _batches(bufs, i)
+        got = sock.recvmsg_into(bufs[i:end])[0] if end - i > 1 else sock.recv_into(bufs[i])
+        if got == 0:
+            raise ConnectionLost("peer closed the connection mid-frame")
+        while got:
+            n = len(bufs[i])
+            if got >= n:
+                got -= n
+                i += 1
+            else:
+                bufs[i] = bufs[i][got:]
+                got = 0
+
+
+def chunk_ops(lengths: Sequence[int], max_ops: int, max_bytes: int) -> Iterator[tuple[int, int]]:
+    """Split op indices into [start, end) runs obeying the per-request limits."""
+    start = 0
+    total = 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start >= max_ops or total + n > max_bytes):
+            yield start, i
+            start, total = i, 0
+        total += n
+    if start < len(lengths):
+        yield start, len(lengths)
+
+
+class Channel:
+    """One framed connection (used by both the client and the node).
+
+    Not thread-safe: its owner serialises use. ``bulk_pending`` counts the bulk
+    bytes of the last received header not yet consumed, so a handler that
+    fails early can :meth:`skip_bulk` and keep the stream in sync.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._hdr = bytearray(HEADER.size)
+        self._hdr_view = memoryview(self._hdr)
+        self.bulk_pending = 0
+        self._next_id = 1
+
+    def next_req_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def send(
+        self,
+        opcode: int,
+        payload: bytes = b"",
+        *,
+        flags: int = 0,
+        status: int = 0,
+        req_id: int = 0,
+        bulk: Sequence[memoryview] = (),
+        bulk_len: int = 0,
+    ) -> None:
+        hdr = HEADER.pack(opcode, flags, status, len(payload), bulk_len, req_id)
+        send_views(self.sock, [hdr, payload, *bulk])
+
+    def recv_header(self) -> Header:
+        """Read one header and check its sizes against the limits."""
+        recv_views(self.sock, [self._hdr_view])
+        hdr = Header(*HEADER.unpack(self._hdr))
+        if hdr.payload_len > MAX_PAYLOAD:
+            raise FrameTooLarge(
+                f"frame payload of {hdr.payload_len} bytes exceeds the limit of {MAX_PAYLOAD}"
+            )
+        if hdr.bulk_len > MAX_BULK_BYTES:
+            raise FrameTooLarge(
+                f"frame bulk of {hdr.bulk_len} bytes exceeds the limit of {MAX_BULK_BYTES}"
+            )
+        self.bulk_pending = hdr.bulk_len
+        return hdr
+
+    def recv_payload(self, hdr: Header) -> bytearray:
+        buf = bytearray(hdr.payload_len)
+        if hdr.payload_len:
+            recv_views(self.sock, [memoryview(buf)])
+        return buf
+
+    def recv_bulk(self, views: Sequence[memoryview]) -> None:
+        total = sum(len(v) for v in views)
+        if total != self.bulk_pending:
+            raise ProtocolError(
+                f"bulk of {self.bulk_pending} bytes does not match the {total} bytes the ops name"
+            )
+        recv_views(self.sock, views)
+        self.bulk_pending = 0
+
+    def skip_bulk(self) -> None:
+        """Drain unconsumed bulk bytes (bounded by MAX_BULK_BYTES) to stay in sync."""
+        scratch = memoryview(bytearray(min(self.bulk_pending, IO_CHUNK_BYTES) or 1))
+        while self.bulk_pending:
+            n = self.sock.recv_into(scratch, min(self.bulk_pending, len(scratch)))
+            if n == 0:
+                raise ConnectionLost("peer closed the connection mid-frame")
+            self.bulk_pending -= n
+
+    def call(
+        self, opcode: int, payload: bytes, what: str, *, flags: int = 0
+    ) -> tuple[Header, bytearray]:
+        """One request/response round trip for a control op (no bulk)."""
+        rid = self.next_req_id()
+        self.send(opcode, payload, flags=flags, req_id=rid)
+        return self.expect(opcode, rid, what)
+
+    def expect(self, opcode: int, req_id: int, what: str) -> tuple[Header, bytearray]:
+        """Read the response to request ``req_id``; error statuses raise."""
+        hdr = self.recv_header()
+        payload = self.recv_payload(hdr)
+        if hdr.opcode != opcode | RESPONSE_BIT or hdr.req_id != req_id:
+            raise ProtocolError(
+                f"{what}: response out of sync (opcode {hdr.opcode}, req_id {hdr.req_id}; "
+                f"expected {opcode | RESPONSE_BIT}, {req_id})"
+            )
+        if hdr.status != Status.OK:
+            self.skip_bulk()
+            raise_for_status(hdr, payload, what)
+        return hdr, payload
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class FrameTooLarge(ProtocolError):
+    """A header announced more payload or bulk than the protocol allows."""
+
+
+def wrap_socket_errors(what: str, exc: BaseException) -> Exception:
+    """Map a low-level socket failure to the rdmakv exception for it."""
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return TransportTimeout(f"{what}: timed out waiting for the node")
+    if isinstance(exc, OSError):
+        return ConnectionLost(f"{what}: connection to the node failed ({exc})")
+    return exc if isinstance(exc, Exception) else RuntimeError(str(exc))

@@ -1,0 +1,173 @@
+"""The transport interface: batched one-sided I/O between a client slab and a node pool.
+
+Client side (:class:`Transport`): the client registers its slab once, then
+issues batches of :class:`IoOp` -- ``(local_offset into the slab, absolute
+remote address inside the node's pool, length)``. ``write`` moves slab bytes
+into remote extents the node allocated for this client; ``read`` moves leased
+remote extents into the slab. Both return an :class:`IoFuture`; every wait on
+it is bounded by a timeout.
+
+Node side (:class:`NodeDataPath`): what the node does per transport. It may
+claim opcodes (``handlers``) that the node's dispatch table routes to it, e.g.
+WRITE/READ for tcp, ``Op.RDMA_CONNECT`` for rdma, and is told when a session
+ends. A handler gets a :class:`NodeSession`, through which every remote-supplied
+address is checked against the extents the node handed to *that* session.
+
+Ownership: slab blocks named by an in-flight op must stay referenced by the
+caller until the future completes. Remote extents stay valid for writes until
+commit/abort/disconnect, for reads until the lease is released or expires.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar, NamedTuple, Protocol
+
+from rdmakv.errors import ConfigError, TransportError, TransportTimeout
+from rdmakv.protocol import Channel, Header, NodeInfo
+from rdmakv.slab import Slab
+
+
+class IoOp(NamedTuple):
+    """One contiguous transfer.
+
+    ``local_offset`` is an offset into the registered local region (the client
+    slab); ``remote_addr`` is an absolute node-pool address from an extent.
+    """
+
+    local_offset: int
+    remote_addr: int
+    length: int
+
+
+class IoFuture:
+    """Completion of one batched transfer.
+
+    ``result`` waits at most ``timeout`` seconds (None = the timeout the batch
+    was issued with) and raises :class:`TransportTimeout` past it, or the
+    batch's error (a :class:`TransportError`, or ``RemoteError`` when the node
+    refused an op).
+    """
+
+    def __init__(self, default_timeout: float | None = None) -> None:
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._default_timeout = default_timeout
+
+    @classmethod
+    def completed(cls, error: BaseException | None = None) -> IoFuture:
+        fut = cls()
+        fut.set_result(error)
+        return fut
+
+    def set_result(self, error: BaseException | None = None) -> None:
+        """Complete the future (producer side); ``error`` makes result() raise it."""
+        self._error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        wait = self._default_timeout if timeout is None else timeout
+        if not self._event.wait(wait):
+            raise TransportTimeout(f"I/O batch not complete after {wait} s")
+        if self._error is not None:
+            raise self._error
+
+
+def check_local_ops(ops: Sequence[IoOp], slab: Slab | None) -> None:
+    """Every op must lie inside the registered slab (bad input never corrupts it)."""
+    if slab is None:
+        raise ConfigError("no local region registered: call register_local(slab) first")
+    limit = slab.nbytes
+    for op in ops:
+        if op.length < 0 or op.local_offset < 0 or op.local_offset + op.length > limit:
+            raise ConfigError(f"I/O op {op} lies outside the registered {limit}-byte local slab")
+
+
+class Transport(ABC):
+    """Client side of one connection's data path. Not thread-safe: the KVClient serialises."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def register_local(self, slab: Slab) -> None:
+        """Register the client slab (once per slab; RDMA registers the MR here)."""
+
+    @abstractmethod
+    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+        """One-sided write: slab ranges -> remote extents allocated to this client."""
+
+    @abstractmethod
+    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+        """One-sided read: remote extents leased to this client -> slab ranges."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release transport resources (the control channel is closed by its owner)."""
+
+
+TransportFactory = Callable[[Channel, NodeInfo, float], Transport]
+"""Builds a client transport over an authenticated control channel."""
+
+
+class NodeSession(Protocol):
+    """What a node-side handler may use for one client connection."""
+
+    session_id: int
+    channel: Channel
+
+    def writable_views(self, ops: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Pool views for (addr, len) ops, each inside an extent allocated to this
+        session and not yet committed; raises ``BadAddress`` otherwise."""
+        ...
+
+    def pin_readable(
+        self, ops: Sequence[tuple[int, int]]
+    ) -> tuple[list[memoryview], Callable[[], None]]:
+        """Pool views for ops inside extents this session holds leases on, pinned so
+        no eviction/expiry reuses them until the returned unpin() is called."""
+        ...
+
+    def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:
+        """Send the OK response for ``req`` (with optional bulk)."""
+        ...
+
+
+NodeHandler = Callable[[NodeSession, Header, bytearray], None]
+"""Handles one request; it must consume the request's bulk or leave it to be skipped.
+Raising an ``RdmakvError`` sends an error response and keeps the connection."""
+
+
+class NodeDataPath(ABC):
+    """Node side of a transport: serves data ops against the node's pool."""
+
+    name: ClassVar[str]
+
+    def __init__(self, pool: Slab) -> None:
+        self.pool = pool
+
+    @property
+    def rkey(self) -> int:
+        """Remote key of the pool for this transport (0 when not applicable)."""
+        return 0
+
+    @abstractmethod
+    def handlers(self) -> Mapping[int, NodeHandler]:
+        """Opcodes this data path serves."""
+
+    def session_closed(self, session: NodeSession) -> None:  # noqa: B027 - optional hook
+        """Called once when a client connection ends (tear down per-session state)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release device resources at node shutdown."""
+
+
+NodeDataPathFactory = Callable[[Slab], NodeDataPath]
+
+
+class BadAddress(TransportError):
+    """A data op names memory outside the extents handed to this client."""
