@@ -266,8 +266,11 @@ def hybrid_case(draw: st.DrawFn) -> tuple[list[KVCacheGroup], list[list[bool]], 
     groups: list[KVCacheGroup] = []
     hits: list[list[bool]] = []
     max_len_tokens = MAX_BLOCKS_OF_SMALLEST * min(BLOCK_SIZES)
-    # Dense-ish hit patterns make long common hits likely, sparse ones exercise the gaps.
-    density = draw(st.sampled_from([0.5, 0.8, 0.95, 1.0]))
+    # A shared, mostly present prefix makes long common hits likely; holes punched into it
+    # and random blocks after it exercise the gaps that make each group shorten the candidate.
+    shared_prefix = draw(st.integers(0, max_len_tokens))
+    hole_rate = draw(st.sampled_from([0.0, 0.05, 0.2]))
+    tail_density = draw(st.sampled_from([0.3, 0.7, 1.0]))
     for gid in range(n_groups):
         block = draw(st.sampled_from(BLOCK_SIZES))
         kind = draw(st.sampled_from(["full", "swa", "state"]))
@@ -279,10 +282,20 @@ def hybrid_case(draw: st.DrawFn) -> tuple[list[KVCacheGroup], list[list[bool]], 
         else:
             spec = StateSpec(block)
         groups.append(KVCacheGroup(gid, spec))
-        n_blocks = draw(st.integers(0, max_len_tokens // block))
+        n_blocks = draw(st.integers(shared_prefix // block, max_len_tokens // block))
         draws = draw(st.lists(st.floats(0, 1), min_size=n_blocks, max_size=n_blocks))
-        hits.append([x < density for x in draws])
-    max_tokens = draw(st.integers(0, max_len_tokens + 64))
+        hits.append(
+            [
+                x >= hole_rate if (i + 1) * block <= shared_prefix else x < tail_density
+                for i, x in enumerate(draws)
+            ]
+        )
+    # Mostly at or past the shared prefix (where the interesting cut-offs are), sometimes anywhere.
+    max_tokens = draw(
+        st.one_of(
+            st.integers(shared_prefix, max_len_tokens + 64), st.integers(0, max_len_tokens + 64)
+        )
+    )
     return groups, hits, max_tokens
 
 
