@@ -62,14 +62,25 @@ ST_TIMEOUT = 1001
 ST_NOT_POSTED = 1002
 ST_POST_FAILED = 1003
 ST_FLUSHED = 1004
+ST_REMOTE_ACCESS = 10  # IBV_WC_REM_ACCESS_ERR: bad remote address or rkey
+ST_RETRY_EXCEEDED = 12  # IBV_WC_RETRY_EXC_ERR: peer unreachable or its QP gone
+QPS_RTS = 3  # enum ibv_qp_state: RESET=0, INIT, RTR, RTS, SQD, SQE, ERR=6
+QPS_ERR = 6
 WC_STATUS_NAMES = {
-    0: "success", 1: "local length error", 2: "local QP operation error",
-    4: "local protection error", 5: "work request flushed", 9: "remote invalid request",
-    10: "remote access error (bad address or rkey)", 11: "remote operation error",
+    0: "success",
+    1: "local length error",
+    2: "local QP operation error",
+    4: "local protection error",
+    5: "work request flushed",
+    9: "remote invalid request",
+    10: "remote access error (bad address or rkey)",
+    11: "remote operation error",
     12: "transport retry counter exceeded (peer unreachable or dead)",
     13: "RNR retry counter exceeded",
-    ST_TIMEOUT: "timed out", ST_NOT_POSTED: "not posted (QP had already failed)",
-    ST_POST_FAILED: "ibv_post_send failed", ST_FLUSHED: "flushed after an earlier failure",
+    ST_TIMEOUT: "timed out",
+    ST_NOT_POSTED: "not posted (QP had already failed)",
+    ST_POST_FAILED: "ibv_post_send failed",
+    ST_FLUSHED: "flushed after an earlier failure",
 }
 # Statuses that say nothing about the op itself: it may be retried on a fresh QP.
 RETRYABLE = frozenset({ST_NOT_POSTED, ST_FLUSHED, ST_POST_FAILED, 5})
@@ -294,9 +305,14 @@ class ConnInfo:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form for the control channel."""
         return {
-            "qpn": self.qpn, "psn": self.psn, "gid": self.gid.hex(), "lid": self.lid,
-            "mtu": self.mtu, "region_addr": self.region_addr,
-            "region_len": self.region_len, "rkey": self.rkey,
+            "qpn": self.qpn,
+            "psn": self.psn,
+            "gid": self.gid.hex(),
+            "lid": self.lid,
+            "mtu": self.mtu,
+            "region_addr": self.region_addr,
+            "region_len": self.region_len,
+            "rkey": self.rkey,
         }
 
     @classmethod
@@ -304,8 +320,15 @@ class ConnInfo:
         """Parse and validate a peer's connection info (untrusted input)."""
         if not isinstance(d, dict):
             raise RdmaError(f"RDMA connection info must be an object, got {type(d).__name__}")
-        limits = {"qpn": 1 << 24, "psn": 1 << 24, "lid": 1 << 16, "mtu": 6,
-                  "region_addr": 1 << 64, "region_len": 1 << 64, "rkey": 1 << 32}
+        limits = {
+            "qpn": 1 << 24,
+            "psn": 1 << 24,
+            "lid": 1 << 16,
+            "mtu": 6,
+            "region_addr": 1 << 64,
+            "region_len": 1 << 64,
+            "rkey": 1 << 32,
+        }
         vals: dict[str, int] = {}
         for name, bound in limits.items():
             v = d.get(name)
@@ -391,8 +414,17 @@ class Device:
             lib.rk_close(self._ctx)
             raise RdmaUnavailable(f"cannot query {self.sel.device}: {_ffi.string(err).decode()}")
         self.attrs = DeviceAttrs(
-            a.max_sge, a.max_qp_wr, a.max_qp_rd_atom, a.max_cqe, a.max_mr_size, a.port_state,
-            a.active_mtu, a.max_msg_sz, a.lid, a.link_layer, a.gid_tbl_len,
+            a.max_sge,
+            a.max_qp_wr,
+            a.max_qp_rd_atom,
+            a.max_cqe,
+            a.max_mr_size,
+            a.port_state,
+            a.active_mtu,
+            a.max_msg_sz,
+            a.lid,
+            a.link_layer,
+            a.gid_tbl_len,
         )
         if a.port_state != PORT_ACTIVE:
             self.close()
@@ -487,8 +519,16 @@ class QueuePair:
         info = _ffi.new("rk_qp_info*")
         _need_native().rk_qp_info_get(self._h, info)
         s = self.dev.sel
-        return ConnInfo(int(info.qpn), int(info.psn), s.gid, s.lid, self.dev.attrs.active_mtu,
-                        region.addr, region.length, region.rkey)
+        return ConnInfo(
+            int(info.qpn),
+            int(info.psn),
+            s.gid,
+            s.lid,
+            self.dev.attrs.active_mtu,
+            region.addr,
+            region.length,
+            region.rkey,
+        )
 
     def connect(self, remote: ConnInfo) -> None:
         """INIT -> RTR -> RTS against ``remote``."""
@@ -497,8 +537,9 @@ class QueuePair:
         _ffi.memmove(r.gid, remote.gid, GID_LEN)
         use_grh = 1 if self.dev.attrs.link_layer == LINK_LAYER_ETHERNET or remote.lid == 0 else 0
         err = _ffi.new("char[]", ERRLEN)
-        rc = _need_native().rk_qp_connect(self._h, r, self.dev.sel.gid_index, use_grh,
-                                          QP_TIMEOUT, QP_RETRY_CNT, QP_RNR_RETRY, err)
+        rc = _need_native().rk_qp_connect(
+            self._h, r, self.dev.sel.gid_index, use_grh, QP_TIMEOUT, QP_RETRY_CNT, QP_RNR_RETRY, err
+        )
         if rc != 0:
             raise RdmaError(f"QP connect failed: {_ffi.string(err).decode()}")
         self.connected = True
@@ -511,7 +552,7 @@ class QueuePair:
             raise RdmaError(f"QP reset failed: {_ffi.string(err).decode()}")
 
     def state(self) -> int:
-        """ibv_qp_state (3 = RTR, 4 = RTS, 6 = ERROR)."""
+        """ibv_qp_state (QPS_RTS, QPS_ERR, ...)."""
         return int(_need_native().rk_qp_state(self._h))
 
     def force_error(self) -> None:
@@ -547,11 +588,31 @@ class QueuePair:
             o.remote_addr = ra
             o.length = ln
         st = _ffi.new("rk_stats*")
-        lib.rk_qp_run(self._h, opcode, local.addr, local.lkey, rkey, buf, n, self._status_buf,
-                      sge_limit, signal_every, float(timeout), st)
+        lib.rk_qp_run(
+            self._h,
+            opcode,
+            local.addr,
+            local.lkey,
+            rkey,
+            buf,
+            n,
+            self._status_buf,
+            sge_limit,
+            signal_every,
+            float(timeout),
+            st,
+        )
         status = list(_ffi.unpack(self._status_buf, n)) if n else []
-        stats = JobStats(st.wrs, st.sges, st.post_calls, st.signaled, st.polls,
-                         st.max_outstanding, st.first_error, st.failed_ops)
+        stats = JobStats(
+            st.wrs,
+            st.sges,
+            st.post_calls,
+            st.signaled,
+            st.polls,
+            st.max_outstanding,
+            st.first_error,
+            st.failed_ops,
+        )
         return status, stats
 
     def close(self) -> None:
