@@ -32,6 +32,7 @@ from rdmakv.errors import (
     ConfigError,
     ConnectionLost,
     ProtocolError,
+    RdmaError,
     RdmakvError,
     TransportError,
 )
@@ -140,7 +141,14 @@ class KVClient:
         except OSError as e:
             raise wrap_socket_errors(what, e) from e
         name = resolve_transport(self._want_transport, info.transports)
-        tp = get_transport(name).client(ch, info, self.timeout)
+        try:
+            tp = get_transport(name).client(ch, info, self.timeout)
+        except RdmaError as e:  # RDMA set-up with this peer failed: auto falls back to TCP
+            if self._want_transport != "auto" or "tcp" not in info.transports:
+                raise
+            log.warning("rdma set-up with %s:%d failed (%s); using tcp", self.host, self.port, e)
+            name = "tcp"
+            tp = get_transport(name).client(ch, info, self.timeout)
         if self.slab is not None:
             tp.register_local(self.slab)
         if self.info is not None and self.info.node_id != info.node_id:

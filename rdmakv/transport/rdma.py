@@ -397,3 +397,14 @@ def node_data_path_or_none(pool: Slab) -> RdmaNodeDataPath | None:
         return None
     log.info("rdmakv node: rdma offered on %s", dp.device.sel.describe())
     return dp
+
+
+def _register() -> None:
+    from rdmakv.transport import TransportSpec, register_transport
+
+    register_transport(
+        TransportSpec("rdma", RdmaTransport, RdmaNodeDataPath, usable=lambda: rdma_usable()[0])
+    )
+
+
+_register()
