@@ -260,6 +260,14 @@ def test_bad_arguments_to_longest_hit_and_required_blocks() -> None:
 # --- property test against the brute-force reference ---------------------------------------
 
 
+def windows(block: int) -> st.SearchStrategy[int]:
+    """Any window, or one within 2 tokens of a block boundary (where ceil((W-1)/B) changes)."""
+    at_boundary = st.builds(
+        lambda k, d: max(1, k * block + d), st.integers(0, 4), st.integers(-2, 2)
+    )
+    return st.one_of(st.integers(1, 300), at_boundary)
+
+
 @st.composite
 def hybrid_case(draw: st.DrawFn) -> tuple[list[KVCacheGroup], list[list[bool]], int]:
     n_groups = draw(st.integers(2, 4))
@@ -278,7 +286,7 @@ def hybrid_case(draw: st.DrawFn) -> tuple[list[KVCacheGroup], list[list[bool]], 
         if kind == "full":
             spec = FullAttentionSpec(block)
         elif kind == "swa":
-            spec = SlidingWindowSpec(block, draw(st.integers(1, 300)))
+            spec = SlidingWindowSpec(block, draw(windows(block)))
         else:
             spec = StateSpec(block)
         groups.append(KVCacheGroup(gid, spec))
