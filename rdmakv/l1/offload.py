@@ -140,13 +140,15 @@ class OffloadQueue:
     def done(self, items: Iterable[OffloadItem]) -> None:
         """The consumer has finished with ``items`` (sent or failed): free their pending bytes."""
         items = list(items)
+        total = sum(it.nbytes for it in items)
         with self._cond:
-            for it in items:
-                self.pending_bytes -= it.nbytes
-            if self.pending_bytes < 0:
-                # More done() than offers: a consumer bug; fail loudly, don't hide it.
-                self.pending_bytes = 0
-                raise ConfigError("OffloadQueue.done() called for items that were not pending")
+            if total > self.pending_bytes:
+                # More done() than offers: a consumer bug; fail loudly, change nothing.
+                raise ConfigError(
+                    f"OffloadQueue.done() for {total} bytes, but only "
+                    f"{self.pending_bytes} are pending: items that were not pending"
+                )
+            self.pending_bytes -= total
             self._completed.extend(items)
 
     # -- lifetime ------------------------------------------------------------
