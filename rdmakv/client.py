@@ -316,8 +316,18 @@ class KVClient:
             raise
         finally:
             if leases and self._ch is not None:
-                self._call(Op.RELEASE, encode_u64_list(leases), "RELEASE")
+                self._release(leases)
         return out
+
+    def _release(self, leases: list[int]) -> None:
+        """End leases without waiting: the node handles requests in order, so the
+        leases are gone before anything this client sends next."""
+        assert self._ch is not None
+        try:
+            self._ch.send_nowait(Op.RELEASE, encode_u64_list(leases))
+        except OSError as e:
+            self._drop()
+            raise wrap_socket_errors("RELEASE", e) from e
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed on the node (one round trip per batch)."""

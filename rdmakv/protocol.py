@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import struct
 from collections.abc import Iterator, Sequence
@@ -70,6 +71,7 @@ from rdmakv.errors import (
 )
 
 Buffer = bytes | bytearray | memoryview
+log = logging.getLogger("rdmakv.protocol")
 
 # -- versioning ---------------------------------------------------------------
 MAGIC = b"RDKV"
@@ -232,7 +234,11 @@ class Reader:
         return out
 
     def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
-        return st.unpack(self._take(st.size))
+        pos = self._pos
+        if pos + st.size > len(self._buf):
+            self._take(st.size)  # raises with the full story
+        self._pos = pos + st.size
+        return st.unpack_from(self._buf, pos)
 
     def u8(self) -> int:
         return int(self.unpack(U8)[0])
@@ -262,10 +268,15 @@ class Reader:
         return n
 
     def key(self) -> bytes:
-        n = self.u16()
+        (n,) = self.unpack(U16)
         if n == 0 or n > MAX_KEY_LEN:
             raise ProtocolError(f"{self._what}: key length {n} outside [1, {MAX_KEY_LEN}]")
-        return self.raw(n)
+        pos = self._pos
+        end = pos + n
+        if end > len(self._buf):
+            self._take(n)
+        self._pos = end
+        return bytes(self._buf[pos:end])
 
     def done(self) -> None:
         if self._pos != len(self._buf):
@@ -393,7 +404,7 @@ def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes]]:
     for _ in range(n):
         k = r.key()
         size, digest = r.unpack(ALLOC_ITEM)
-        out.append((k, int(size), bytes(digest)))
+        out.append((k, size, digest))
     r.done()
     return out
 
@@ -408,20 +419,22 @@ def encode_extents(results: Sequence[AllocResult]) -> bytes:
     return b"".join(parts)
 
 
+_ALLOC_STATUSES = {int(v): v for v in AllocStatus}
+
+
 def decode_extents(payload: Buffer, expected: int) -> list[AllocResult]:
     r = Reader(payload, "ALLOC response")
     n = r.count(MAX_KEYS_PER_REQUEST, EXTENT.size, "extents")
     if n != expected:
         raise ProtocolError(f"ALLOC response has {n} entries for {expected} keys")
-    out = []
-    for _ in range(n):
-        st, addr, length, rkey = r.unpack(EXTENT)
-        try:
-            status = AllocStatus(st)
-        except ValueError:
-            raise ProtocolError(f"ALLOC response: unknown status {st}") from None
-        out.append(AllocResult(status, Extent(addr, length, rkey) if status == 0 else None))
+    raw = r.raw(n * EXTENT.size)
     r.done()
+    out = []
+    for st, addr, length, rkey in EXTENT.iter_unpack(raw):
+        status = _ALLOC_STATUSES.get(st)
+        if status is None:
+            raise ProtocolError(f"ALLOC response: unknown status {st}")
+        out.append(AllocResult(status, Extent(addr, length, rkey) if st == 0 else None))
     return out
 
 
@@ -458,14 +471,12 @@ def decode_lookup_results(payload: Buffer, expected: int) -> list[LookupResult |
     n = r.count(MAX_KEYS_PER_REQUEST, LOOKUP_ENTRY.size, "entries")
     if n != expected:
         raise ProtocolError(f"LOOKUP response has {n} entries for {expected} keys")
-    out: list[LookupResult | None] = []
-    for _ in range(n):
-        found, addr, length, rkey, lease, digest = r.unpack(LOOKUP_ENTRY)
-        out.append(
-            LookupResult(Extent(addr, length, rkey), lease, bytes(digest)) if found else None
-        )
+    raw = r.raw(n * LOOKUP_ENTRY.size)
     r.done()
-    return out
+    return [
+        LookupResult(Extent(addr, length, rkey), lease, digest) if found else None
+        for found, addr, length, rkey, lease, digest in LOOKUP_ENTRY.iter_unpack(raw)
+    ]
 
 
 def encode_u64_list(values: Sequence[int]) -> bytes:
@@ -603,6 +614,9 @@ class Channel:
         self._hdr_view = memoryview(self._hdr)
         self.bulk_pending = 0
         self._next_id = 1
+        # Requests sent without waiting (RELEASE): their responses are read and
+        # discarded before the next awaited response, keeping the stream in order.
+        self._unacked: list[tuple[int, int]] = []
 
     def next_req_id(self) -> int:
         rid = self._next_id
@@ -670,8 +684,34 @@ class Channel:
         self.send(opcode, payload, flags=flags, req_id=rid)
         return self.expect(opcode, rid, what)
 
+    def send_nowait(self, opcode: int, payload: bytes) -> None:
+        """Send a request whose response the caller does not wait for.
+
+        Only for requests with no bulk reply whose failure changes nothing for
+        the caller (RELEASE: the node ends leases on expiry/disconnect anyway).
+        """
+        rid = self.next_req_id()
+        self.send(opcode, payload, req_id=rid)
+        self._unacked.append((opcode, rid))
+
+    def _drain_unacked(self) -> None:
+        while self._unacked:
+            opcode, rid = self._unacked.pop(0)
+            hdr = self.recv_header()
+            payload = self.recv_payload(hdr)
+            if hdr.opcode != opcode | RESPONSE_BIT or hdr.req_id != rid or hdr.bulk_len:
+                raise ProtocolError(
+                    f"response out of sync (opcode {hdr.opcode}, req_id {hdr.req_id}; "
+                    f"expected {opcode | RESPONSE_BIT}, {rid})"
+                )
+            if hdr.status != Status.OK:
+                msg = bytes(payload[:MAX_ERROR_MESSAGE]).decode("utf-8", errors="replace")
+                log.debug("unawaited request %d (opcode %d) failed: %s", rid, opcode, msg)
+
     def expect(self, opcode: int, req_id: int, what: str) -> tuple[Header, bytearray]:
         """Read the response to request ``req_id``; error statuses raise."""
+        if self._unacked:
+            self._drain_unacked()
         hdr = self.recv_header()
         payload = self.recv_payload(hdr)
         if hdr.opcode != opcode | RESPONSE_BIT or hdr.req_id != req_id:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One value. ``block`` is a pool block handle; ``length`` <= block size."""
 

@@ -9,11 +9,10 @@ on its pool block; the store drops that reference when the lease ends.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Lease:
+class Lease(NamedTuple):
     lease_id: int
     session: int
     block: int

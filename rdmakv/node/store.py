@@ -71,6 +71,7 @@ class KVStore:
         if lease_timeout <= 0:
             raise ConfigError(f"lease timeout must be > 0 seconds, got {lease_timeout}")
         self.pool = pool
+        self._base = pool.base_addr
         self.block_size = pool.block_size
         self.lease_timeout = lease_timeout
         self.rkey = rkey
@@ -83,7 +84,7 @@ class KVStore:
 
     # -- helpers (lock held) ------------------------------------------------------
     def _extent(self, e: Entry) -> Extent:
-        return Extent(self.pool.base_addr + e.block * self.block_size, e.length, self.rkey)
+        return Extent(self._base + e.block * self.block_size, e.length, self.rkey)
 
     def _expire(self) -> None:
         for lease in self._leases.pop_expired(self._clock()):
