@@ -30,6 +30,7 @@ Failure rules:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -73,31 +74,30 @@ class RdmaOpsFailed(RdmaError):
 
 # -- one shared device per process -------------------------------------------------
 class _SharedDevice:
-    """Reference-counted process-wide :class:`verbs.Device`: every transport
-    and data path in a process shares one PD, so a slab registered for one
-    peer is registered for all (once)."""
+    """The process-wide :class:`verbs.Device`: every transport and data path in
+    a process shares one PD, so a slab registered for one peer is registered
+    for all, exactly once, and stays registered across reconnects. The device
+    lives until the process exits (like a GPU context); registrations of
+    closed slabs are replaced when the range is registered again."""
 
     _lock = threading.Lock()
     _dev: verbs.Device | None = None
-    _users = 0
 
     @classmethod
     def acquire(cls) -> verbs.Device:
         with cls._lock:
             if cls._dev is None:
                 cls._dev = verbs.Device(verbs.select())
+                atexit.register(cls._close)
                 log.info("rdmakv rdma: using %s", cls._dev.sel.describe())
-            cls._users += 1
             return cls._dev
 
     @classmethod
-    def release(cls) -> None:
+    def _close(cls) -> None:
         with cls._lock:
-            cls._users -= 1
-            if cls._users <= 0 and cls._dev is not None:
+            if cls._dev is not None:
                 cls._dev.close()
                 cls._dev = None
-                cls._users = 0
 
 
 def rdma_usable() -> tuple[bool, str]:
@@ -168,7 +168,7 @@ class RdmaTransport(Transport):
     # -- Transport -------------------------------------------------------------
     def register_local(self, slab: Slab) -> None:
         """Register the slab with the device (a no-op if it already is)."""
-        self._mr = self._dev.register(slab.base_addr, slab.nbytes)
+        self._mr = self._dev.register(slab.base_addr, slab.nbytes, owner=slab)
         self._slab = slab
 
     @property
@@ -270,9 +270,6 @@ class RdmaTransport(Transport):
         if qp is not None:
             qp.close()
             self._qp = None  # type: ignore[assignment]
-        if getattr(self, "_dev", None) is not None:
-            self._dev = None  # type: ignore[assignment]
-            _SharedDevice.release()
         self._mr = None
         self._slab = None
 
@@ -320,11 +317,7 @@ class RdmaNodeDataPath(NodeDataPath):
     def __init__(self, pool: Slab) -> None:
         super().__init__(pool)
         self._dev = _SharedDevice.acquire()
-        try:
-            self._mr = self._dev.register(pool.base_addr, pool.nbytes)
-        except BaseException:
-            _SharedDevice.release()
-            raise
+        self._mr = self._dev.register(pool.base_addr, pool.nbytes, owner=pool)
         self._lock = threading.Lock()
         self._qps: dict[int, verbs.QueuePair] = {}
 
@@ -378,10 +371,7 @@ class RdmaNodeDataPath(NodeDataPath):
             qps, self._qps = list(self._qps.values()), {}
         for qp in qps:
             qp.close()
-        if self._dev is not None:
-            self._mr.close()
-            self._dev = None  # type: ignore[assignment]
-            _SharedDevice.release()
+        self._mr.close()  # the pool is going away with the node
 
 
 def node_data_path_or_none(pool: Slab) -> RdmaNodeDataPath | None:

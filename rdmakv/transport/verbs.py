@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,11 +393,14 @@ class MemoryRegion:
     def contains(self, addr: int, length: int) -> bool:
         return length >= 0 and self.addr <= addr and addr + length <= self.addr + self.length
 
-    def close(self) -> None:
+    def _dereg(self) -> None:
         if self._h is not None:
             _need_native().rk_dereg_mr(self._h)
             self._h = None
-            self._dev._forget(self)
+
+    def close(self) -> None:
+        self._dereg()
+        self._dev._forget(self)
 
 
 class Device:
@@ -430,7 +434,7 @@ class Device:
             self.close()
             raise RdmaUnavailable(f"{self.sel.device} port {self.sel.port} is not ACTIVE")
         self._lock = threading.Lock()
-        self._regions: dict[tuple[int, int], MemoryRegion] = {}
+        self._regions: dict[tuple[int, int], tuple[MemoryRegion, weakref.ref[Any] | None]] = {}
         self._qps: list[QueuePair] = []
 
     @property
@@ -438,17 +442,27 @@ class Device:
         """How many ibv_reg_mr calls this device has made (tests: 'once')."""
         return int(_need_native().rk_reg_count(self._ctx)) if self._ctx else 0
 
-    def register(self, addr: int, length: int) -> MemoryRegion:
+    def register(self, addr: int, length: int, owner: object | None = None) -> MemoryRegion:
         """Register [addr, addr+length) for local write + remote read/write.
 
-        Idempotent per range: the slab / pool is registered exactly once.
+        Registered ONCE per range: asking again returns the existing region.
+        ``owner`` (e.g. the Slab) ties the registration to that object: if the
+        range is asked for by a different owner, or the owner was closed, the
+        old registration is stale (it pins the old pages), so it is dropped and
+        the range registered afresh.
         """
         if addr <= 0 or length <= 0:
             raise ConfigError(f"cannot register addr=0x{addr:x} length={length}")
         with self._lock:
-            mr = self._regions.get((addr, length))
-            if mr is not None:
-                return mr
+            entry = self._regions.get((addr, length))
+            if entry is not None:
+                mr, ref = entry
+                old = ref() if ref is not None else None
+                fresh = ref is None or (old is not None and not getattr(old, "closed", False))
+                if fresh and (owner is None or ref is None or old is owner):
+                    return mr
+                del self._regions[(addr, length)]
+                mr._dereg()
             err = _ffi.new("char[]", ERRLEN)
             h = _need_native().rk_reg_mr(self._ctx, addr, length, 1, err)
             if h == _ffi.NULL:
@@ -457,12 +471,14 @@ class Device:
                     f"{_ffi.string(err).decode()} (memlock limit? see `rdmakv doctor`)"
                 )
             mr = MemoryRegion(self, h, addr, length)
-            self._regions[(addr, length)] = mr
+            self._regions[(addr, length)] = (mr, weakref.ref(owner) if owner is not None else None)
             return mr
 
     def _forget(self, mr: MemoryRegion) -> None:
         with self._lock:
-            self._regions.pop((mr.addr, mr.length), None)
+            entry = self._regions.get((mr.addr, mr.length))
+            if entry is not None and entry[0] is mr:
+                del self._regions[(mr.addr, mr.length)]
 
     def create_qp(self, max_wr: int = DEFAULT_MAX_WR) -> QueuePair:
         qp = QueuePair(self, max_wr)
@@ -481,7 +497,7 @@ class Device:
             return
         for qp in list(getattr(self, "_qps", [])):
             qp.close()
-        for mr in list(getattr(self, "_regions", {}).values()):
+        for mr, _ in list(getattr(self, "_regions", {}).values()):
             mr.close()
         _need_native().rk_close(self._ctx)
         self._ctx = None

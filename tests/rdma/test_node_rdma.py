@@ -1,0 +1,232 @@
+"""The node/client integration scenarios over the ``rdma`` transport: a real
+``rdmakv serve --transport rdma`` process, a KVClient with its slab registered
+on the same device, bytes verified end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from rdmakv.client import KVClient
+from rdmakv.errors import ConfigError, RdmaError, TransportError
+from rdmakv.slab import Slab
+from rdmakv.transport import verbs
+from rdmakv.transport.base import IoOp
+from rdmakv.transport.rdma import RdmaOpsFailed, RdmaTransport
+
+pytestmark = pytest.mark.timeout(180)
+
+BLOCK = 16384
+NBLOCKS = 96
+POOL = 256 * BLOCK
+CLIENT_TIMEOUT = 20.0  # soft-RoCE under emulation is slow; never a timing assertion
+READY_LINE_TIMEOUT = 90.0
+
+
+class Node:
+    """A real ``rdmakv serve`` subprocess."""
+
+    def __init__(self, transport: str = "rdma") -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rdmakv.cli", "serve", "--port", "0", "--pool-size",
+             str(POOL), "--block-size", str(BLOCK), "--transport", transport],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "ready on" not in line:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=READY_LINE_TIMEOUT)
+            raise AssertionError(f"node did not start: {line!r} {err}")
+        self.line = line
+        self.port = int(line.split("ready on ", 1)[1].split()[0].rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture()
+def node() -> Iterator[Node]:
+    n = Node()
+    yield n
+    n.kill()
+
+
+@pytest.fixture()
+def slab() -> Iterator[Slab]:
+    s = Slab(NBLOCKS * 2 * BLOCK, BLOCK)
+    yield s
+    s.close()
+
+
+def fill(slab: Slab, handles: list[int]) -> None:
+    for h in handles:
+        slab.numpy(h)[:] = memoryview(bytearray(os.urandom(BLOCK)))
+
+
+def digests(n: int, salt: int = 0) -> list[bytes]:
+    return [(salt * 1_000_003 + i).to_bytes(16, "little") for i in range(n)]
+
+
+def rdma_of(c: KVClient) -> RdmaTransport:
+    tp = c._tp  # the test inspects the live transport (no way to get it otherwise)
+    assert isinstance(tp, RdmaTransport)
+    return tp
+
+
+def test_node_offers_rdma(node: Node) -> None:
+    assert "rdma" in node.line.split("transports=", 1)[1].split()[0].split(",")
+
+
+def test_batched_put_get_bytes_verified(node: Node, slab: Slab) -> None:
+    src = slab.alloc_many(NBLOCKS)
+    dst = slab.alloc_many(NBLOCKS)
+    fill(slab, src)
+    keys = [b"k%d" % i for i in range(NBLOCKS)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.transport_name == "rdma"
+        assert c.put(keys, src, BLOCK, digests(NBLOCKS)) == [True] * NBLOCKS
+        put_stats = rdma_of(c).last_stats
+        assert put_stats is not None and put_stats.failed_ops == 0
+        assert put_stats.wrs < NBLOCKS  # SGL batching gathered blocks
+        assert c.get(keys, dst, digests(NBLOCKS)) == [True] * NBLOCKS
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
+        assert c.stats()["leases_active"] == 0  # every READ lease given back
+        # a digest mismatch is a miss and leaves the block alone
+        slab.numpy(dst[0])[:] = 7
+        assert c.get(keys[:1], dst[:1], digests(1, salt=9)) == [False]
+        assert bytes(slab.view(dst[0])) == bytes([7]) * BLOCK
+
+
+def test_slab_registered_once_across_reconnects(node: Node, slab: Slab) -> None:
+    h = slab.alloc_many(4)
+    fill(slab, h)
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        dev = rdma_of(c).device
+        before = dev.registrations
+        c._drop()  # next call reconnects: new QP, same slab MR
+        assert c.put([b"a%d" % i for i in range(4)], h, BLOCK, digests(4)) == [True] * 4
+        assert rdma_of(c).device is dev
+        assert dev.registrations == before
+        assert c.reconnects >= 1
+
+
+def test_bad_remote_address_is_refused_before_posting(node: Node, slab: Slab) -> None:
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.info is not None
+        outside = c.info.pool_base + c.info.pool_len
+        with pytest.raises(ConfigError, match="outside the node pool"):
+            rdma_of(c).write([IoOp(0, outside, BLOCK)], CLIENT_TIMEOUT)
+
+
+def test_bad_rkey_fails_the_ops_then_recovers(node: Node, slab: Slab) -> None:
+    src = slab.alloc_many(8)
+    dst = slab.alloc_many(8)
+    fill(slab, src)
+    keys = [b"r%d" % i for i in range(8)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.put(keys, src, BLOCK, digests(8)) == [True] * 8
+        tp = rdma_of(c)
+        assert tp._remote is not None and c.info is not None
+        # Fault injection: a wrong rkey, as a confused or stale peer would send.
+        tp._remote = dataclasses.replace(tp._remote, rkey=tp._remote.rkey ^ 0x3C3C)
+        ops = [IoOp(slab.offset(dst[i]), c.info.pool_base + i * BLOCK, BLOCK) for i in range(4)]
+        with pytest.raises(RdmaOpsFailed) as ei:
+            tp.read(ops, CLIENT_TIMEOUT).result()
+        assert ei.value.failed == [0, 1, 2, 3]
+        assert all(s == verbs.ST_REMOTE_ACCESS for s in ei.value.statuses.values())
+        assert tp.reconnects >= 1  # QP reset and reconnected with the node's real rkey
+        assert c.get(keys, dst, digests(8)) == [True] * 8
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
+
+
+def test_qp_error_recovers_on_the_next_batch(node: Node, slab: Slab) -> None:
+    src = slab.alloc_many(6)
+    dst = slab.alloc_many(6)
+    fill(slab, src)
+    keys = [b"q%d" % i for i in range(6)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.put(keys, src, BLOCK, digests(6)) == [True] * 6
+        tp = rdma_of(c)
+        tp.qp.force_error()  # fault injection: the QP breaks under us
+        # flushed ops are retried on a reconnected QP: the get still succeeds
+        assert c.get(keys, dst, digests(6)) == [True] * 6
+        assert tp.reconnects == 1
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
+
+
+def test_node_killed_gives_errors_not_hangs_then_reconnects(slab: Slab) -> None:
+    src = slab.alloc_many(8)
+    dst = slab.alloc_many(8)
+    fill(slab, src)
+    keys = [b"n%d" % i for i in range(8)]
+    n = Node()
+    try:
+        c = KVClient("127.0.0.1", n.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT,
+                     connect_retries=1)
+        assert c.put(keys, src, BLOCK, digests(8)) == [True] * 8
+        n.kill()
+        with pytest.raises(TransportError):
+            c.get(keys, dst, digests(8))
+        n2 = Node()
+        try:
+            c.port = n2.port  # the node came back (on a new port)
+            assert c.put(keys, src, BLOCK, digests(8)) == [True] * 8
+            assert c.transport_name == "rdma"
+            assert c.get(keys, dst, digests(8)) == [True] * 8
+            for s, d in zip(src, dst, strict=True):
+                assert bytes(slab.view(d)) == bytes(slab.view(s))
+        finally:
+            c.close()
+            n2.kill()
+    finally:
+        n.kill()
+
+
+def test_auto_uses_tcp_when_node_has_no_rdma(slab: Slab, caplog: pytest.LogCaptureFixture) -> None:
+    n = Node(transport="tcp")
+    try:
+        with KVClient("127.0.0.1", n.port, slab, transport="auto", timeout=CLIENT_TIMEOUT) as c:
+            assert c.transport_name == "tcp"
+            h = slab.alloc_many(2)
+            fill(slab, h)
+            assert c.put([b"t0", b"t1"], h, BLOCK, digests(2)) == [True, True]
+    finally:
+        n.kill()
+
+
+def test_auto_falls_back_to_tcp_when_rdma_setup_fails(
+    node: Node, slab: Slab, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_connect(self: verbs.QueuePair, remote: verbs.ConnInfo) -> None:
+        raise RdmaError("injected: modify_qp(RTR) failed")
+
+    monkeypatch.setattr(verbs.QueuePair, "connect", broken_connect)  # fault injection
+    src = slab.alloc_many(4)
+    dst = slab.alloc_many(4)
+    fill(slab, src)
+    keys = [b"f%d" % i for i in range(4)]
+    with caplog.at_level(logging.WARNING):
+        c = KVClient("127.0.0.1", node.port, slab, transport="auto", timeout=CLIENT_TIMEOUT)
+    with c:
+        assert c.transport_name == "tcp"
+        assert any("using tcp" in r.getMessage() for r in caplog.records)
+        assert c.put(keys, src, BLOCK, digests(4)) == [True] * 4
+        assert c.get(keys, dst, digests(4)) == [True] * 4
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
+    with pytest.raises(RdmaError):  # an explicit "rdma" never falls back silently
+        KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT,
+                 connect_retries=1)
