@@ -137,6 +137,7 @@ OPS = st.lists(
         st.integers(0, len(KEYS) - 1),
         st.frozensets(st.integers(0, len(KEYS) - 1), max_size=4),  # held keys for evict
     ),
+    min_size=20,  # short runs never reach eviction, promotion or ghost hits
     max_size=120,
 )
 

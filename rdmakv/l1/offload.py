@@ -85,6 +85,7 @@ class OffloadQueue:
         self.dropped_bytes = 0
         self.accepted = 0
         self.accepted_bytes = 0
+        self.drained = 0  # items handed back to the producer by drain_completed
 
     # -- producer side -------------------------------------------------------
     def offer(self, item: OffloadItem) -> bool:
@@ -110,6 +111,7 @@ class OffloadQueue:
         """Items the consumer finished (or that were discarded); producer drops their refs."""
         with self._cond:
             out, self._completed = self._completed, []
+            self.drained += len(out)
             return out
 
     # -- consumer side -------------------------------------------------------
