@@ -24,8 +24,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from rdmakv.errors import (
     AuthError,
@@ -60,6 +60,7 @@ from rdmakv.transport import Transport, get_transport, resolve_transport
 from rdmakv.transport.base import IoOp
 
 log = logging.getLogger("rdmakv.client")
+_T = TypeVar("_T")
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_CONNECT_RETRIES = 3
@@ -189,6 +190,21 @@ class KVClient:
         for s in range(0, n, step):
             yield s, min(n, s + step)
 
+    def _retrying(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``; if a connection that was already open turns out dead, retry
+        once on a fresh one. A node that restarted while we were idle closed our
+        old socket: the first call after that should just work. Every op here is
+        safe to repeat (a put of a key already stored reports True)."""
+        reused = self._ch is not None
+        try:
+            return fn()
+        except ConnectionLost:
+            if not reused or self._closed:
+                raise
+            self._drop()
+            log.info("connection to %s:%d lost; retrying on a new one", self.host, self.port)
+            return fn()
+
     def _guard(self, exc: BaseException) -> None:
         """After a failure mid-operation: drop the connection unless the node merely refused."""
         if not isinstance(exc, RdmakvError) or isinstance(exc, TransportError | ProtocolError):
@@ -217,11 +233,14 @@ class KVClient:
             if not (0 < n <= slab.block_size):
                 raise ConfigError(f"nbytes {n} outside (0, slab block size {slab.block_size}]")
         _check_digests(digests)
-        out: list[bool] = []
-        with self._lock:
+        def run() -> list[bool]:
+            out: list[bool] = []
             for s, e in self._chunks(len(keys)):
                 out.extend(self._put_chunk(keys[s:e], handles[s:e], sizes[s:e], digests[s:e]))
-        return out
+            return out
+
+        with self._lock:
+            return self._retrying(run)
 
     def _put_chunk(
         self,
@@ -284,11 +303,14 @@ class KVClient:
         for h in handles:
             slab.offset(h)
         _check_digests(digests)
-        out: list[int | None] = []
-        with self._lock:
+        def run() -> list[int | None]:
+            out: list[int | None] = []
             for s, e in self._chunks(len(keys)):
                 out.extend(self._get_chunk(keys[s:e], handles[s:e], digests[s:e]))
-        return out
+            return out
+
+        with self._lock:
+            return self._retrying(run)
 
     def _get_chunk(
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
@@ -332,34 +354,31 @@ class KVClient:
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed on the node (one round trip per batch)."""
         _check_keys(keys)
-        out: list[bool] = []
-        with self._lock:
-            for s, e in self._chunks(len(keys)):
-                chunk = keys[s:e]
-                out.extend(
-                    decode_flags(
-                        self._call(Op.EXISTS, encode_keys(chunk), "EXISTS"), len(chunk), "EXISTS"
-                    )
-                )
-        return out
+        return self._flags_op(Op.EXISTS, keys, "EXISTS")
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Remove keys; True per key that was present."""
         _check_keys(keys)
-        out: list[bool] = []
-        with self._lock:
+        return self._flags_op(Op.DELETE, keys, "DELETE")
+
+    def _flags_op(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool]:
+        def run() -> list[bool]:
+            out: list[bool] = []
             for s, e in self._chunks(len(keys)):
                 chunk = keys[s:e]
-                out.extend(
-                    decode_flags(
-                        self._call(Op.DELETE, encode_keys(chunk), "DELETE"), len(chunk), "DELETE"
-                    )
-                )
-        return out
+                reply = self._call(opcode, encode_keys(chunk), what)
+                out.extend(decode_flags(reply, len(chunk), what))
+            return out
+
+        with self._lock:
+            return self._retrying(run)
 
     def stats(self) -> dict[str, Any]:
+        """The node's counters and gauges (see ``rdmakv stats``)."""
         with self._lock:
-            return decode_json(self._call(Op.STATS, b"", "STATS"), "STATS response")
+            return self._retrying(
+                lambda: decode_json(self._call(Op.STATS, b"", "STATS"), "STATS response")
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,339 @@
+"""KVClient against real `rdmakv serve` processes: data, leases, eviction, faults."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from conftest import NodeProcess
+
+from rdmakv.client import KVClient
+from rdmakv.errors import AuthError, ConfigError, RdmakvError, RemoteError, TransportError
+from rdmakv.protocol import LOOKUP_FLAG_LEASE, Op, decode_lookup_results, encode_keys
+from rdmakv.slab import Slab
+from rdmakv.transport.base import IoOp
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 64 * 1024
+POLL_S = 0.05
+WAIT_S = 20.0
+
+
+def fill(slab: Slab, handles: list[int], seed: int) -> list[bytes]:
+    """Random bytes in each block; returns each block's digest."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for h in handles:
+        slab.numpy(h)[:] = rng.integers(0, 256, slab.block_size, dtype=np.uint8)
+        out.append(hashlib.blake2b(slab.view(h), digest_size=16).digest())
+    return out
+
+
+def keys_for(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(n)]
+
+
+def wait_for(pred: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(POLL_S)
+
+
+def test_batched_put_get_roundtrip_bytes_verified(node: NodeProcess, client_slab: Slab) -> None:
+    n = 100
+    src = client_slab.alloc_many(n)
+    dst = client_slab.alloc_many(n)
+    digests = fill(client_slab, src, seed=1)
+    keys = keys_for("rt", n)
+    sizes = [BLOCK - 7 * i for i in range(n)]  # values shorter than a block too
+    with KVClient(*node.address, client_slab) as c:
+        assert c.transport_name == "tcp"
+        assert c.put(keys, src, sizes, digests) == [True] * n
+        got = c.get_sizes(keys, dst, digests)
+    assert got == sizes
+    for s, d, size in zip(src, dst, sizes, strict=True):
+        assert bytes(client_slab.view(s, size)) == bytes(client_slab.view(d, size))
+
+
+def test_exists_delete_unknown_keys(node: NodeProcess, client_slab: Slab) -> None:
+    src = client_slab.alloc_many(3)
+    digests = fill(client_slab, src, seed=2)
+    keys = keys_for("ed", 3)
+    with KVClient(*node.address, client_slab) as c:
+        assert c.exists([*keys, b"never"]) == [False] * 4
+        assert c.put(keys, src, BLOCK, digests) == [True] * 3
+        assert c.exists([*keys, b"never"]) == [True, True, True, False]
+        assert c.delete([keys[1], b"never"]) == [True, False]
+        assert c.exists(keys) == [True, False, True]
+        dst = client_slab.alloc_many(3)
+        assert c.get([*keys[:2], b"never"], dst, [*digests[:2], bytes(16)]) == [True, False, False]
+        # putting an existing key again is not an error: the node already has it
+        assert c.put(keys[:1], src[:1], BLOCK, digests[:1]) == [True]
+
+
+def test_digest_mismatch_is_a_miss_and_leaves_block_alone(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    src, dst = client_slab.alloc_many(2)
+    (digest,) = fill(client_slab, [src], seed=3)
+    client_slab.numpy(dst)[:] = 0xAB
+    with KVClient(*node.address, client_slab) as c:
+        assert c.put([b"k"], [src], BLOCK, [digest]) == [True]
+        wrong = bytes(b ^ 1 for b in digest)
+        assert c.get([b"k"], [dst], [wrong]) == [False]
+        assert (client_slab.numpy(dst) == 0xAB).all()
+        assert c.stats()["leases_active"] == 0  # the mismatch's lease was given back
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    h = client_slab.alloc()
+    with KVClient(*node.address, client_slab) as c:
+        with pytest.raises(ConfigError, match="digest"):
+            c.put([b"k"], [h], BLOCK, [b"short"])
+        with pytest.raises(ConfigError, match="2 handles"):
+            c.put([b"k"], [h, h], BLOCK, [bytes(16)])
+        with pytest.raises(ConfigError, match="key #0"):
+            c.get([b""], [h], [bytes(16)])
+        with pytest.raises(RdmakvError, match=r"not allocated|out of range"):
+            c.put([b"k"], [client_slab.num_blocks + 5], BLOCK, [bytes(16)])
+        with pytest.raises(ConfigError, match="nbytes"):
+            c.put([b"k"], [h], BLOCK + 1, [bytes(16)])
+        assert c.stats()["allocs"] == 0
+        with pytest.raises(ConfigError, match="unknown transport"):
+            KVClient(*node.address, client_slab, transport="carrier-pigeon")
+
+
+def test_value_larger_than_node_block_is_refused(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab
+) -> None:
+    node = node_factory(block_size="16KiB")
+    h = client_slab.alloc()
+    with KVClient(*node.address, client_slab) as c:
+        assert c.info is not None and c.info.block_size == 16 * 1024
+        assert c.put([b"big", b"ok"], [h, h], [BLOCK, 1024], [bytes(16)] * 2) == [False, True]
+        assert c.exists([b"big", b"ok"]) == [False, True]
+
+
+def test_lru_eviction_when_the_pool_is_full(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab
+) -> None:
+    node = node_factory(pool_size="512KiB")  # 8 blocks of 64 KiB
+    src = client_slab.alloc_many(12)
+    digests = fill(client_slab, src, seed=4)
+    keys = keys_for("lru", 12)
+    with KVClient(*node.address, client_slab) as c:
+        assert c.put(keys[:8], src[:8], BLOCK, digests[:8]) == [True] * 8
+        c.exists(keys[:1])  # exists does not refresh recency
+        dst = client_slab.alloc_many(1)
+        assert c.get(keys[:1], dst, digests[:1]) == [True]  # key 0 is now most recent
+        assert c.put(keys[8:12], src[8:12], BLOCK, digests[8:12]) == [True] * 4
+        assert c.exists(keys) == [True] + [False] * 4 + [True] * 7
+        assert c.stats()["evictions"] == 4
+
+
+def _lease(c: KVClient, keys: list[bytes]) -> list[int]:
+    """Take leases the way get does, but keep them (a client that dies mid-get)."""
+    payload = c._call(Op.LOOKUP, encode_keys(keys), "LOOKUP", flags=LOOKUP_FLAG_LEASE)
+    found = decode_lookup_results(payload, len(keys))
+    assert all(f is not None for f in found)
+    return [f.lease_id for f in found if f is not None]
+
+
+def test_leased_extent_is_not_evicted_and_expired_lease_is_reclaimed(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab
+) -> None:
+    node = node_factory(pool_size="256KiB", lease_timeout="1.0")  # 4 blocks
+    src = client_slab.alloc_many(8)
+    digests = fill(client_slab, src, seed=5)
+    keys = keys_for("lease", 8)
+    with KVClient(*node.address, client_slab) as c, KVClient(*node.address, client_slab) as other:
+        assert c.put(keys[:4], src[:4], BLOCK, digests[:4]) == [True] * 4
+        _lease(c, keys[:1])  # key 0 leased, never released
+        # 4 new keys need 4 blocks: three evictions, key 0 is pinned -> one fails
+        assert other.put(keys[4:8], src[4:8], BLOCK, digests[4:8]) == [True] * 3 + [False]
+        assert c.exists(keys[:1]) == [True]
+        wait_for(lambda: other.stats()["leases_active"] == 0, "the lease to expire")
+        assert other.stats()["leases_expired"] == 1
+        # the extent is evictable again: the last put now succeeds by evicting it
+        assert other.put(keys[7:8], src[7:8], BLOCK, digests[7:8]) == [True]
+        assert c.exists(keys[:1]) == [False]
+
+
+def test_reading_an_extent_after_its_lease_ended_is_refused(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    src, dst = client_slab.alloc_many(2)
+    digests = fill(client_slab, [src], seed=6)
+    with KVClient(*node.address, client_slab) as c:
+        assert c.put([b"k"], [src], BLOCK, digests) == [True]
+        payload = c._call(Op.LOOKUP, encode_keys([b"k"]), "LOOKUP", flags=LOOKUP_FLAG_LEASE)
+        (found,) = decode_lookup_results(payload, 1)
+        assert found is not None
+        op = IoOp(client_slab.offset(dst), found.extent.addr, found.extent.length)
+        c._tp.read([op], 5.0).result()  # type: ignore[union-attr]
+        c._release([found.lease_id])
+        with pytest.raises(RemoteError, match="BAD_ADDRESS"):
+            c._tp.read([op], 5.0).result()  # type: ignore[union-attr]
+        assert c.exists([b"k"]) == [True]  # connection still serving
+
+
+def test_uncommitted_extents_are_invisible_and_reclaimed_on_disconnect(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    from rdmakv.protocol import decode_extents, encode_alloc
+
+    with KVClient(*node.address, client_slab) as c, KVClient(*node.address, None) as watcher:
+        payload = c._call(Op.ALLOC, encode_alloc([b"half"], [BLOCK], [bytes(16)]), "ALLOC")
+        assert decode_extents(payload, 1)[0].extent is not None
+        assert watcher.exists([b"half"]) == [False]
+        assert watcher.stats()["pending"] == 1
+        c.close()
+        wait_for(lambda: watcher.stats()["pending"] == 0, "the uncommitted extent to be reclaimed")
+        st = watcher.stats()
+        assert st["reclaimed_on_disconnect"] == 1 and st["blocks_used"] == 0
+
+
+def test_token_required_and_checked(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab
+) -> None:
+    node = node_factory(token=b"s3cret")
+    with pytest.raises(AuthError, match="token"):
+        KVClient(*node.address, client_slab, token=b"wrong")
+    with pytest.raises(AuthError, match="token"):
+        KVClient(*node.address, client_slab)
+    with KVClient(*node.address, client_slab, token="s3cret") as c:
+        assert c.exists([b"x"]) == [False]
+
+
+def test_many_concurrent_clients_keep_their_data_apart(
+    node_factory: Callable[..., NodeProcess],
+) -> None:
+    node = node_factory(pool_size="64MiB")
+    errors: list[BaseException] = []
+
+    def worker(wid: int) -> None:
+        try:
+            with (
+                Slab(4 * 1024 * 1024, BLOCK, lock=False) as slab,
+                KVClient(*node.address, slab) as c,
+            ):
+                src = slab.alloc_many(24)
+                dst = slab.alloc_many(24)
+                for rnd in range(3):
+                    digests = fill(slab, src, seed=wid * 100 + rnd)
+                    keys = keys_for(f"w{wid}-r{rnd}", 24)
+                    assert c.put(keys, src, BLOCK, digests) == [True] * 24
+                    assert c.get(keys, dst, digests) == [True] * 24
+                    for s, d in zip(src, dst, strict=True):
+                        assert bytes(slab.view(s)) == bytes(slab.view(d))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_kill_9_mid_batch_gives_errors_not_hangs(
+    node_factory: Callable[..., NodeProcess],
+) -> None:
+    node = node_factory(pool_size="256MiB", block_size="1MiB")
+    outcome: list[object] = []
+    with Slab(64 * 1024 * 1024, 1024 * 1024, lock=False) as slab:
+        src = slab.alloc_many(48)
+        dst = slab.alloc_many(1)
+        c = KVClient(*node.address, slab, timeout=2.0, connect_retries=2)
+
+        def hammer() -> None:
+            try:
+                for i in range(10_000):
+                    c.put(keys_for(f"kill{i}", 48), src, 1024 * 1024, [bytes(16)] * 48)
+                outcome.append("finished")
+            except TransportError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        wait_for(lambda: node.alive() and c.stats()["commits"] > 0, "puts to be flowing")
+        node.kill()
+        t.join(WAIT_S)
+        assert not t.is_alive(), "put hung after the node died"
+        assert len(outcome) == 1 and isinstance(outcome[0], TransportError), outcome
+        with pytest.raises(TransportError):
+            c.get([b"kill0-0"], dst, [bytes(16)])
+        c.close()
+
+
+def test_stalled_node_times_out(node: NodeProcess, client_slab: Slab) -> None:
+    from rdmakv.errors import TransportTimeout
+
+    h = client_slab.alloc()
+    with KVClient(*node.address, client_slab, timeout=0.5, connect_retries=1) as c:
+        assert c.put([b"k"], [h], BLOCK, [bytes(16)]) == [True]
+        assert node.proc is not None
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransportTimeout):
+                c.get([b"k"], [h], [bytes(16)])
+        finally:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        assert c.get([b"k"], [h], [bytes(16)]) == [True]  # reconnected after the timeout
+
+
+def test_restarted_node_is_reconnected(node: NodeProcess, client_slab: Slab) -> None:
+    src = client_slab.alloc_many(2)
+    digests = fill(client_slab, src, seed=7)
+    with KVClient(*node.address, client_slab) as c:
+        assert c.put([b"a"], src[:1], BLOCK, digests[:1]) == [True]
+        first_id = c.info.node_id if c.info else b""
+        node.restart()
+        # the new node is empty; the client notices the old connection died and reconnects
+        assert c.exists([b"a"]) == [False]
+        assert c.info is not None and c.info.node_id != first_id
+        assert c.put([b"b"], src[1:], BLOCK, digests[1:]) == [True]
+        dst = client_slab.alloc_many(1)
+        assert c.get([b"b"], dst, digests[1:]) == [True]
+        assert bytes(client_slab.view(dst[0])) == bytes(client_slab.view(src[1]))
+
+
+def test_dead_node_gives_error_within_timeout(node: NodeProcess, client_slab: Slab) -> None:
+    c = KVClient(*node.address, client_slab, timeout=1.0, connect_retries=2)
+    node.kill()
+    with pytest.raises(TransportError):
+        c.exists([b"x"])
+    c.close()
+
+
+def test_sigterm_shuts_down_cleanly_and_stats_cli(node: NodeProcess, client_slab: Slab) -> None:
+    h = client_slab.alloc()
+    with KVClient(*node.address, client_slab) as c:
+        assert c.put([b"k"], [h], 100, [bytes(16)]) == [True]
+    out = subprocess.run(
+        [sys.executable, "-m", "rdmakv.cli", "stats", f"{node.host}:{node.port}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    stats = json.loads(out.stdout)
+    assert stats["entries"] == 1 and stats["bytes_stored"] == 100
+    assert stats["transports"] == ["tcp"]
+    assert node.terminate() == 0
+    assert "node stopped" in node.stderr()
