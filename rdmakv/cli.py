@@ -143,7 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the demo workload")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("doctor", help="check this machine's RDMA set-up and say how to fix it")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_doctor)
     return parser
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from rdmakv.doctor import main as doctor_main
+
+    return doctor_main(as_json=args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

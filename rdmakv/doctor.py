@@ -1,0 +1,195 @@
+"""``rdmakv doctor``: what RDMA this machine has, and what is wrong with it.
+
+Reads sysfs (works without opening a device) and, when the native core is
+built, queries each port through libibverbs for the active MTU and limits.
+Every problem found is stated plainly with the command that fixes it; the
+exit status is 0 when rdmakv can use RDMA here, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rdmakv.errors import RdmakvError
+from rdmakv.transport import verbs
+
+MEMLOCK_RECOMMENDED = 1 << 30
+"""Below this, a typical slab or node pool (GiBs) cannot be pinned/registered."""
+UVERBS_DIR = Path("/dev/infiniband")
+SETUP_HOST = "deploy/softroce/setup-host.sh"
+RUN_IN_VM = "deploy/softroce/run-in-vm.sh"
+
+
+@dataclass
+class Problem:
+    what: str
+    fix: str
+
+
+@dataclass
+class PortReport:
+    device: str
+    port: int
+    state: str
+    phys_state: str
+    link_layer: str
+    active_mtu: int | None
+    gids: list[dict[str, Any]]
+
+
+@dataclass
+class Report:
+    native: str
+    devices: list[str]
+    ports: list[PortReport] = field(default_factory=list)
+    memlock: str = ""
+    selected: str | None = None
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+def _mtu(device: str, port: int) -> int | None:
+    """Active MTU in bytes via libibverbs, None when the native core is missing."""
+    if not verbs.native_available():
+        return None
+    try:
+        sel = verbs.Selection(device, port, 0, bytes(verbs.GID_LEN), "", "", 0)
+        dev = verbs.Device(sel)  # raises for a port that is not ACTIVE
+    except RdmakvError:
+        return None
+    try:
+        return verbs.MTU_BYTES.get(dev.attrs.active_mtu)
+    finally:
+        dev.close()
+
+
+def _netdev_hint(info: verbs.PortInfo) -> str:
+    ndevs = {g.netdev for g in info.gids if g.netdev}
+    return next(iter(ndevs)) if len(ndevs) == 1 else "<netdev>"
+
+
+def diagnose() -> Report:
+    """Collect the facts and the problems (pure reading; changes nothing)."""
+    report = Report(
+        native="built" if verbs.native_available() else f"MISSING ({verbs.NATIVE_ERROR})",
+        devices=verbs.list_devices(),
+    )
+    if not verbs.native_available():
+        report.problems.append(Problem(
+            "the native RDMA core (rdmakv._native_verbs) is not built, so rdmakv is TCP-only",
+            "apt-get install libibverbs-dev ibverbs-providers, then reinstall rdmakv "
+            "(pip install -e .)",
+        ))
+    if not report.devices:
+        ib_core = Path("/sys/module/ib_core").exists()
+        report.problems.append(Problem(
+            "no RDMA device" + ("" if ib_core else " (the kernel has no InfiniBand/RDMA support "
+                                "loaded: no ib_core module)"),
+            f"hardware: load its driver (e.g. modprobe mlx5_ib). Soft-RoCE: sudo {SETUP_HOST} "
+            f"<netdev> (modprobe rdma_rxe; rdma link add rxe0 type rxe netdev <netdev>). "
+            f"A kernel without rdma_rxe: run under {RUN_IN_VM} -- <cmd>",
+        ))
+    elif not (UVERBS_DIR.is_dir() and any(UVERBS_DIR.glob("uverbs*"))):
+        report.problems.append(Problem(
+            "RDMA devices exist but /dev/infiniband/uverbs* is missing (user verbs unavailable)",
+            "modprobe ib_uverbs",
+        ))
+    usable_port = False
+    for dev in report.devices:
+        for p in verbs.list_ports(dev):
+            info = verbs.port_info(dev, p)
+            gids = [
+                {"index": g.index, "gid": g.text, "type": g.type or "?", "netdev": g.netdev}
+                for g in info.gids
+            ]
+            report.ports.append(PortReport(dev, p, info.state, info.phys_state,
+                                           info.link_layer, _mtu(dev, p), gids))
+            if not info.active:
+                fix = (
+                    f"ip link set {_netdev_hint(info)} up (and check the link/cable)"
+                    if info.link_layer == "Ethernet"
+                    else "check the cable and that a subnet manager runs "
+                    "(systemctl start opensm)"
+                )
+                report.problems.append(Problem(f"{dev} port {p} is {info.state or 'not ACTIVE'}",
+                                               fix))
+                continue
+            if info.link_layer == "Ethernet" and not any(g.is_roce_v2 for g in info.gids):
+                report.problems.append(Problem(
+                    f"{dev} port {p} has no RoCE v2 GID (only "
+                    f"{', '.join(sorted({g.type or '?' for g in info.gids})) or 'none'})",
+                    f"give the netdev an IP address: ip addr add <ip>/<len> dev "
+                    f"{_netdev_hint(info)}",
+                ))
+                continue
+            usable_port = True
+    if report.devices and not usable_port and not report.problems:
+        report.problems.append(Problem("no usable RDMA port", f"see the ports above; {SETUP_HOST}"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        report.memlock = "unlimited"
+    else:
+        report.memlock = f"{soft} bytes"
+        if soft < MEMLOCK_RECOMMENDED:
+            report.problems.append(Problem(
+                f"memlock limit is {soft} bytes: registering a slab or node pool larger than "
+                "that fails (ibv_reg_mr: Cannot allocate memory)",
+                "ulimit -l unlimited (shell); LimitMEMLOCK=infinity (systemd); "
+                "docker run --ulimit memlock=-1; or raise memlock in /etc/security/limits.conf",
+            ))
+    if usable_port and verbs.native_available():
+        try:
+            report.selected = verbs.select().describe()
+        except RdmakvError as e:
+            report.problems.append(Problem(f"rdmakv cannot select a port: {e}",
+                                           f"check {verbs.ENV_DEVICE}/{verbs.ENV_PORT}/"
+                                           f"{verbs.ENV_GID_INDEX} overrides"))
+    return report
+
+
+def render(report: Report) -> str:
+    lines = [f"native RDMA core: {report.native}"]
+    if not report.devices:
+        lines.append("RDMA devices: none")
+    for pr in report.ports:
+        mtu = f"{pr.active_mtu}" if pr.active_mtu else "?"
+        lines.append(f"{pr.device} port {pr.port}: {pr.state} ({pr.phys_state}), "
+                     f"link layer {pr.link_layer or '?'}, active MTU {mtu}")
+        if not pr.gids:
+            lines.append("    no GIDs")
+        for g in pr.gids:
+            lines.append(f"    gid[{g['index']}] {g['gid']}  {g['type']}"
+                         + (f"  on {g['netdev']}" if g["netdev"] else ""))
+    lines.append(f"memlock limit: {report.memlock}")
+    env = {k: os.environ[k] for k in (verbs.ENV_DEVICE, verbs.ENV_PORT, verbs.ENV_GID_INDEX)
+           if k in os.environ}
+    if env:
+        lines.append("overrides: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    if report.selected:
+        lines.append(f"rdmakv would use: {report.selected}")
+    if report.ok:
+        lines.append("OK: RDMA is usable (transport auto picks rdma)")
+    else:
+        lines.append("PROBLEMS (transport auto falls back to tcp):")
+        for pb in report.problems:
+            lines.append(f"  - {pb.what}\n    fix: {pb.fix}")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False) -> int:
+    report = diagnose()
+    print(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
+    return 0 if report.ok else 1
