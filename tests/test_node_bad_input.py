@@ -1,0 +1,316 @@
+"""Hostile and broken clients against a real node, speaking raw frames.
+
+Each case must get a clear error (a status naming what was wrong), and the node
+must keep serving its other clients with their data intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterator
+
+import pytest
+from conftest import NodeProcess
+
+from rdmakv.client import KVClient
+from rdmakv.protocol import (
+    HEADER,
+    MAGIC,
+    MAX_KEYS_PER_REQUEST,
+    MAX_OPS_PER_DATA_REQUEST,
+    MAX_PAYLOAD,
+    PROTOCOL_VERSION,
+    RESPONSE_BIT,
+    U16,
+    U32,
+    Channel,
+    Header,
+    Op,
+    Status,
+    decode_extents,
+    decode_flags,
+    decode_node_info,
+    encode_alloc,
+    encode_data_ops,
+    encode_hello,
+    encode_keys,
+)
+from rdmakv.slab import Slab
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 64 * 1024
+IO_TIMEOUT_S = 10.0
+
+
+class Raw:
+    """A hand-driven connection: send any bytes, read one response."""
+
+    def __init__(self, node: NodeProcess) -> None:
+        self.sock = socket.create_connection(node.address, timeout=IO_TIMEOUT_S)
+        self.ch = Channel(self.sock)
+        self.rid = 0
+
+    def frame(
+        self,
+        opcode: int,
+        payload: bytes = b"",
+        *,
+        bulk: bytes = b"",
+        flags: int = 0,
+        bulk_len: int | None = None,
+        payload_len: int | None = None,
+    ) -> None:
+        self.rid += 1
+        hdr = HEADER.pack(
+            opcode,
+            flags,
+            0,
+            len(payload) if payload_len is None else payload_len,
+            len(bulk) if bulk_len is None else bulk_len,
+            self.rid,
+        )
+        self.sock.sendall(hdr + payload + bulk)
+
+    def response(self) -> tuple[Header, bytes, bytes]:
+        hdr = self.ch.recv_header()
+        payload = bytes(self.ch.recv_payload(hdr))
+        bulk = bytearray(hdr.bulk_len)
+        if hdr.bulk_len:
+            self.ch.recv_bulk([memoryview(bulk)])
+        assert hdr.opcode & RESPONSE_BIT
+        return hdr, payload, bytes(bulk)
+
+    def call(self, opcode: int, payload: bytes = b"", **kw: object) -> tuple[int, bytes, bytes]:
+        self.frame(opcode, payload, **kw)  # type: ignore[arg-type]
+        hdr, p, b = self.response()
+        return hdr.status, p, b
+
+    def hello(self, token: bytes | None = None) -> None:
+        status, payload, _ = self.call(Op.HELLO, encode_hello(token))
+        assert status == Status.OK, payload
+        self.info = decode_node_info(payload)
+
+    def closed_by_peer(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def raw(node: NodeProcess) -> Iterator[Callable[[], Raw]]:
+    conns: list[Raw] = []
+
+    def make() -> Raw:
+        r = Raw(node)
+        conns.append(r)
+        return r
+
+    yield make
+    for r in conns:
+        r.close()
+
+
+@pytest.fixture
+def victim(node: NodeProcess, client_slab: Slab) -> Iterator[Callable[[], None]]:
+    """A well-behaved client with data on the node; calling it checks the data is intact."""
+    src = client_slab.alloc_many(4)
+    for i, h in enumerate(src):
+        client_slab.numpy(h)[:] = i + 1
+    digests = [hashlib.blake2b(client_slab.view(h), digest_size=16).digest() for h in src]
+    keys = [b"victim-%d" % i for i in range(4)]
+    c = KVClient(*node.address, client_slab)
+    assert c.put(keys, src, BLOCK, digests) == [True] * 4
+
+    def check() -> None:
+        dst = client_slab.alloc_many(4)
+        assert c.get(keys, dst, digests) == [True] * 4
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(client_slab.view(s)) == bytes(client_slab.view(d))
+        for d in dst:
+            client_slab.decref(d)
+
+    yield check
+    c.close()
+
+
+def test_wrong_protocol_version_is_refused(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r = raw()
+    status, msg, _ = r.call(Op.HELLO, encode_hello(None, version=PROTOCOL_VERSION + 41))
+    assert status == Status.BAD_VERSION
+    assert f"version {PROTOCOL_VERSION + 41}" in msg.decode()
+    assert r.closed_by_peer()
+    victim()
+
+
+def test_bad_magic_and_request_before_hello(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r = raw()
+    status, msg, _ = r.call(Op.HELLO, b"HTTP" + encode_hello(None)[4:])
+    assert status == Status.BAD_REQUEST and b"magic" in msg
+    assert r.closed_by_peer()
+    r = raw()
+    status, msg, _ = r.call(Op.EXISTS, encode_keys([b"victim-0"]))
+    assert status == Status.NOT_AUTHENTICATED and b"HELLO" in msg
+    assert r.closed_by_peer()
+    victim()
+
+
+def test_garbage_bytes_are_dropped(node: NodeProcess, victim: Callable[[], None]) -> None:
+    with socket.create_connection(node.address, timeout=IO_TIMEOUT_S) as s:
+        s.sendall(os.urandom(4096))
+        # whatever the node answers, it closes the connection (FIN, or RST as it
+        # drops our unread garbage) and stays up
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+    assert node.alive()
+    victim()
+
+
+def test_absurd_frame_lengths_close_only_that_connection(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r = raw()
+    r.hello()
+    r.frame(Op.EXISTS, b"", payload_len=MAX_PAYLOAD + 1)
+    hdr, msg, _ = r.response()
+    assert hdr.status == Status.FRAME_TOO_LARGE and str(MAX_PAYLOAD) in msg.decode()
+    assert r.closed_by_peer()
+    r = raw()
+    r.hello()
+    r.frame(Op.WRITE, encode_data_ops([]), bulk_len=2**63)
+    hdr, msg, _ = r.response()
+    assert hdr.status == Status.FRAME_TOO_LARGE and b"bulk" in msg
+    victim()
+
+
+def test_malformed_payloads_keep_the_connection(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r = raw()
+    r.hello()
+    # count says 5 keys, payload holds one
+    bad = U32.pack(5) + U16.pack(3) + b"abc"
+    status, msg, _ = r.call(Op.EXISTS, bad)
+    assert status == Status.BAD_REQUEST and b"cannot fit" in msg
+    # a key of length zero
+    status, msg, _ = r.call(Op.LOOKUP, U32.pack(1) + U16.pack(0) + b"x")
+    assert status == Status.BAD_REQUEST and b"key length 0" in msg
+    # trailing junk
+    status, msg, _ = r.call(Op.DELETE, encode_keys([b"x"]) + b"junk")
+    assert status == Status.BAD_REQUEST and b"trailing" in msg
+    # absurd counts are refused before anything is allocated for them
+    status, msg, _ = r.call(Op.EXISTS, U32.pack(2**32 - 1))
+    assert status == Status.LIMIT_EXCEEDED and str(MAX_KEYS_PER_REQUEST).encode() in msg
+    status, msg, _ = r.call(Op.WRITE, U32.pack(MAX_OPS_PER_DATA_REQUEST + 1), bulk=b"x" * 100)
+    assert status == Status.LIMIT_EXCEEDED
+    status, msg, _ = r.call(Op.STATS, b"x")
+    assert status == Status.BAD_REQUEST
+    # unknown opcode
+    status, msg, _ = r.call(0x55, b"whatever", bulk=b"y" * 1000)
+    assert status == Status.UNKNOWN_OPCODE and b"85" in msg
+    # still in sync: a good request works on the same connection
+    status, payload, _ = r.call(Op.EXISTS, encode_keys([b"victim-0", b"nope"]))
+    assert status == Status.OK and decode_flags(payload, 2, "EXISTS") == [True, False]
+    victim()
+
+
+def test_data_ops_outside_own_extents_are_refused(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r = raw()
+    r.hello()
+    base, plen = r.info.pool_base, r.info.pool_len
+    payload = b""
+    # the victim's values live somewhere in the pool: try to overwrite all of it
+    cases = [
+        (base, BLOCK),  # a block this client was never given
+        (base + plen - 10, 100),  # runs off the end of the pool
+        (0, 16),  # address 0
+        (2**64 - 8, 8),  # wraps
+        (base - BLOCK, BLOCK),  # just before the pool
+    ]
+    for addr, length in cases:
+        status, msg, _ = r.call(Op.WRITE, encode_data_ops([(addr, length)]), bulk=b"\xff" * length)
+        assert status == Status.BAD_ADDRESS, (addr, msg)
+        status, msg, _ = r.call(Op.READ, encode_data_ops([(addr, length)]))
+        assert status == Status.BAD_ADDRESS, (addr, msg)
+    # bulk size that does not match the ops
+    status, msg, _ = r.call(Op.WRITE, encode_data_ops([(base, 10)]), bulk=b"z" * 20)
+    assert status == Status.BAD_REQUEST and b"20" in msg
+    # an extent this client allocated: writing inside is fine, past its length is not
+    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"mine"], [1000], [bytes(16)]))
+    (res,) = decode_extents(payload, 1)
+    assert status == Status.OK and res.extent is not None
+    ext = res.extent
+    status, _, _ = r.call(Op.WRITE, encode_data_ops([(ext.addr, 1000)]), bulk=b"m" * 1000)
+    assert status == Status.OK
+    status, msg, _ = r.call(Op.WRITE, encode_data_ops([(ext.addr + 500, 501)]), bulk=b"m" * 501)
+    assert status == Status.BAD_ADDRESS
+    # a second client may not write into the first one's uncommitted extent
+    other = raw()
+    other.hello()
+    status, msg, _ = other.call(Op.WRITE, encode_data_ops([(ext.addr, 10)]), bulk=b"o" * 10)
+    assert status == Status.BAD_ADDRESS and b"allocated to this client" in msg
+    # after commit the extent is read-only for everyone, its owner included
+    status, payload, _ = r.call(Op.COMMIT, encode_keys([b"mine"]))
+    assert decode_flags(payload, 1, "COMMIT") == [True]
+    status, _, _ = r.call(Op.WRITE, encode_data_ops([(ext.addr, 10)]), bulk=b"x" * 10)
+    assert status == Status.BAD_ADDRESS
+    # and reading it needs a lease
+    status, _, _ = other.call(Op.READ, encode_data_ops([(ext.addr, 10)]))
+    assert status == Status.BAD_ADDRESS
+    # commit of a key this client does not own is a per-key False, not an error
+    status, payload, _ = other.call(Op.COMMIT, encode_keys([b"victim-0", b"nope"]))
+    assert status == Status.OK and decode_flags(payload, 2, "COMMIT") == [False, False]
+    victim()
+
+
+def test_wrong_token_is_refused_in_constant_time_compare(
+    node_factory: Callable[..., NodeProcess],
+) -> None:
+    node = node_factory(token=b"right-token")
+    for token in (None, b"wrong-token", b"right-toke", b"right-token-plus"):
+        r = Raw(node)
+        status, msg, _ = r.call(Op.HELLO, encode_hello(token))
+        assert status == Status.AUTH_FAILED and b"token" in msg
+        assert r.closed_by_peer()
+        r.close()
+    r = Raw(node)
+    r.hello(b"right-token")
+    status, _, _ = r.call(Op.EXISTS, encode_keys([b"a"]))
+    assert status == Status.OK
+    r.close()
+
+
+def test_oversized_token_and_hello_limits(raw: Callable[[], Raw]) -> None:
+    r = raw()
+    payload = struct.pack("<4sHH", MAGIC, PROTOCOL_VERSION, 60000) + b"t" * 10
+    status, msg, _ = r.call(Op.HELLO, payload)
+    assert status == Status.BAD_REQUEST and b"token length" in msg
+
+
+def test_node_counts_refusals_and_keeps_serving(
+    node: NodeProcess, raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r = raw()
+    r.hello()
+    r.call(Op.READ, encode_data_ops([(r.info.pool_base, 8)]))
+    r.call(0x77)
+    with KVClient(*node.address, None) as c:
+        st = c.stats()
+    assert st["refused_ops"] >= 1 and st["protocol_errors"] >= 1
+    victim()
