@@ -1,0 +1,191 @@
+"""Wire-format codecs: round trips, and every limit enforced before allocation."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rdmakv.errors import AuthError, ProtocolError, RemoteError
+from rdmakv.protocol import (
+    DIGEST_LEN,
+    HEADER,
+    MAX_KEY_LEN,
+    MAX_KEYS_PER_REQUEST,
+    MAX_OPS_PER_DATA_REQUEST,
+    PROTOCOL_VERSION,
+    U32,
+    AllocResult,
+    AllocStatus,
+    Channel,
+    Extent,
+    FrameTooLarge,
+    Header,
+    LimitExceeded,
+    LookupResult,
+    NodeInfo,
+    Status,
+    chunk_ops,
+    decode_alloc,
+    decode_data_ops,
+    decode_extents,
+    decode_flags,
+    decode_hello,
+    decode_keys,
+    decode_lookup_results,
+    decode_node_info,
+    decode_u64_list,
+    encode_alloc,
+    encode_data_ops,
+    encode_extents,
+    encode_flags,
+    encode_hello,
+    encode_keys,
+    encode_lookup_results,
+    encode_node_info,
+    encode_u64_list,
+    raise_for_status,
+    recv_views,
+    send_views,
+)
+
+keys_st = st.lists(st.binary(min_size=1, max_size=MAX_KEY_LEN), max_size=50)
+digest_st = st.binary(min_size=DIGEST_LEN, max_size=DIGEST_LEN)
+u64 = st.integers(0, 2**64 - 1)
+u32 = st.integers(0, 2**32 - 1)
+
+
+@given(keys_st)
+def test_keys_roundtrip(keys: list[bytes]) -> None:
+    assert decode_keys(encode_keys(keys), "t") == keys
+
+
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=64), u32, digest_st), max_size=40))
+def test_alloc_roundtrip(items: list[tuple[bytes, int, bytes]]) -> None:
+    keys, sizes, digests = ([x[i] for x in items] for i in range(3))
+    assert decode_alloc(encode_alloc(keys, sizes, digests)) == items
+
+
+@given(st.lists(st.tuples(st.sampled_from(list(AllocStatus)), u64, u32, u32), max_size=40))
+def test_extents_roundtrip(rows: list[tuple[AllocStatus, int, int, int]]) -> None:
+    results = [
+        AllocResult(s, Extent(a, n, k) if s == AllocStatus.OK else None) for s, a, n, k in rows
+    ]
+    assert decode_extents(encode_extents(results), len(results)) == results
+
+
+@given(st.lists(st.none() | st.tuples(u64, u32, u32, u64, digest_st), max_size=40))
+def test_lookup_roundtrip(rows: list[tuple[int, int, int, int, bytes] | None]) -> None:
+    results = [
+        None if r is None else LookupResult(Extent(r[0], r[1], r[2]), r[3], r[4]) for r in rows
+    ]
+    assert decode_lookup_results(encode_lookup_results(results), len(results)) == results
+
+
+@given(st.lists(st.booleans(), max_size=100), st.lists(u64, max_size=100))
+def test_flags_and_ids_roundtrip(flags: list[bool], ids: list[int]) -> None:
+    assert decode_flags(encode_flags(flags), len(flags), "t") == flags
+    assert decode_u64_list(encode_u64_list(ids), "t") == ids
+
+
+@given(st.lists(st.tuples(u64, u32), max_size=100))
+def test_data_ops_roundtrip(ops: list[tuple[int, int]]) -> None:
+    assert decode_data_ops(encode_data_ops(ops), "t") == ops
+
+
+def test_hello_and_node_info_roundtrip() -> None:
+    assert decode_hello(encode_hello(b"tok")) == (PROTOCOL_VERSION, b"tok")
+    info = NodeInfo(1, 7, 4096, 2**40, 2**30, b"n" * 16, 9, 10, 11, 12, 13, ("tcp", "rdma"))
+    assert decode_node_info(encode_node_info(info)) == info
+
+
+def test_counts_over_limits_are_refused_before_allocating() -> None:
+    with pytest.raises(LimitExceeded, match=str(MAX_KEYS_PER_REQUEST)):
+        decode_keys(U32.pack(MAX_KEYS_PER_REQUEST + 1), "t")
+    with pytest.raises(LimitExceeded, match=str(MAX_OPS_PER_DATA_REQUEST)):
+        decode_data_ops(U32.pack(2**32 - 1), "t")
+    with pytest.raises(ProtocolError, match="cannot fit"):
+        decode_u64_list(U32.pack(1000), "t")
+
+
+@given(st.binary(max_size=200))
+def test_decoders_never_raise_anything_but_protocol_errors(junk: bytes) -> None:
+    for decode in (
+        lambda b: decode_keys(b, "t"),
+        decode_alloc,
+        lambda b: decode_extents(b, 1),
+        lambda b: decode_lookup_results(b, 1),
+        lambda b: decode_flags(b, 1, "t"),
+        lambda b: decode_data_ops(b, "t"),
+        lambda b: decode_u64_list(b, "t"),
+        decode_hello,
+        decode_node_info,
+    ):
+        with contextlib.suppress(ProtocolError):
+            decode(junk)
+
+
+def test_response_count_mismatch_is_detected() -> None:
+    with pytest.raises(ProtocolError, match="2 entries for 3 keys"):
+        decode_flags(encode_flags([True, False]), 3, "EXISTS")
+
+
+def test_bad_keys_and_digests_refused_on_encode() -> None:
+    with pytest.raises(ProtocolError, match="key length"):
+        encode_keys([b"x" * (MAX_KEY_LEN + 1)])
+    with pytest.raises(ProtocolError, match="digest"):
+        encode_alloc([b"k"], [1], [b"short"])
+
+
+@given(st.lists(st.integers(1, 100), max_size=60), st.integers(1, 7), st.integers(1, 300))
+def test_chunk_ops_covers_everything_within_limits(
+    lengths: list[int], max_ops: int, max_bytes: int
+) -> None:
+    chunks = list(chunk_ops(lengths, max_ops, max_bytes))
+    assert [i for s, e in chunks for i in range(s, e)] == list(range(len(lengths)))
+    for s, e in chunks:
+        assert e - s <= max_ops
+        # a single op larger than the byte limit travels alone
+        assert sum(lengths[s:e]) <= max_bytes or e - s == 1
+
+
+def test_status_maps_to_exceptions() -> None:
+    def hdr(status: Status) -> Header:
+        return Header(0x82, 0, status, 0, 0, 1)
+
+    with pytest.raises(AuthError):
+        raise_for_status(hdr(Status.AUTH_FAILED), b"no", "HELLO")
+    with pytest.raises(ProtocolError, match="BAD_VERSION"):
+        raise_for_status(hdr(Status.BAD_VERSION), b"v9", "HELLO")
+    with pytest.raises(RemoteError, match="BAD_ADDRESS: outside"):
+        raise_for_status(hdr(Status.BAD_ADDRESS), b"outside", "WRITE")
+    raise_for_status(hdr(Status.OK), b"", "x")
+
+
+def test_scatter_gather_moves_bytes_between_many_buffers() -> None:
+    a, b = socket.socketpair()
+    src = [bytes([i % 256]) * (1000 + 37 * i) for i in range(1100)]
+    dst = [memoryview(bytearray(len(s))) for s in src]
+    t = threading.Thread(target=send_views, args=(a, src))
+    t.start()
+    recv_views(b, dst)
+    t.join()
+    assert [bytes(d) for d in dst] == src
+    a.close()
+    b.close()
+
+
+def test_channel_rejects_oversized_header_fields() -> None:
+    a, b = socket.socketpair()
+    a.sendall(HEADER.pack(2, 0, 0, 2**32 - 1, 0, 1))
+    with pytest.raises(FrameTooLarge, match="payload"):
+        Channel(b).recv_header()
+    a.sendall(HEADER.pack(16, 0, 0, 0, 2**62, 1))
+    with pytest.raises(FrameTooLarge, match="bulk"):
+        Channel(b).recv_header()
+    a.close()
+    b.close()
