@@ -1,0 +1,237 @@
+"""KVStore (pool + index + leases + eviction) in-process, with a fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from rdmakv.errors import ConfigError
+from rdmakv.node.store import KVStore
+from rdmakv.protocol import AllocStatus
+from rdmakv.slab import Slab
+from rdmakv.transport.base import BadAddress
+
+BLOCK = 4096
+D = bytes(16)
+KEYS = [b"a", b"b", b"c", b"d", b"e", b"f", b"g"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def pool() -> Iterator[Slab]:
+    slab = Slab(4 * BLOCK, BLOCK, lock=False)
+    yield slab
+    slab.close()
+
+
+def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
+    (res,) = store.alloc(session, [(key, size, D)])
+    if res.status != AllocStatus.OK:
+        return False
+    return store.commit(session, [key]) == [True]
+
+
+def test_alloc_statuses(pool: Slab) -> None:
+    s = KVStore(pool)
+    assert s.alloc(1, [(b"a", 0, D)])[0].status == AllocStatus.TOO_LARGE
+    assert s.alloc(1, [(b"a", BLOCK + 1, D)])[0].status == AllocStatus.TOO_LARGE
+    res = s.alloc(1, [(b"a", 10, D)])[0]
+    assert res.status == AllocStatus.OK and res.extent is not None
+    assert res.extent.addr == pool.base_addr + pool.offset(
+        pool.handle_at(res.extent.addr - pool.base_addr)
+    )
+    assert s.alloc(2, [(b"a", 10, D)])[0].status == AllocStatus.BUSY
+    assert s.exists([b"a"]) == [False]  # uncommitted is invisible
+    assert s.lookup(2, [b"a"], lease=True) == [None]
+    assert s.commit(2, [b"a"]) == [False]  # not the owner
+    assert s.commit(1, [b"a"]) == [True]
+    assert s.alloc(2, [(b"a", 10, D)])[0].status == AllocStatus.EXISTS
+
+
+def test_leased_and_uncommitted_extents_are_never_evicted(pool: Slab) -> None:
+    s = KVStore(pool)
+    for k in (b"a", b"b", b"c"):
+        assert put(s, 1, k)
+    (hit,) = s.lookup(1, [b"a"], lease=True)
+    assert hit is not None
+    assert s.alloc(1, [(b"pending", 10, D)])[0].status == AllocStatus.OK  # 4th block
+    # pool full: new allocs evict b then c (LRU), never a (leased) or the pending one
+    assert s.alloc(2, [(b"x", 10, D), (b"y", 10, D)])[1].status == AllocStatus.OK
+    assert s.exists([b"a", b"b", b"c"]) == [True, False, False]
+    assert s.alloc(2, [(b"z", 10, D)])[0].status == AllocStatus.NO_SPACE
+    assert s.exists([b"a"]) == [True]  # the leased value survived the full pool
+    assert s.stats()["no_space"] == 1
+    assert s.release(1, [hit.lease_id]) == 1
+    assert s.alloc(2, [(b"z", 10, D)])[0].status == AllocStatus.OK  # a is evictable now
+    assert s.exists([b"a"]) == [False]
+
+
+def test_lease_expiry_and_session_end_release_pins(pool: Slab) -> None:
+    clock = Clock()
+    s = KVStore(pool, lease_timeout=5.0, clock=clock)
+    assert put(s, 1, b"a")
+    (hit,) = s.lookup(7, [b"a"], lease=True)
+    assert hit is not None
+    blk = pool.handle_at(hit.extent.addr - pool.base_addr)
+    assert pool.refcount(blk) == 2
+    clock.now += 4.9
+    s.expire_leases()
+    assert pool.refcount(blk) == 2
+    clock.now += 0.2
+    s.expire_leases()
+    assert pool.refcount(blk) == 1 and s.stats()["leases_expired"] == 1
+    assert s.release(7, [hit.lease_id]) == 0  # already gone
+    # a departed session's leases and uncommitted extents are reclaimed
+    s.lookup(8, [b"a"], lease=True)
+    s.alloc(8, [(b"half", 10, D)])
+    assert pool.used_blocks == 2 and pool.refcount(blk) == 2
+    s.session_closed(8)
+    assert pool.used_blocks == 1 and pool.refcount(blk) == 1
+    assert s.stats()["pending"] == 0
+
+
+def test_release_only_own_leases(pool: Slab) -> None:
+    s = KVStore(pool)
+    assert put(s, 1, b"a")
+    (hit,) = s.lookup(1, [b"a"], lease=True)
+    assert hit is not None
+    assert s.release(2, [hit.lease_id, 999]) == 0
+    assert s.release(1, [hit.lease_id, hit.lease_id]) == 1
+
+
+def test_delete_of_leased_value_keeps_bytes_until_release(pool: Slab) -> None:
+    s = KVStore(pool)
+    assert put(s, 1, b"a")
+    (hit,) = s.lookup(2, [b"a"], lease=True)
+    assert hit is not None
+    assert s.delete([b"a", b"a"]) == [True, False]
+    _views, unpin = s.pin_readable(2, [(hit.extent.addr, 10)])
+    unpin()
+    assert put(s, 1, b"a")  # a new extent: the leased block is not reused
+    (hit2,) = s.lookup(3, [b"a"], lease=False)
+    assert hit2 is not None and hit2.extent.addr != hit.extent.addr
+    s.release(2, [hit.lease_id])
+    assert pool.used_blocks == 1
+
+
+def test_data_path_checks(pool: Slab) -> None:
+    s = KVStore(pool)
+    (res,) = s.alloc(1, [(b"a", 100, D)])
+    assert res.extent is not None
+    a = res.extent.addr
+    assert len(s.writable_views(1, [(a, 100), (a + 50, 50)])[0]) == 100
+    for addr, n in [(a, 101), (a + 99, 2), (a - 1, 1), (a, 0), (a, -1), (0, 1)]:
+        with pytest.raises(BadAddress):
+            s.writable_views(1, [(addr, n)])
+    with pytest.raises(BadAddress, match="allocated to this client"):
+        s.writable_views(2, [(a, 10)])
+    with pytest.raises(BadAddress, match="lease"):
+        s.pin_readable(1, [(a, 10)])
+    s.commit(1, [b"a"])
+    with pytest.raises(BadAddress):
+        s.writable_views(1, [(a, 10)])  # committed values are immutable
+    s.lookup(1, [b"a"], lease=True)
+    blk = pool.handle_at(a - pool.base_addr)
+    views, unpin = s.pin_readable(1, [(a, 100)])
+    assert pool.refcount(blk) == 3 and bytes(views[0]) == bytes(100)
+    unpin()
+    with pytest.raises(BadAddress):  # a failed pin leaves no reference behind
+        s.pin_readable(1, [(a, 10), (a, 101)])
+    assert pool.refcount(blk) == 2
+
+
+def test_bad_lease_timeout() -> None:
+    with Slab(BLOCK, BLOCK, lock=False) as p, pytest.raises(ConfigError, match="lease"):
+        KVStore(p, lease_timeout=0)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random interleavings of every store op; refcounts must match the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Slab(3 * BLOCK, BLOCK, lock=False)  # small: eviction is common
+        self.clock = Clock()
+        self.store = KVStore(self.pool, lease_timeout=10.0, clock=self.clock)
+        self.leases: dict[int, tuple[int, bytes, int]] = {}  # id -> (session, key, block)
+
+    def teardown(self) -> None:
+        self.pool.close()
+
+    def _block(self, addr: int) -> int:
+        return (addr - self.pool.base_addr) // BLOCK
+
+    @rule(
+        session=st.integers(1, 3),
+        keys=st.lists(st.sampled_from(KEYS), max_size=4, unique=True),
+        commit=st.booleans(),
+    )
+    def alloc(self, session: int, keys: list[bytes], commit: bool) -> None:
+        index = self.store._index
+        before = {k: e.block for k in KEYS if (e := index.get(k)) is not None}
+        res = self.store.alloc(session, [(k, 100, D) for k in keys])
+        leased = {blk for (_, _, blk) in self.leases.values()}
+        for k, blk in before.items():
+            if index.get(k) is None:  # evicted by this alloc
+                assert blk not in leased, f"evicted {k!r} while its block {blk} was leased"
+        ok = [k for k, r in zip(keys, res, strict=True) if r.status == AllocStatus.OK]
+        if commit:
+            assert self.store.commit(session, ok) == [True] * len(ok)
+
+    @rule(session=st.integers(1, 3), key=st.sampled_from([b"a", b"b", b"c", b"d"]))
+    def lookup(self, session: int, key: bytes) -> None:
+        (hit,) = self.store.lookup(session, [key], lease=True)
+        if hit is not None:
+            self.leases[hit.lease_id] = (session, key, self._block(hit.extent.addr))
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if self.leases:
+            lid = data.draw(st.sampled_from(sorted(self.leases)))
+            session = self.leases[lid][0]
+            assert self.store.release(session, [lid]) == 1
+            del self.leases[lid]
+
+    @rule(key=st.sampled_from([b"a", b"b", b"c"]))
+    def delete(self, key: bytes) -> None:
+        self.store.delete([key])
+
+    @rule(session=st.integers(1, 3))
+    def disconnect(self, session: int) -> None:
+        self.store.session_closed(session)
+        self.leases = {i: v for i, v in self.leases.items() if v[0] != session}
+
+    @rule()
+    def time_passes(self) -> None:
+        self.clock.now += 11.0
+        self.store.expire_leases()
+        self.leases.clear()
+
+    @invariant()
+    def refcounts_match_owners(self) -> None:
+        """Each block's references = its entry (committed or pending) + its leases."""
+        index = self.store._index
+        expected: dict[int, int] = {}
+        for e in [*index._lru.values(), *index._pending.values()]:
+            expected[e.block] = expected.get(e.block, 0) + 1
+        for _, _, blk in self.leases.values():
+            expected[blk] = expected.get(blk, 0) + 1
+        pool = self.pool
+        actual = {b: pool.refcount(b) for b in range(pool.num_blocks) if pool.refcount(b)}
+        assert actual == expected
+        assert self.store.stats()["leases_active"] == len(self.leases)
+
+
+StoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+test_store_state_machine = StoreMachine.TestCase
