@@ -2,7 +2,8 @@
 
 A *block key* names a whole token prefix in 16 bytes::
 
-    key_i = H(key_{i-1} || tokens of block i || extra || u32le(len(extra)))
+    key_i = H(key_{i-1} || tokens of block i)                       (no extra)
+    key_i = H(key_{i-1} || tokens of block i || extra || pad || u32le(len(extra)) || 0x01)
 
 with ``key_{-1}`` = the namespace seed (model fingerprint, dtype, KV layout and,
 where the layout differs per rank, TP rank/size), so different models never share
@@ -11,9 +12,13 @@ a sequential Python loop, so the per-call cost of the hash dominates and XXH3 be
 BLAKE2b and SHA-256 there. Tokens are hashed as their little-endian int32 bytes
 (one vectorised conversion per sequence), never via pickle.
 
-Every encoding is unambiguous: the parent is fixed-size, the extra is followed by
-its length, so the token bytes are whatever lies between; different inputs can
-only share a key through a genuine hash collision.
+Every encoding is unambiguous, even across block sizes: the parent is
+fixed-size; token bytes come in multiples of 4, so a message without extra has a
+length of 0 mod 4, while the extra is zero-padded to a multiple of 4 and followed
+by its length and a marker byte, giving 1 mod 4; its length is read from the end
+and the token bytes are whatever lies between. Different inputs can only share a
+key through a genuine hash collision. (The no-extra form carries no suffix at all
+because per-block concatenations are a measurable share of the hashing time.)
 
 Because XXH3 is fast but not collision resistant, every stored value also carries
 a *digest* of ``(parent key, block tokens, extra)`` made with a different
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,15 +63,18 @@ _NAMESPACE_PERSON = b"rdmakv.ns.v1"
 _DIGEST_PERSON = b"rdmakv.digest.v1"
 
 _LEN = struct.Struct("<I")
-_NO_EXTRA_TAIL = _LEN.pack(0)
+_NO_EXTRA_DIGEST_TAIL = _LEN.pack(0)
+_EXTRA_MARKER = b"\x01"
+_TOKEN_ALIGN = 4  # token bytes are int32: messages without extra are 0 mod 4
 
 KeyHash = Callable[[bytes], bytes]
 """A key hash: message bytes -> :data:`KEY_BYTES` bytes."""
 
 
-def xxh3_key_hash(data: bytes) -> bytes:
-    """The default key hash, XXH3-128 (canonical big-endian digest, seed 0)."""
-    return xxhash.xxh3_128_digest(data)
+# The default key hash, XXH3-128 (canonical big-endian digest, seed 0). Bound to
+# the C function itself, not wrapped: a Python-level wrapper would cost more per
+# block than the hash.
+xxh3_key_hash: KeyHash = xxhash.xxh3_128_digest
 
 
 def _blake2b_16(data: bytes | memoryview, person: bytes) -> bytes:
@@ -163,12 +171,27 @@ def extra_bytes(
     return b"".join(parts) if parts else None
 
 
-def _tail(extra: bytes | None) -> bytes:
+def _normalize_extra(extra: bytes | None) -> bytes | None:
     if extra is None:
-        return _NO_EXTRA_TAIL
+        return None
     if not isinstance(extra, bytes | bytearray):
         raise ConfigError(f"extra must be bytes or None, got {type(extra).__name__}")
-    return bytes(extra) + _LEN.pack(len(extra))
+    return bytes(extra) if extra else None  # b"" means no extra: same keys as None
+
+
+def _key_tail(extra: bytes | None) -> bytes:
+    """Suffix of every key message for ``extra`` (see the module docstring)."""
+    e = _normalize_extra(extra)
+    if e is None:
+        return b""
+    pad = b"\x00" * (-len(e) % _TOKEN_ALIGN)
+    return e + pad + _LEN.pack(len(e)) + _EXTRA_MARKER
+
+
+def _digest_tail(extra: bytes | None) -> bytes:
+    """Suffix of every digest message: the digest is length-prefixed, so simpler."""
+    e = _normalize_extra(extra)
+    return _NO_EXTRA_DIGEST_TAIL if e is None else e + _LEN.pack(len(e))
 
 
 def _check_parent(parent: object) -> None:
@@ -227,6 +250,7 @@ class BlockKeyer:
         self._root = namespace.seed()
         self._hash: KeyHash = key_hash if key_hash is not None else xxh3_key_hash
         self._step = block_size * TOKEN_DTYPE.itemsize
+        self._splitter = struct.Struct(f"{self._step}s")
 
     @property
     def root(self) -> BlockKey:
@@ -251,21 +275,28 @@ class BlockKeyer:
         """
         p = self._root if parent is None else parent
         _check_parent(p)
-        tail = _tail(extra)
-        n = self.num_blocks(tokens)
-        tb = as_token_array(tokens[: n * self.block_size]).tobytes()
+        tail = _key_tail(extra)
+        blocks = self._block_bytes(tokens)
         h = self._hash
-        step = self._step
-        out: list[BlockKey] = []
-        append = out.append
-        # The hot loop: one slice, two concatenations and one hash call per block.
-        for off in range(0, n * step, step):
-            p = h(p + tb[off : off + step] + tail)
-            append(p)
+        # The hot loop, as a comprehension over a C-level block splitter: one or
+        # two concatenations and one C hash call per block (measured ~25% faster
+        # than slicing in a for loop; the list conversion is the other half).
+        if tail:
+            out = [(p := h(p + c + tail)) for (c,) in blocks]
+        else:
+            out = [(p := h(p + c)) for (c,) in blocks]
         if self._hash is not xxh3_key_hash:
             for k in out:
                 check_key(k, "key hash output")
         return out
+
+    def _block_bytes(self, tokens: Sequence[int] | np.ndarray[Any, Any]) -> Iterator[tuple[bytes]]:
+        """Little-endian int32 bytes of each full block of ``tokens``, as 1-tuples."""
+        n = len(tokens) // self.block_size * self.block_size
+        # Slicing a list copies it: skip when there is no partial tail.
+        arr = as_token_array(tokens if n == len(tokens) else tokens[:n])
+        buf: memoryview = np.ascontiguousarray(arr).data
+        return self._splitter.iter_unpack(buf)
 
     def block_tokens(
         self, tokens: Sequence[int] | np.ndarray[Any, Any], i: int
@@ -295,7 +326,7 @@ class BlockKeyer:
         arr = as_token_array(block_tokens)
         if len(arr) != self.block_size:
             raise ConfigError(f"a block has {self.block_size} tokens, digest() got {len(arr)}")
-        return self._digest_bytes(parent, arr.tobytes(), _tail(extra))
+        return self._digest_bytes(parent, arr.tobytes(), _digest_tail(extra))
 
     @staticmethod
     def _digest_bytes(parent: bytes, tb: bytes, tail: bytes) -> bytes:
@@ -310,18 +341,15 @@ class BlockKeyer:
         """``(parent, key, digest)`` for every full block: what a put or a verified get needs."""
         p = self._root if parent is None else parent
         _check_parent(p)
-        tail = _tail(extra)
-        n = self.num_blocks(tokens)
-        tb = as_token_array(tokens[: n * self.block_size]).tobytes()
+        ktail = _key_tail(extra)
+        dtail = _digest_tail(extra)
         h = self._hash
-        step = self._step
-        length = _LEN.pack(step)
+        length = _LEN.pack(self._step)
         out: list[tuple[BlockKey, BlockKey, bytes]] = []
-        for off in range(0, n * step, step):
-            chunk = tb[off : off + step]
-            k = h(p + chunk + tail)
+        for (chunk,) in self._block_bytes(tokens):
+            k = h(p + chunk + ktail)
             # Same bytes as digest(): keep the two in step.
-            d = _blake2b_16(p + length + chunk + tail, _DIGEST_PERSON)
+            d = _blake2b_16(p + length + chunk + dtail, _DIGEST_PERSON)
             out.append((p, k, d))
             p = k
         if self._hash is not xxh3_key_hash:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -256,3 +257,48 @@ def test_keys_identical_across_processes() -> None:
     assert first["seed"] == ns.seed().hex()
     assert first["keys"] == [x.hex() for x in k.keys(toks)]
     assert len(first["keys"]) == 62  # type: ignore[arg-type]
+
+
+def _decode_key_message(msg: bytes) -> tuple[bytes, bytes, bytes | None]:
+    """Inverse of the key message encoding: (parent, token bytes, extra)."""
+    parent, rest = msg[:KEY_BYTES], msg[KEY_BYTES:]
+    if len(msg) % 4 == 0:
+        return parent, rest, None
+    assert len(msg) % 4 == 1 and rest[-1:] == b"\x01"
+    e = int.from_bytes(rest[-5:-1], "little")
+    padded = e + (-e % 4)
+    body = rest[: -5 - padded]
+    return parent, body, rest[len(body) : len(body) + e]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    bs=st.integers(1, 6),
+    tokens=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=12),
+    extra=st.one_of(st.none(), st.binary(max_size=9)),
+)
+def test_key_messages_decode_uniquely_across_block_sizes(
+    bs: int, tokens: list[int], extra: bytes | None
+) -> None:
+    """Whatever the block size, a key message decodes back to exactly its inputs."""
+    seen: list[bytes] = []
+
+    def record(msg: bytes) -> bytes:
+        seen.append(msg)
+        return hashlib.md5(msg).digest()
+
+    k = BlockKeyer(NS, bs, key_hash=record)
+    k.keys(tokens, extra=extra)
+    want_extra = extra or None  # b"" is no extra
+    for i, msg in enumerate(seen):
+        parent, body, ex = _decode_key_message(msg)
+        assert parent == (NS.seed() if i == 0 else hashlib.md5(seen[i - 1]).digest())
+        assert body == np.array(tokens[i * bs : (i + 1) * bs], dtype="<i4").tobytes()
+        assert ex == want_extra
+
+
+def test_empty_extra_is_no_extra() -> None:
+    k = keyer()
+    toks = list(range(8))
+    assert k.keys(toks, extra=b"") == k.keys(toks)
+    assert k.chain(toks, extra=b"") == k.chain(toks)

@@ -223,6 +223,10 @@ class L1Cache:
                 f"cannot insert block handle {handle} under a second key: it already "
                 "holds a resident entry"
             )
+        return self._insert(key, handle, nbytes, digest)
+
+    def _insert(self, key: BlockKey, handle: int, nbytes: int, digest: bytes) -> bool:
+        """insert() after validation: owns the caller's reference from here on."""
         self.poll_offload()
         if key in self._entries:
             self.slab.decref(handle)
@@ -259,7 +263,7 @@ class L1Cache:
         except BaseException:
             self.slab.decref(h)
             raise
-        return self.insert(key, h, src.nbytes, digest)
+        return self._insert(key, h, src.nbytes, digest)
 
     def drop(self, key: BlockKey) -> bool:
         """Remove ``key`` if resident (holders keep their blocks until release)."""
