@@ -458,3 +458,25 @@ def test_random_ops_keep_invariants(
             assert len(c.policy.ghost_keys()) <= c.policy.ghost_limit
     finally:
         slab.close()
+
+
+@pytest.mark.parametrize("mode", ["all", "hot", "cold"])
+def test_blocks_from_remote_are_never_offloaded_back(slab: Slab, mode: str) -> None:
+    q = OffloadQueue(100 * BS)
+    c = L1Cache(slab, capacity_bytes=2 * BS, policy="lru", offload=mode, offload_queue=q)
+    for i in range(2):
+        h = c.allocate()
+        slab.view(h)[:] = data(key(i))
+        assert c.insert(key(i), h, BS, digest(key(i)), from_remote=True)
+        got = c.get(key(i))  # a hit: would be hot
+        assert got is not None
+        c.release([got])
+    c.put(key(5), data(key(5)), digest(key(5)), from_remote=True)  # evicts key 0: would be cold
+    assert len(q) == 0 and c.stats.offloads == 0
+    assert c.stats.evictions == 1
+    c.put(key(6), data(key(6)), digest(key(6)))  # a local block still follows the mode
+    if mode == "all":
+        assert [it.key for it in q.take(10)] == [key(6)]
+    elif mode == "cold":
+        assert [it.key for it in q.take(10)] == []  # victim key 1 came from remote
+    assert slab.used_blocks == len(c)  # nothing pinned outside the cache

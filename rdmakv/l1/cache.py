@@ -80,7 +80,9 @@ class _Entry:
     handle: int
     nbytes: int
     digest: bytes
-    offered: bool = False  # accepted by the offload queue while resident
+    # Accepted by the offload queue while resident, or fetched from the remote
+    # tier in the first place: either way the remote tier has (or will have) it.
+    offered: bool = False
 
 
 class L1Cache:
@@ -205,13 +207,24 @@ class L1Cache:
                 raise SlabExhausted(self._no_room("allocate a block"))
         return self.slab.alloc()
 
-    def insert(self, key: BlockKey, handle: int, nbytes: int, digest: bytes) -> bool:
+    def insert(
+        self,
+        key: BlockKey,
+        handle: int,
+        nbytes: int,
+        digest: bytes,
+        *,
+        from_remote: bool = False,
+    ) -> bool:
         """Make ``handle`` (filled with ``nbytes`` valid bytes) the value of ``key``.
 
         Invalid arguments raise before anything changes (the caller keeps its
         reference). Otherwise the caller's reference is taken over: kept by the
         new entry, or dropped when ``key`` is already present (returns False)
         or when no room can be made (raises :class:`SlabExhausted`).
+
+        ``from_remote=True`` marks a block fetched from the remote tier: it is
+        never offered for offload (no mode), since the remote tier has it.
         """
         check_key(key)
         check_digest(digest)
@@ -223,9 +236,11 @@ class L1Cache:
                 f"cannot insert block handle {handle} under a second key: it already "
                 "holds a resident entry"
             )
-        return self._insert(key, handle, nbytes, digest)
+        return self._insert(key, handle, nbytes, digest, from_remote)
 
-    def _insert(self, key: BlockKey, handle: int, nbytes: int, digest: bytes) -> bool:
+    def _insert(
+        self, key: BlockKey, handle: int, nbytes: int, digest: bytes, from_remote: bool
+    ) -> bool:
         """insert() after validation: owns the caller's reference from here on."""
         self.poll_offload()
         if key in self._entries:
@@ -235,12 +250,12 @@ class L1Cache:
             if not self._evict_one():
                 self.slab.decref(handle)
                 raise SlabExhausted(self._no_room("insert a block"))
-        e = _Entry(key, handle, nbytes, digest)
+        e = _Entry(key, handle, nbytes, digest, offered=from_remote)
         self._entries[key] = e
         self._by_handle[handle] = e
         self.policy.insert(key)
         self._stats.inserts += 1
-        if self.offload_mode is OffloadMode.ALL:
+        if self.offload_mode is OffloadMode.ALL and not e.offered:
             self._offer(e)
         return True
 
@@ -249,6 +264,8 @@ class L1Cache:
         key: BlockKey,
         data: bytes | bytearray | memoryview | np.ndarray[Any, Any],
         digest: bytes,
+        *,
+        from_remote: bool = False,
     ) -> bool:
         """Copy ``data`` into a fresh block and insert it; False if ``key`` is present."""
         check_key(key)
@@ -263,7 +280,7 @@ class L1Cache:
         except BaseException:
             self.slab.decref(h)
             raise
-        return self._insert(key, h, src.nbytes, digest)
+        return self._insert(key, h, src.nbytes, digest, from_remote)
 
     def drop(self, key: BlockKey) -> bool:
         """Remove ``key`` if resident (holders keep their blocks until release)."""
@@ -411,7 +428,7 @@ class L1Cache:
         e = self._entries.pop(key)
         del self._by_handle[e.handle]
         self._stats.evictions += 1
-        if self.offload_mode is OffloadMode.COLD:
+        if self.offload_mode is OffloadMode.COLD and not e.offered:
             self._offer(e, transfer=True)
         else:
             self.slab.decref(e.handle)
