@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -221,11 +222,10 @@ class Slab:
         self._view.release()
         del self._array
         mm, self._mmap = self._mmap, None
-        try:
+        # A caller may still hold a view (BufferError): the mapping then lives
+        # until that view is dropped.
+        with contextlib.suppress(BufferError):
             mm.close()
-        except BufferError:
-            # A caller still holds a view: the mapping lives until it is dropped.
-            pass
 
     @property
     def closed(self) -> bool:
