@@ -58,7 +58,9 @@ for f in $(for m in virtio_pci 9pnet_virtio 9p; do modprobe -S "$KVER" --show-de
   cp "$f" "$WORK/initrd/mods/"; MODS="$MODS $(basename "$f" .ko)"
 done
 CWD=$(pwd)
-printf '%s\n' "$@" > "$WORK/cmd.argv"
+# The command travels as a bash-quoted line, so arguments with spaces or
+# newlines (sh -c 'multi-line script') arrive intact.
+{ printf '%q ' "$@"; echo; } > "$WORK/cmd.sh"
 cat > "$WORK/initrd/init" <<INIT
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -81,8 +83,7 @@ ip link set lo up && ip link add rk0 type dummy && ip addr add $GUEST_IP dev rk0
 rdma link add rxe0 type rxe netdev rk0 || { echo 'rdma link add rxe0 failed' > /run/setup_failed; exit; }
 ulimit -l unlimited
 cd "$CWD"
-set --; while IFS= read -r a; do set -- "\$@" "\$a"; done < /run/cmd.argv
-"\$@" > /run/out.log 2>&1; echo \$? > /run/rc
+bash /run/cmd.sh > /run/out.log 2>&1; echo \$? > /run/rc
 GUEST
 (cd "$WORK/initrd" && find . | cpio -o -H newc 2>/dev/null | gzip -1 > "$WORK/initrd.gz")
 echo 99 > "$WORK/rc"; : > "$WORK/out.log"  # 99 stays if the VM never ran the command

@@ -98,6 +98,12 @@ QP_RNR_RETRY = 7  # 7 = retry forever; one-sided traffic never sees RNR NAKs
 DEFAULT_MAX_WR = 1024  # send queue depth per QP (capped by the device's max_qp_wr)
 
 
+def gid_text(gid: bytes) -> str:
+    """A GID as text; IPv4-mapped ones (RoCE v2 over IPv4) show the IPv4 address."""
+    addr = ipaddress.IPv6Address(gid)
+    return f"::ffff:{addr.ipv4_mapped}" if addr.ipv4_mapped else str(addr)
+
+
 def status_name(code: int) -> str:
     return WC_STATUS_NAMES.get(code, f"work completion status {code}")
 
@@ -124,7 +130,7 @@ class GidEntry:
 
     @property
     def text(self) -> str:
-        return str(ipaddress.IPv6Address(self.gid))
+        return gid_text(self.gid)
 
     @property
     def is_roce_v2(self) -> bool:
@@ -234,7 +240,7 @@ class Selection:
     def describe(self) -> str:
         return (
             f"{self.device} port {self.port} gid[{self.gid_index}]="
-            f"{ipaddress.IPv6Address(self.gid)} ({self.gid_type or self.link_layer})"
+            f"{gid_text(self.gid)} ({self.gid_type or self.link_layer})"
         )
 
 

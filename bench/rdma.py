@@ -1,0 +1,167 @@
+"""RDMA benchmark: rdmakv put/get over the ``rdma`` transport against perftest.
+
+Run it on an RDMA device (in CI / on hosts without one: inside the soft-RoCE
+VM, ``deploy/softroce/run-in-vm.sh -- .venv/bin/python bench/rdma.py``).
+
+For each block size (16 KiB, 64 KiB, 256 KiB) and in the same run, on the same
+device:
+
+* ceilings: ``ib_write_bw`` and ``ib_read_bw`` (server and client on this
+  device, client to the device's own IPv4 GID address), moving the same number
+  of bytes as our path;
+* rdmakv: a real ``rdmakv serve --transport rdma`` node and a KVClient whose
+  slab blocks are shuffled (as an L1 cache's blocks are), so SGL gathering
+  does real work. ``put`` = ALLOC + RDMA WRITEs + COMMIT of N blocks, ``get``
+  = LOOKUP(lease) + RDMA READs + RELEASE, every byte verified after the get.
+
+Prints ONE JSON object: ``{"16384": {put_gbps, get_gbps, ceiling_write_gbps,
+ceiling_read_gbps, wrs_per_batch, sges_per_wr, ...}, ...}``. GB/s are 1e9
+bytes per second (perftest is run with ``--report_gbits`` and converted).
+Each figure is the best of ``--repeats`` runs, the same rule for both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from rdmakv.client import KVClient
+from rdmakv.slab import Slab
+from rdmakv.transport import verbs
+from rdmakv.transport.rdma import RdmaTransport
+
+BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024)
+DEFAULT_BYTES = 32 * 1024 * 1024
+DEFAULT_REPEATS = 3
+GB = 1e9
+GBIT = 1e9 / 8
+CLIENT_TIMEOUT_S = 120.0
+PERFTEST_TIMEOUT_S = 300.0
+SERVER_START_S = 2.0  # perftest's server must be listening before the client connects
+PERFTEST_PORT = 18515
+
+
+def perftest_gbps(tool: str, sel: verbs.Selection, size: int, iters: int) -> float:
+    """Average bandwidth of one perftest run (server + client on this device)."""
+    ip = ipaddress.IPv6Address(sel.gid).ipv4_mapped
+    if ip is None:
+        raise RuntimeError(f"perftest needs an IPv4 GID; {sel.describe()} has none")
+    common = [tool, "-d", sel.device, "-i", str(sel.port), "-x", str(sel.gid_index),
+              "-s", str(size), "-n", str(iters), "-F", "--report_gbits", "-p", str(PERFTEST_PORT)]
+    server = subprocess.Popen(common, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(SERVER_START_S)
+        out = subprocess.run([*common, str(ip)], capture_output=True, text=True,
+                             timeout=PERFTEST_TIMEOUT_S, check=True).stdout
+    finally:
+        server.wait(PERFTEST_TIMEOUT_S)
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) >= 4 and f[0] == str(size):
+            return float(f[3]) * GBIT / GB  # BW average [Gb/sec]
+    raise RuntimeError(f"{tool}: no result line in\n{out}")
+
+
+def start_node(block: int, blocks: int) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rdmakv.cli", "serve", "--port", "0", "--transport", "rdma",
+         "--pool-size", str(block * blocks), "--block-size", str(block)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "ready on" not in line:
+        proc.kill()
+        raise RuntimeError(f"node did not start: {line!r}")
+    return proc, int(line.split("ready on ", 1)[1].split()[0].rsplit(":", 1)[1])
+
+
+def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> dict[str, Any]:
+    count = max(1, total // block)
+    slab = Slab(2 * count * block, block)
+    rng = np.random.default_rng(block)
+    handles = [int(h) for h in rng.permutation(slab.alloc_many(2 * count))]
+    src, dst = handles[:count], handles[count:]
+    for h in src:
+        slab.numpy(h)[:] = rng.integers(0, 256, block, dtype=np.uint8)
+    digests = [i.to_bytes(16, "little") for i in range(count)]
+    # Fresh keys each repeat and no deletes, so the node hands out pool
+    # extents in address order (as a long-running node mostly does).
+    node, port = start_node(block, count * repeats + 1)
+    puts, gets, wr_ceil, rd_ceil = [], [], [], []
+    put_stats: verbs.JobStats | None = None
+    get_stats: verbs.JobStats | None = None
+    try:
+        with KVClient("127.0.0.1", port, slab, transport="rdma", timeout=CLIENT_TIMEOUT_S) as c:
+            tp = c._tp
+            assert isinstance(tp, RdmaTransport)
+            for rep in range(repeats):
+                wr_ceil.append(perftest_gbps("ib_write_bw", sel, block, count))
+                keys = [b"b%d-%d" % (rep, i) for i in range(count)]
+                t0 = time.perf_counter()
+                ok = c.put(keys, src, block, digests)
+                puts.append(count * block / (time.perf_counter() - t0) / GB)
+                put_stats = tp.last_stats
+                if not all(ok):
+                    raise RuntimeError(f"put stored {sum(ok)} of {count}")
+                for h in dst:
+                    slab.numpy(h)[:] = 0
+                rd_ceil.append(perftest_gbps("ib_read_bw", sel, block, count))
+                t0 = time.perf_counter()
+                hits = c.get(keys, dst, digests)
+                gets.append(count * block / (time.perf_counter() - t0) / GB)
+                get_stats = tp.last_stats
+                if not all(hits):
+                    raise RuntimeError(f"get hit {sum(hits)} of {count}")
+                for s, d in zip(src, dst, strict=True):
+                    if not np.array_equal(slab.numpy(s), slab.numpy(d)):
+                        raise RuntimeError(f"block {s} came back different")
+    finally:
+        node.kill()
+        node.wait()
+        slab.close()
+    assert put_stats is not None and get_stats is not None
+    best = {"put_gbps": max(puts), "get_gbps": max(gets),
+            "ceiling_write_gbps": max(wr_ceil), "ceiling_read_gbps": max(rd_ceil)}
+    return {
+        **{k: round(v, 4) for k, v in best.items()},
+        "put_ratio": round(best["put_gbps"] / best["ceiling_write_gbps"], 3),
+        "get_ratio": round(best["get_gbps"] / best["ceiling_read_gbps"], 3),
+        "wrs_per_batch": put_stats.wrs,
+        "sges_per_wr": round(put_stats.sges / max(1, put_stats.wrs), 2),
+        "get_wrs_per_batch": get_stats.wrs,
+        "get_sges_per_wr": round(get_stats.sges / max(1, get_stats.wrs), 2),
+        "blocks_per_batch": count,
+        "bytes_per_batch": count * block,
+        "post_calls": put_stats.post_calls,
+        "signaled_wrs": put_stats.signaled,
+        "repeats": repeats,
+        "device": sel.describe(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bytes", type=int, default=DEFAULT_BYTES, help="bytes moved per batch")
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    ap.add_argument("--sizes", default=",".join(map(str, BLOCK_SIZES)))
+    args = ap.parse_args(argv)
+    sel = verbs.select(os.environ.get("RDMAKV_TEST_DEVICE"))
+    out = {
+        str(size): bench_size(sel, size, args.bytes, args.repeats)
+        for size in (int(s) for s in args.sizes.split(","))
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
