@@ -116,7 +116,8 @@ class L1Cache:
             capacity_bytes = slab.nbytes
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ConfigError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
-        if not bs <= capacity_bytes <= slab.nbytes:
+        # Compared in whole blocks: the capacity rounds down like the slab does.
+        if not 1 <= capacity_bytes // bs <= slab.num_blocks:
             raise ConfigError(
                 f"capacity_bytes {capacity_bytes} must be between one block ({bs}) "
                 f"and the slab size ({slab.nbytes})"
