@@ -61,6 +61,9 @@ _TOKEN_MAX = int(np.iinfo(TOKEN_DTYPE).max)
 # computable from each other or from a key, even for equal inputs.
 _NAMESPACE_PERSON = b"rdmakv.ns.v1"
 _DIGEST_PERSON = b"rdmakv.digest.v1"
+# Copying a keyed/personalised BLAKE2b state is ~40% cheaper per block than
+# constructing one with keyword arguments. Copy is safe across threads.
+_DIGEST_BASE = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_DIGEST_PERSON)
 
 _LEN = struct.Struct("<I")
 _NO_EXTRA_DIGEST_TAIL = _LEN.pack(0)
@@ -330,7 +333,9 @@ class BlockKeyer:
 
     @staticmethod
     def _digest_bytes(parent: bytes, tb: bytes, tail: bytes) -> bytes:
-        return _blake2b_16(parent + _LEN.pack(len(tb)) + tb + tail, _DIGEST_PERSON)
+        h = _DIGEST_BASE.copy()
+        h.update(parent + _LEN.pack(len(tb)) + tb + tail)
+        return h.digest()
 
     def chain(
         self,
@@ -345,11 +350,14 @@ class BlockKeyer:
         dtail = _digest_tail(extra)
         h = self._hash
         length = _LEN.pack(self._step)
+        new_digest = _DIGEST_BASE.copy
         out: list[tuple[BlockKey, BlockKey, bytes]] = []
         for (chunk,) in self._block_bytes(tokens):
             k = h(p + chunk + ktail)
             # Same bytes as digest(): keep the two in step.
-            d = _blake2b_16(p + length + chunk + dtail, _DIGEST_PERSON)
+            hd = new_digest()
+            hd.update(p + length + chunk + dtail)
+            d = hd.digest()
             out.append((p, k, d))
             p = k
         if self._hash is not xxh3_key_hash:
