@@ -61,7 +61,7 @@ _TOKEN_MAX = int(np.iinfo(TOKEN_DTYPE).max)
 # computable from each other or from a key, even for equal inputs.
 _NAMESPACE_PERSON = b"rdmakv.ns.v1"
 _DIGEST_PERSON = b"rdmakv.digest.v1"
-# Copying a keyed/personalised BLAKE2b state is ~40% cheaper per block than
+# Copying a personalised BLAKE2b state is ~40% cheaper per block than
 # constructing one with keyword arguments. Copy is safe across threads.
 _DIGEST_BASE = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_DIGEST_PERSON)
 

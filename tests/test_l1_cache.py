@@ -110,6 +110,9 @@ def test_insert_validates_handles(slab: Slab) -> None:
     assert h is not None
     with pytest.raises(InvalidHandle, match="already holds a resident entry"):
         c.insert(key(2), h, BS, digest(key(2)))
+    assert c.drop(key(1))  # h is now held by us but no longer resident
+    with pytest.raises(InvalidHandle, match="held as a read lease"):
+        c.insert(key(2), h, BS, digest(key(2)))
     h2 = c.allocate()
     with pytest.raises(ConfigError, match="nbytes 65"):
         c.insert(key(2), h2, BS + 1, digest(key(2)))

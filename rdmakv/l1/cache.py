@@ -143,6 +143,7 @@ class L1Cache:
         # handle -> (references handed out by get/acquire, nbytes): lets release()
         # refuse handles it never gave out instead of stealing the cache's own ref.
         self._held: dict[int, list[int]] = {}
+        self._held_total = 0
         self._stats = L1Stats()
 
     # -- introspection -------------------------------------------------------
@@ -162,7 +163,7 @@ class L1Cache:
     @property
     def held_handles(self) -> int:
         """References currently handed out by get/acquire_prefix and not released."""
-        return sum(c for c, _ in self._held.values())
+        return self._held_total
 
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is resident. No references, no policy side effects."""
@@ -236,6 +237,13 @@ class L1Cache:
             raise InvalidHandle(
                 f"cannot insert block handle {handle} under a second key: it already "
                 "holds a resident entry"
+            )
+        if handle in self._held:
+            # Its references are read leases from get/acquire, not ownership:
+            # taking one over would let a later release() free a resident block.
+            raise InvalidHandle(
+                f"cannot insert block handle {handle}: it is held as a read lease from "
+                "this cache; insert blocks from allocate()"
             )
         return self._insert(key, handle, nbytes, digest, from_remote)
 
@@ -360,6 +368,7 @@ class L1Cache:
         for h, n in want.items():
             held = self._held[h]
             held[0] -= n
+            self._held_total -= n
             if held[0] == 0:
                 del self._held[h]
             for _ in range(n):
@@ -412,6 +421,7 @@ class L1Cache:
 
     def _hold(self, e: _Entry) -> None:
         self.slab.incref(e.handle)
+        self._held_total += 1
         held = self._held.get(e.handle)
         if held is None:
             self._held[e.handle] = [1, e.nbytes]
