@@ -34,9 +34,11 @@ from rdmakv.errors import (
     ProtocolError,
     RdmaError,
     RdmakvError,
+    RemoteError,
     TransportError,
 )
 from rdmakv.protocol import (
+    COMMIT_FLAG_REQUIRE_WRITTEN,
     DIGEST_LEN,
     LOOKUP_FLAG_LEASE,
     MAX_KEY_LEN,
@@ -233,6 +235,7 @@ class KVClient:
             if not (0 < n <= slab.block_size):
                 raise ConfigError(f"nbytes {n} outside (0, slab block size {slab.block_size}]")
         _check_digests(digests)
+
         def run() -> list[bool]:
             out: list[bool] = []
             for s, e in self._chunks(len(keys)):
@@ -249,40 +252,74 @@ class KVClient:
         sizes: Sequence[int],
         digests: Sequence[bytes],
     ) -> list[bool]:
-        slab = self._need_slab()
-        _, tp = self._conn()
+        bs = self._need_slab().block_size  # handles were validated by put()
         payload = self._call(Op.ALLOC, encode_alloc(keys, sizes, digests), "ALLOC")
         results = decode_extents(payload, len(keys))
         ops: list[IoOp] = []
         written: list[bytes] = []
         out = [r.status == AllocStatus.EXISTS for r in results]
         for i, r in enumerate(results):
-            if r.status != AllocStatus.OK or r.extent is None:
+            if r.extent is None:
                 continue
             if r.extent.length != sizes[i]:
                 raise ProtocolError(
                     f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
                 )
-            ops.append(IoOp(slab.offset(handles[i]), r.extent.addr, sizes[i]))
+            ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i]))
             written.append(keys[i])
         if not ops:
             return out
+        ch, tp = self._conn()
         try:
-            tp.write(ops, self.timeout).result(self.timeout)
-        except BaseException as exc:
-            self._guard(exc)
-            if self._ch is not None:  # node refused: give its extents back
-                self._call(Op.ABORT, encode_keys(written), "ABORT")
+            committed = self._write_commit(ch, tp, ops, written)
+        except OSError as e:
+            self._drop()
+            raise wrap_socket_errors("put", e) from e
+        except (TransportError, ProtocolError):
+            self._drop()
             raise
-        committed = iter(
-            decode_flags(
-                self._call(Op.COMMIT, encode_keys(written), "COMMIT"), len(written), "COMMIT"
-            )
-        )
+        flags = iter(committed)
         for i, r in enumerate(results):
-            if r.status == AllocStatus.OK:
-                out[i] = next(committed)
+            if r.extent is not None:
+                out[i] = next(flags)
         return out
+
+    def _write_commit(
+        self, ch: Channel, tp: Transport, ops: list[IoOp], keys: list[bytes]
+    ) -> list[bool]:
+        """Write the extents, then commit them; a refused write aborts what it left.
+
+        When the node sees every written byte (tcp), COMMIT goes out right
+        behind the WRITEs (one round trip saved) and the node commits only
+        extents it received in full.
+        """
+        fut = tp.write(ops, self.timeout)
+        refused: RemoteError | None = None
+        if tp.node_verifies_writes:
+            commit = ch.submit(
+                Op.COMMIT, encode_keys(keys), "COMMIT", flags=COMMIT_FLAG_REQUIRE_WRITTEN
+            )
+            try:
+                fut.result(self.timeout)
+            except RemoteError as e:
+                refused = e
+            flags = decode_flags(ch.wait(commit)[1], len(keys), "COMMIT")
+        else:
+            try:
+                fut.result(self.timeout)
+            except RemoteError as e:
+                refused = e
+                flags = [False] * len(keys)
+            else:
+                flags = decode_flags(
+                    ch.call(Op.COMMIT, encode_keys(keys), "COMMIT")[1], len(keys), "COMMIT"
+                )
+        if refused is not None:
+            leftover = [k for k, ok in zip(keys, flags, strict=True) if not ok]
+            if leftover:  # give the node its extents back
+                ch.call(Op.ABORT, encode_keys(leftover), "ABORT")
+            raise refused
+        return flags
 
     def get(
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
@@ -303,6 +340,7 @@ class KVClient:
         for h in handles:
             slab.offset(h)
         _check_digests(digests)
+
         def run() -> list[int | None]:
             out: list[int | None] = []
             for s, e in self._chunks(len(keys)):

@@ -30,7 +30,8 @@ Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
               resp: NodeInfo (see NODE_INFO)
     ALLOC     req: u32 n, n x (u16 klen, key, u32 size, 16s digest)
               resp: u32 n, n x EXTENT (u8 status AllocStatus, u64 addr, u32 len, u32 rkey)
-    COMMIT    req: keys           resp: u32 n, n x u8 (1 = committed)
+    COMMIT    req: keys (flags: COMMIT_FLAG_REQUIRE_WRITTEN)
+              resp: u32 n, n x u8 (1 = committed)
     ABORT     req: keys           resp: u32 n, n x u8 (1 = freed)
     LOOKUP    req: keys (flags: LOOKUP_FLAG_LEASE)
               resp: u32 n, n x LOOKUP_ENTRY (u8 found, u64 addr, u32 len, u32 rkey,
@@ -57,7 +58,8 @@ import json
 import logging
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -66,6 +68,7 @@ from rdmakv.errors import (
     AuthError,
     ConnectionLost,
     ProtocolError,
+    RdmakvError,
     RemoteError,
     TransportTimeout,
 )
@@ -99,6 +102,10 @@ IO_CHUNK_BYTES = 8 * 1024 * 1024
 
 RESPONSE_BIT = 0x80
 LOOKUP_FLAG_LEASE = 0x01
+COMMIT_FLAG_REQUIRE_WRITTEN = 0x01
+"""Commit only extents the node itself received in full through WRITE (tcp).
+A client may then send COMMIT right behind its WRITEs without waiting: an
+extent whose write failed is refused instead of exposing stale pool bytes."""
 
 
 class Op(IntEnum):
@@ -313,12 +320,35 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
+def _scan_keys(buf: bytes, n: int, trailer: int, what: str) -> Iterator[tuple[bytes, int]]:
+    """Yield (key, offset of the ``trailer`` bytes after it) for ``n`` keys from offset 4.
+
+    The hot decoder of every batched request: one bounds check per field,
+    no per-key objects beyond the key itself.
+    """
+    pos = U32.size
+    end = len(buf)
+    unpack = U16.unpack_from
+    for _ in range(n):
+        if pos + U16.size > end:
+            raise ProtocolError(f"{what}: payload truncated in a key length at offset {pos}")
+        (klen,) = unpack(buf, pos)
+        pos += U16.size
+        if klen == 0 or klen > MAX_KEY_LEN:
+            raise ProtocolError(f"{what}: key length {klen} outside [1, {MAX_KEY_LEN}]")
+        stop = pos + klen
+        if stop + trailer > end:
+            raise ProtocolError(f"{what}: payload truncated in a key at offset {pos}")
+        yield buf[pos:stop], stop
+        pos = stop + trailer
+    if pos != end:
+        raise ProtocolError(f"{what}: {end - pos} unexpected trailing payload bytes")
+
+
 def decode_keys(payload: Buffer, what: str) -> list[bytes]:
-    r = Reader(payload, what)
-    n = r.count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
-    keys = [r.key() for _ in range(n)]
-    r.done()
-    return keys
+    buf = bytes(payload)
+    n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
+    return [k for k, _ in _scan_keys(buf, n, 0, what)]
 
 
 def encode_hello(token: bytes | None, version: int = PROTOCOL_VERSION) -> bytes:
@@ -398,14 +428,13 @@ def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[
 
 
 def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes]]:
-    r = Reader(payload, "ALLOC")
-    n = r.count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
+    buf = bytes(payload)
+    n = Reader(buf, "ALLOC").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
+    unpack = ALLOC_ITEM.unpack_from
     out = []
-    for _ in range(n):
-        k = r.key()
-        size, digest = r.unpack(ALLOC_ITEM)
+    for k, pos in _scan_keys(buf, n, ALLOC_ITEM.size, "ALLOC"):
+        size, digest = unpack(buf, pos)
         out.append((k, size, digest))
-    r.done()
     return out
 
 
@@ -600,12 +629,52 @@ def chunk_ops(lengths: Sequence[int], max_ops: int, max_bytes: int) -> Iterator[
         yield start, len(lengths)
 
 
+class Reply:
+    """A request sent on a :class:`Channel` whose response has not been read yet.
+
+    ``on_ok(header)`` runs when an OK response arrives, before anything after
+    it is read: it must consume the response's bulk (READ puts it straight into
+    slab blocks). An error response is stored in ``error`` and raised by
+    :meth:`Channel.wait`; nobody waiting (``send_nowait``) means it is logged.
+    """
+
+    __slots__ = (
+        "awaited",
+        "done",
+        "error",
+        "header",
+        "on_ok",
+        "opcode",
+        "payload",
+        "req_id",
+        "what",
+    )
+
+    def __init__(
+        self, opcode: int, req_id: int, what: str, on_ok: Callable[[Header], None] | None
+    ) -> None:
+        self.opcode = opcode
+        self.req_id = req_id
+        self.what = what
+        self.on_ok = on_ok
+        self.awaited = True
+        self.done = False
+        self.error: RdmakvError | None = None
+        self.header: Header | None = None
+        self.payload = bytearray()
+
+
 class Channel:
     """One framed connection (used by both the client and the node).
 
-    Not thread-safe: its owner serialises use. ``bulk_pending`` counts the bulk
-    bytes of the last received header not yet consumed, so a handler that
-    fails early can :meth:`skip_bulk` and keep the stream in sync.
+    Client side, requests are *pipelined*: :meth:`submit` sends a request and
+    queues a :class:`Reply`; :meth:`wait` reads responses in order (the node
+    answers in order) until the awaited one is complete. ``call`` is submit +
+    wait. Not thread-safe: its owner serialises use.
+
+    ``bulk_pending`` counts the bulk bytes of the last received header not yet
+    consumed, so a handler that fails early can :meth:`skip_bulk` and keep the
+    stream in sync.
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -614,9 +683,7 @@ class Channel:
         self._hdr_view = memoryview(self._hdr)
         self.bulk_pending = 0
         self._next_id = 1
-        # Requests sent without waiting (RELEASE): their responses are read and
-        # discarded before the next awaited response, keeping the stream in order.
-        self._unacked: list[tuple[int, int]] = []
+        self._queue: deque[Reply] = deque()
 
     def next_req_id(self) -> int:
         rid = self._next_id
@@ -676,53 +743,75 @@ class Channel:
                 raise ConnectionLost("peer closed the connection mid-frame")
             self.bulk_pending -= n
 
+    # -- client side: pipelined requests ---------------------------------------------
+    def submit(
+        self,
+        opcode: int,
+        payload: bytes = b"",
+        what: str = "",
+        *,
+        flags: int = 0,
+        bulk: Sequence[memoryview] = (),
+        bulk_len: int = 0,
+        on_ok: Callable[[Header], None] | None = None,
+    ) -> Reply:
+        """Send a request now; its response is read by a later :meth:`wait`."""
+        reply = Reply(opcode, self.next_req_id(), what or f"opcode {opcode}", on_ok)
+        self._queue.append(reply)
+        self.send(opcode, payload, flags=flags, req_id=reply.req_id, bulk=bulk, bulk_len=bulk_len)
+        return reply
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    def _read_next(self) -> None:
+        reply = self._queue.popleft()
+        hdr = self.recv_header()
+        payload = self.recv_payload(hdr)
+        if hdr.opcode != reply.opcode | RESPONSE_BIT or hdr.req_id != reply.req_id:
+            raise ProtocolError(
+                f"{reply.what}: response out of sync (opcode {hdr.opcode}, req_id "
+                f"{hdr.req_id}; expected {reply.opcode | RESPONSE_BIT}, {reply.req_id})"
+            )
+        reply.header, reply.payload = hdr, payload
+        if hdr.status != Status.OK:
+            self.skip_bulk()
+            try:
+                raise_for_status(hdr, payload, reply.what)
+            except RdmakvError as e:
+                reply.error = e
+        elif reply.on_ok is not None:
+            reply.on_ok(hdr)
+        if self.bulk_pending:
+            raise ProtocolError(f"{reply.what}: unexpected {self.bulk_pending} bulk bytes")
+        reply.done = True
+        if reply.error is not None and not reply.awaited:
+            log.debug("unawaited request failed: %s", reply.error)
+
+    def wait(self, reply: Reply) -> tuple[Header, bytearray]:
+        """Read responses in order until ``reply``'s is in; raise its error, if any."""
+        while not reply.done:
+            if not self._queue:
+                raise ProtocolError(f"{reply.what}: waiting for a response never requested")
+            self._read_next()
+        if reply.error is not None:
+            raise reply.error
+        assert reply.header is not None
+        return reply.header, reply.payload
+
     def call(
         self, opcode: int, payload: bytes, what: str, *, flags: int = 0
     ) -> tuple[Header, bytearray]:
         """One request/response round trip for a control op (no bulk)."""
-        rid = self.next_req_id()
-        self.send(opcode, payload, flags=flags, req_id=rid)
-        return self.expect(opcode, rid, what)
+        return self.wait(self.submit(opcode, payload, what, flags=flags))
 
     def send_nowait(self, opcode: int, payload: bytes) -> None:
-        """Send a request whose response the caller does not wait for.
-
-        Only for requests with no bulk reply whose failure changes nothing for
-        the caller (RELEASE: the node ends leases on expiry/disconnect anyway).
-        """
-        rid = self.next_req_id()
-        self.send(opcode, payload, req_id=rid)
-        self._unacked.append((opcode, rid))
-
-    def _drain_unacked(self) -> None:
-        while self._unacked:
-            opcode, rid = self._unacked.pop(0)
-            hdr = self.recv_header()
-            payload = self.recv_payload(hdr)
-            if hdr.opcode != opcode | RESPONSE_BIT or hdr.req_id != rid or hdr.bulk_len:
-                raise ProtocolError(
-                    f"response out of sync (opcode {hdr.opcode}, req_id {hdr.req_id}; "
-                    f"expected {opcode | RESPONSE_BIT}, {rid})"
-                )
-            if hdr.status != Status.OK:
-                msg = bytes(payload[:MAX_ERROR_MESSAGE]).decode("utf-8", errors="replace")
-                log.debug("unawaited request %d (opcode %d) failed: %s", rid, opcode, msg)
-
-    def expect(self, opcode: int, req_id: int, what: str) -> tuple[Header, bytearray]:
-        """Read the response to request ``req_id``; error statuses raise."""
-        if self._unacked:
-            self._drain_unacked()
-        hdr = self.recv_header()
-        payload = self.recv_payload(hdr)
-        if hdr.opcode != opcode | RESPONSE_BIT or hdr.req_id != req_id:
-            raise ProtocolError(
-                f"{what}: response out of sync (opcode {hdr.opcode}, req_id {hdr.req_id}; "
-                f"expected {opcode | RESPONSE_BIT}, {req_id})"
-            )
-        if hdr.status != Status.OK:
-            self.skip_bulk()
-            raise_for_status(hdr, payload, what)
-        return hdr, payload
+        """Send a request nobody waits for; its response is read (and a failure
+        logged) on the way to a later awaited one. Only for requests whose
+        failure changes nothing for the caller (RELEASE: leases also end on
+        expiry or disconnect)."""
+        self.submit(opcode, payload).awaited = False
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

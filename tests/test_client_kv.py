@@ -337,3 +337,29 @@ def test_sigterm_shuts_down_cleanly_and_stats_cli(node: NodeProcess, client_slab
     assert stats["transports"] == ["tcp"]
     assert node.terminate() == 0
     assert "node stopped" in node.stderr()
+
+
+def test_refused_write_publishes_nothing_and_frees_extents(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    """COMMIT is pipelined behind WRITE; the node commits only what it received."""
+    from rdmakv.protocol import decode_extents, encode_alloc
+
+    src = client_slab.alloc_many(2)
+    digests = fill(client_slab, src, seed=8)
+    keys = [b"good", b"bad"]
+    with KVClient(*node.address, client_slab) as c:
+        payload = c._call(Op.ALLOC, encode_alloc(keys, [BLOCK] * 2, digests), "ALLOC")
+        exts = [r.extent for r in decode_extents(payload, 2)]
+        assert all(e is not None for e in exts)
+        ops = [
+            IoOp(client_slab.offset(src[0]), exts[0].addr, BLOCK),  # type: ignore[union-attr]
+            IoOp(client_slab.offset(src[1]), exts[0].addr + BLOCK * 4096, BLOCK),  # not ours
+        ]
+        assert c._ch is not None and c._tp is not None
+        with pytest.raises(RemoteError, match="BAD_ADDRESS"):
+            c._write_commit(c._ch, c._tp, ops, keys)
+        st = c.stats()  # same connection, still in sync
+        assert st["pending"] == 0 and st["entries"] == 0 and st["blocks_used"] == 0
+        assert c.exists(keys) == [False, False]
+        assert c.put(keys, src, BLOCK, digests) == [True, True]

@@ -130,17 +130,18 @@ def test_data_path_checks(pool: Slab) -> None:
     (res,) = s.alloc(1, [(b"a", 100, D)])
     assert res.extent is not None
     a = res.extent.addr
-    assert len(s.writable_views(1, [(a, 100), (a + 50, 50)])[0]) == 100
+    views, _written = s.open_write(1, [(a, 100), (a + 50, 50)])
+    assert [len(v) for v in views] == [100, 50]
     for addr, n in [(a, 101), (a + 99, 2), (a - 1, 1), (a, 0), (a, -1), (0, 1)]:
         with pytest.raises(BadAddress):
-            s.writable_views(1, [(addr, n)])
+            s.open_write(1, [(addr, n)])
     with pytest.raises(BadAddress, match="allocated to this client"):
-        s.writable_views(2, [(a, 10)])
+        s.open_write(2, [(a, 10)])
     with pytest.raises(BadAddress, match="lease"):
         s.pin_readable(1, [(a, 10)])
     s.commit(1, [b"a"])
     with pytest.raises(BadAddress):
-        s.writable_views(1, [(a, 10)])  # committed values are immutable
+        s.open_write(1, [(a, 10)])  # committed values are immutable
     s.lookup(1, [b"a"], lease=True)
     blk = pool.handle_at(a - pool.base_addr)
     views, unpin = s.pin_readable(1, [(a, 100)])
@@ -149,6 +150,20 @@ def test_data_path_checks(pool: Slab) -> None:
     with pytest.raises(BadAddress):  # a failed pin leaves no reference behind
         s.pin_readable(1, [(a, 10), (a, 101)])
     assert pool.refcount(blk) == 2
+
+
+def test_strict_commit_needs_a_complete_write(pool: Slab) -> None:
+    """COMMIT_FLAG_REQUIRE_WRITTEN: never publish an extent the node did not fill."""
+    s = KVStore(pool)
+    res = s.alloc(1, [(b"a", 100, D), (b"b", 100, D), (b"c", 100, D)])
+    a, b, _c = (r.extent.addr for r in res if r.extent is not None)
+    _, done_a = s.open_write(1, [(a, 100)])
+    done_a()
+    s.open_write(1, [(b, 100)])  # bytes never arrived: callback not run
+    _, done_b_half = s.open_write(1, [(b, 50)])
+    done_b_half()  # only half of b
+    assert s.commit(1, [b"a", b"b", b"c"], require_written=True) == [True, False, False]
+    assert s.commit(1, [b"b", b"c"]) == [True, True]  # the trusting commit (rdma) still works
 
 
 def test_bad_lease_timeout() -> None:

@@ -23,6 +23,7 @@ class Entry:
     digest: bytes
     owner: int  # session that allocated it; meaningful while uncommitted
     committed: bool = False
+    written: bool = False  # the node received all ``length`` bytes through WRITE
 
 
 class Index:

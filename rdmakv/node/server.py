@@ -31,6 +31,7 @@ from typing import Any
 from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError
 from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, KVStore
 from rdmakv.protocol import (
+    COMMIT_FLAG_REQUIRE_WRITTEN,
     LOOKUP_FLAG_LEASE,
     MAX_BULK_BYTES,
     MAX_ERROR_MESSAGE,
@@ -85,8 +86,10 @@ class Session:
         self.peer = peer
 
     # -- NodeSession -------------------------------------------------------------
-    def writable_views(self, ops: Sequence[tuple[int, int]]) -> list[memoryview]:
-        return self.node.store.writable_views(self.session_id, ops)
+    def open_write(
+        self, ops: Sequence[tuple[int, int]]
+    ) -> tuple[list[memoryview], Callable[[], None]]:
+        return self.node.store.open_write(self.session_id, ops)
 
     def pin_readable(
         self, ops: Sequence[tuple[int, int]]
@@ -359,7 +362,8 @@ class KVNode:
 
     def _commit(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         keys = decode_keys(payload, "COMMIT")
-        s.reply(req, encode_flags(self.store.commit(s.session_id, keys)))
+        strict = bool(req.flags & COMMIT_FLAG_REQUIRE_WRITTEN)
+        s.reply(req, encode_flags(self.store.commit(s.session_id, keys, require_written=strict)))
 
     def _abort(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         keys = decode_keys(payload, "ABORT")

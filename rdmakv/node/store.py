@@ -134,14 +134,20 @@ class KVStore:
                     out.append(AllocResult(AllocStatus.OK, self._extent(e)))
         return out
 
-    def commit(self, session: int, keys: Sequence[bytes]) -> list[bool]:
-        """Make this session's uncommitted extents visible; False for any other key."""
+    def commit(
+        self, session: int, keys: Sequence[bytes], *, require_written: bool = False
+    ) -> list[bool]:
+        """Make this session's uncommitted extents visible; False for any other key.
+
+        With ``require_written`` an extent the node did not receive in full
+        through WRITE stays uncommitted (False): its bytes may be stale.
+        """
         out = []
         with self._lock:
             mine = self._pending_by_session.get(session, {})
             for key in keys:
                 e = self._index.pending(key)
-                if e is None or e.owner != session:
+                if e is None or e.owner != session or (require_written and not e.written):
                     out.append(False)
                     continue
                 del mine[e.block]
@@ -251,30 +257,43 @@ class KVStore:
             )
         return off // self.block_size
 
-    def writable_views(self, session: int, ops: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """Pool views for ops inside extents this session allocated and has not committed.
+    def open_write(
+        self, session: int, ops: Sequence[tuple[int, int]]
+    ) -> tuple[list[memoryview], Callable[[], None]]:
+        """Pool views for ops inside extents this session allocated and has not
+        committed, and a callback marking fully covered extents as written.
 
         No pin is needed: only this session can commit/abort them, and it is
         busy running this write.
         """
         views = []
+        covered: list[Entry] = []
         buf = self.pool.buffer
+        base = self._base
         with self._lock:
             mine = self._pending_by_session.get(session, {})
             for addr, length in ops:
                 block = self._block_of(addr, length, "write")
                 e = mine.get(block)
-                start = self.pool.base_addr + block * self.block_size
+                start = base + block * self.block_size
                 if e is None or addr + length > start + e.length:
                     self.counters.bad_addresses += 1
                     raise BadAddress(
                         f"write of {length} bytes at 0x{addr:x} is not inside an extent "
                         "allocated to this client and not yet committed"
                     )
-                off = addr - self.pool.base_addr
+                if addr == start and length == e.length:
+                    covered.append(e)
+                off = addr - base
                 views.append(buf[off : off + length])
-            self.counters.bytes_written += sum(n for _, n in ops)
-        return views
+
+        def written() -> None:
+            with self._lock:
+                for e in covered:
+                    e.written = True
+                self.counters.bytes_written += sum(n for _, n in ops)
+
+        return views, written
 
     def pin_readable(
         self, session: int, ops: Sequence[tuple[int, int]]

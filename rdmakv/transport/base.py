@@ -92,6 +92,10 @@ class Transport(ABC):
     """Client side of one connection's data path. Not thread-safe: the KVClient serialises."""
 
     name: ClassVar[str]
+    node_verifies_writes: ClassVar[bool] = False
+    """True when the node itself sees every written byte (tcp): the client may
+    then queue COMMIT (with COMMIT_FLAG_REQUIRE_WRITTEN) behind the writes
+    without waiting for them. False for one-sided RDMA: wait, then commit."""
 
     @abstractmethod
     def register_local(self, slab: Slab) -> None:
@@ -120,9 +124,13 @@ class NodeSession(Protocol):
     session_id: int
     channel: Channel
 
-    def writable_views(self, ops: Sequence[tuple[int, int]]) -> list[memoryview]:
+    def open_write(
+        self, ops: Sequence[tuple[int, int]]
+    ) -> tuple[list[memoryview], Callable[[], None]]:
         """Pool views for (addr, len) ops, each inside an extent allocated to this
-        session and not yet committed; raises ``BadAddress`` otherwise."""
+        session and not yet committed (raises ``BadAddress`` otherwise), and a
+        callback to run once every byte has arrived: it marks the extents the
+        ops cover in full as written (see ``COMMIT_FLAG_REQUIRE_WRITTEN``)."""
         ...
 
     def pin_readable(

@@ -13,7 +13,7 @@ the node can tie every op to the session that received the extents.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from rdmakv.errors import ProtocolError, RdmakvError
 from rdmakv.protocol import (
@@ -21,6 +21,7 @@ from rdmakv.protocol import (
     Header,
     NodeInfo,
     Op,
+    Reply,
     chunk_ops,
     decode_data_ops,
     encode_data_ops,
@@ -37,20 +38,54 @@ from rdmakv.transport.base import (
     check_local_ops,
 )
 
-PIPELINE_DEPTH = 2
-"""Requests in flight per batch. Two keeps the socket busy while the previous
+READ_PIPELINE_DEPTH = 2
+"""READ requests in flight. Two keeps the socket busy while the previous
 response is parsed; more only adds buffered request bytes (deadlock risk with
-READ replies filling the other direction)."""
+READ replies filling the other direction). WRITE responses are 24 bytes, so
+every WRITE of a batch is sent before any response is read."""
+
+
+class TcpWriteFuture(IoFuture):
+    """Completes when the node has acknowledged every WRITE of the batch."""
+
+    def __init__(self, channel: Channel, replies: list[Reply], timeout: float) -> None:
+        super().__init__(timeout)
+        self._ch = channel
+        self._replies = replies
+
+    def done(self) -> bool:
+        return all(r.done for r in self._replies)
+
+    def result(self, timeout: float | None = None) -> None:
+        if not self.done():
+            self._ch.sock.settimeout(self._default_timeout if timeout is None else timeout)
+            first: RdmakvError | None = None
+            try:
+                for r in self._replies:
+                    try:
+                        self._ch.wait(r)
+                    except ProtocolError:
+                        raise
+                    except RdmakvError as e:  # node refused one request; stream in sync
+                        first = first or e
+            except OSError as e:
+                raise wrap_socket_errors("WRITE", e) from e
+            self.set_result(first)
+        super().result(0)
 
 
 class TcpTransport(Transport):
-    """Client side. Completes each batch before returning (a finished IoFuture).
+    """Client side, over the control channel.
 
-    On any socket failure the channel is left unusable and the error raised;
+    ``write`` sends every WRITE request of the batch at once and returns a
+    future that reads the acknowledgements, so the caller can queue COMMIT
+    behind the writes (``node_verifies_writes``). ``read`` completes before it
+    returns. On a socket failure the channel is unusable and the error raised;
     the owner (KVClient) drops the connection and reconnects on the next call.
     """
 
     name = "tcp"
+    node_verifies_writes = True
 
     def __init__(self, channel: Channel, info: NodeInfo, timeout: float) -> None:
         self._ch = channel
@@ -63,68 +98,73 @@ class TcpTransport(Transport):
         self._slab = slab
         self._local = slab.buffer
 
-    def _run(self, opcode: Op, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def _chunks(self, ops: Sequence[IoOp]) -> list[tuple[int, int]]:
         check_local_ops(ops, self._slab)
+        return list(chunk_ops([op.length for op in ops], self._info.max_ops, self._info.max_bulk))
+
+    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+        chunks = self._chunks(ops)
         assert self._local is not None
         local = self._local
         ch = self._ch
-        what = "WRITE" if opcode == Op.WRITE else "READ"
-        chunks = list(chunk_ops([op.length for op in ops], self._info.max_ops, self._info.max_bulk))
-        pending: list[tuple[int, int, int]] = []  # (req_id, start, end)
-        first_error: RdmakvError | None = None
+        replies = []
         try:
             ch.sock.settimeout(timeout)
+            for start, end in chunks:
+                batch = ops[start:end]
+                views = [local[op.local_offset : op.local_offset + op.length] for op in batch]
+                payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
+                replies.append(
+                    ch.submit(
+                        Op.WRITE, payload, "WRITE", bulk=views, bulk_len=sum(map(len, views))
+                    )
+                )
+        except OSError as e:
+            raise wrap_socket_errors("WRITE", e) from e
+        return TcpWriteFuture(ch, replies, timeout)
 
-            def finish(req: tuple[int, int, int]) -> None:
-                nonlocal first_error
-                rid, s, e = req
-                try:
-                    hdr, _ = ch.expect(opcode, rid, what)
-                    if opcode == Op.READ:
-                        views = [
-                            local[op.local_offset : op.local_offset + op.length] for op in ops[s:e]
-                        ]
-                        if hdr.bulk_len != sum(len(v) for v in views):
-                            raise ProtocolError(
-                                f"READ response carries {hdr.bulk_len} bytes, asked for "
-                                f"{sum(len(v) for v in views)}"
-                            )
-                        ch.recv_bulk(views)
-                except ProtocolError:
-                    raise
-                except RdmakvError as e:  # node refused this request; stream still in sync
-                    if first_error is None:
-                        first_error = e
+    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+        chunks = self._chunks(ops)
+        assert self._local is not None
+        local = self._local
+        ch = self._ch
+        first: RdmakvError | None = None
+        pending: list[Reply] = []
 
+        def receiver(batch: Sequence[IoOp]) -> Callable[[Header], None]:
+            def on_ok(hdr: Header) -> None:
+                views = [local[op.local_offset : op.local_offset + op.length] for op in batch]
+                want = sum(map(len, views))
+                if hdr.bulk_len != want:
+                    raise ProtocolError(
+                        f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
+                    )
+                ch.recv_bulk(views)
+
+            return on_ok
+
+        def finish(reply: Reply) -> None:
+            nonlocal first
+            try:
+                ch.wait(reply)
+            except ProtocolError:
+                raise
+            except RdmakvError as e:  # node refused this request; stream still in sync
+                first = first or e
+
+        try:
+            ch.sock.settimeout(timeout)
             for start, end in chunks:
                 batch = ops[start:end]
                 payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
-                rid = ch.next_req_id()
-                if opcode == Op.WRITE:
-                    views = [local[op.local_offset : op.local_offset + op.length] for op in batch]
-                    ch.send(
-                        opcode,
-                        payload,
-                        req_id=rid,
-                        bulk=views,
-                        bulk_len=sum(op.length for op in batch),
-                    )
-                else:
-                    ch.send(opcode, payload, req_id=rid)
-                pending.append((rid, start, end))
-                if len(pending) >= PIPELINE_DEPTH:
+                pending.append(ch.submit(Op.READ, payload, "READ", on_ok=receiver(batch)))
+                if len(pending) >= READ_PIPELINE_DEPTH:
                     finish(pending.pop(0))
             while pending:
                 finish(pending.pop(0))
-        except (TimeoutError, OSError) as e:
-            raise wrap_socket_errors(what, e) from e
-        return IoFuture.completed(first_error)
-
-    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
-        return self._run(Op.WRITE, ops, timeout)
-
-    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
-        return self._run(Op.READ, ops, timeout)
+        except OSError as e:
+            raise wrap_socket_errors("READ", e) from e
+        return IoFuture.completed(first)
 
     def close(self) -> None:
         self._slab = None
@@ -147,8 +187,9 @@ class TcpNodeDataPath(NodeDataPath):
             raise ProtocolError(
                 f"WRITE ops name {total} bytes but the frame carries {req.bulk_len}"
             )
-        views = session.writable_views(ops)  # raises BadAddress; the bulk is then skipped
+        views, written = session.open_write(ops)  # raises BadAddress; the bulk is then skipped
         session.channel.recv_bulk(views)
+        written()  # only now: every byte of the ops is in the pool
         session.reply(req)
 
     @staticmethod
