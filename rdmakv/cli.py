@@ -115,8 +115,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    print("rdmakv demo: not built yet", file=sys.stderr)
-    return 1
+    from rdmakv import demo
+
+    return demo.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=_cmd_stats)
 
-    p = sub.add_parser("demo", help="run the demo workload")
+    p = sub.add_parser(
+        "demo", help="put/get a generated KV workload through L1 and a local node"
+    )
+    p.add_argument("--requests", type=int, default=64, help="requests in the workload")
+    p.add_argument("--l1-mib", type=int, default=32, help="L1 capacity in MiB")
+    p.add_argument("--policy", choices=["lru", "fifo", "s3fifo"], default="s3fifo")
+    p.add_argument("--offload", choices=["all", "hot", "cold", "none"], default="all")
+    p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="auto")
+    p.add_argument("--json", action="store_true", help="also print the summary as JSON")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("doctor", help="check this machine's RDMA set-up and say how to fix it")

@@ -1,0 +1,135 @@
+"""LocalNodeProcess: a real ``rdmakv serve`` child process on this machine.
+
+Used by ``rdmakv demo`` and the test fixtures. The node is started with
+``--port 0`` unless a port is given: it binds a free port and reports it on its
+one stdout line (``rdmakv node ready on HOST:PORT ...``), which is parsed here,
+so concurrent nodes never race for ports. The child is killed when the object
+is closed, or when this process exits (the child's stdin is our pipe).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from rdmakv.errors import RdmakvError
+
+READY_TIMEOUT_S = 60.0
+"""How long a starting node may take to print its ready line (imports included)."""
+STOP_TIMEOUT_S = 15.0
+READY_MARK = "ready on "
+
+
+class NodeStartError(RdmakvError):
+    """``rdmakv serve`` exited or stayed silent instead of reporting ready."""
+
+
+class LocalNodeProcess:
+    """A running ``rdmakv serve`` child; ``restart()`` comes back on the same port.
+
+    ``options`` are CLI flags without the leading dashes, e.g.
+    ``{"pool-size": "64MiB", "transport": "tcp"}``. Its stderr goes to
+    ``stderr_path`` (or is inherited when None).
+    """
+
+    def __init__(
+        self,
+        options: dict[str, str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        stderr_path: Path | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.options = dict(options or {})
+        self.host = host
+        self.port = port
+        self.stderr_path = stderr_path
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen[str] | None = None
+        self.ready_line = ""
+        self.start()
+
+    def argv(self) -> list[str]:
+        args = [sys.executable, "-m", "rdmakv.cli", "serve", "--host", self.host]
+        args += ["--port", str(self.port)]
+        for name, value in self.options.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        return args + self.extra_args
+
+    def start(self) -> None:
+        err = self.stderr_path.open("ab") if self.stderr_path is not None else None
+        try:
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            if err is not None:
+                err.close()
+        line: list[str] = []
+        out = self.proc.stdout
+        assert out is not None
+        reader = threading.Thread(target=lambda: line.append(out.readline()), daemon=True)
+        reader.start()
+        reader.join(READY_TIMEOUT_S)
+        if not line or READY_MARK not in line[0]:
+            self.kill()
+            detail = (
+                self.stderr_path.read_text(errors="replace")[-2000:] if self.stderr_path else ""
+            )
+            raise NodeStartError(
+                f"rdmakv serve did not report ready within {READY_TIMEOUT_S:.0f}s "
+                f"(got {line[0].strip() if line else 'nothing'!r}). {detail}"
+            )
+        self.ready_line = line[0].strip()
+        addr = self.ready_line.split(READY_MARK, 1)[1].split()[0]
+        self.port = int(addr.rsplit(":", 1)[1])
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the node dies without any clean-up."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT_S)
+
+    def terminate(self) -> int:
+        """SIGTERM (clean shutdown) and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(STOP_TIMEOUT_S)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.terminate()
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> LocalNodeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
