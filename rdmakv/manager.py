@@ -266,7 +266,7 @@ class KVCacheManager:
         extra: bytes | None = None,
         first_block: int = 0,
     ) -> int:
-        """Cache blocks ``first_block ..`` of ``tokens`` held in ``handles``; returns how many are new.
+        """Cache blocks ``first_block..`` of ``tokens`` held in ``handles``; return the new count.
 
         Takes over the caller's reference on every handle (from
         :meth:`allocate_for`). Handles beyond the full blocks of ``tokens`` are
