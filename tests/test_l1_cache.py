@@ -343,12 +343,30 @@ def test_backpressure_drops_and_counts_without_blocking(slab: Slab) -> None:
     assert (s.offloads, s.offloads_dropped) == (2, 4)
     assert q.dropped == 4 and q.pending_bytes == 2 * BS
     assert s.bytes_offloaded == 2 * BS
-    # Dropped offers released their references; pending ones pin their entries.
-    assert slab.used_blocks == len(c) == 4
-    assert c.contains(key(0)) and c.contains(key(1))
-    consume(slab, q)
+    # Dropped offers released their references. Pending ones do not pin their
+    # entries (keys 0 and 1 were evicted) but keep their blocks and bytes alive.
+    assert len(c) == 4 and not c.contains(key(0)) and not c.contains(key(1))
+    assert slab.used_blocks == len(c) + 2
+    items = consume(slab, q)
+    assert [it.key for it in items] == [key(0), key(1)]
     c.poll_offload()
+    assert slab.used_blocks == len(c)
     assert sum(slab.refcount(h) for h in range(slab.num_blocks)) == len(c)
+
+
+def test_pending_offloads_never_starve_the_producer() -> None:
+    """A stalled consumer must cost offloads (dropped), never the engine's inserts."""
+    slab = make_slab(8)  # capacity 4 + a 4-block offload bound
+    q = OffloadQueue(4 * BS)
+    c = L1Cache(slab, capacity_bytes=4 * BS, offload="all", offload_queue=q)
+    for i in range(50):
+        assert c.put(key(i), data(key(i)), digest(key(i)))
+    assert len(c) == 4 and c.stats.offloads == 4 and c.stats.offloads_dropped == 46
+    for it in consume(slab, q):  # the stalled consumer still sees the original bytes
+        assert bytes(slab.view(it.handle, it.nbytes)) == data(it.key)
+    c.poll_offload()
+    assert slab.used_blocks == len(c) == 4
+    slab.close()
 
 
 def test_cold_backpressure_frees_dropped_victims(slab: Slab) -> None:

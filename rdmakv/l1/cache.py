@@ -143,6 +143,9 @@ class L1Cache:
         # handle -> (references handed out by get/acquire, nbytes): lets release()
         # refuse handles it never gave out instead of stealing the cache's own ref.
         self._held: dict[int, list[int]] = {}
+        # handle -> offload references in flight: they keep the block alive but do
+        # not pin the entry (an entry may leave the cache while its bytes are sent).
+        self._sending: Counter[int] = Counter()
         self._held_total = 0
         self._stats = L1Stats()
 
@@ -382,6 +385,9 @@ class L1Cache:
             return 0
         finished = q.drain_completed()
         for it in finished:
+            self._sending[it.handle] -= 1
+            if not self._sending[it.handle]:
+                del self._sending[it.handle]
             self.slab.decref(it.handle)
         return len(finished)
 
@@ -392,6 +398,7 @@ class L1Cache:
         if not transfer:
             self.slab.incref(e.handle)
         if q.offer(OffloadItem(e.key, e.handle, e.nbytes, e.digest)):
+            self._sending[e.handle] += 1
             self._stats.offloads += 1
             self._stats.bytes_offloaded += e.nbytes
             e.offered = True
@@ -429,8 +436,11 @@ class L1Cache:
             held[0] += 1
 
     def _can_evict(self, key: BlockKey) -> bool:
-        # Only the cache's own reference left: nobody reads or sends this block.
-        return self.slab.refcount(self._entries[key].handle) == 1
+        # No reader holds it. A pending offload does not pin the entry: its own
+        # reference keeps the bytes alive until sent, so under a fast producer
+        # the cache keeps evicting instead of filling up with in-flight blocks.
+        h = self._entries[key].handle
+        return self.slab.refcount(h) - self._sending[h] == 1
 
     def _evict_one(self) -> bool:
         key = self.policy.victim(self._can_evict)
