@@ -24,6 +24,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ from rdmakv.protocol import (
     Channel,
     NodeInfo,
     Op,
+    Reply,
     decode_extents,
     decode_flags,
     decode_json,
@@ -59,13 +61,18 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import Transport, get_transport, resolve_transport
-from rdmakv.transport.base import IoOp
+from rdmakv.transport.base import IoFuture, IoOp
 
 log = logging.getLogger("rdmakv.client")
 _T = TypeVar("_T")
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_CONNECT_RETRIES = 3
+PIPELINE_WINDOW = 4
+"""Sub-batches a put/get splits into and keeps in flight: each one's ALLOC or
+LOOKUP round trip is hidden behind the previous one's data transfer."""
+MIN_SUB_BATCH = 64
+"""Keys per sub-batch at least: smaller batches are not worth splitting."""
 RETRY_BACKOFF = 0.1
 """First pause between connection attempts (seconds); doubles each attempt."""
 
@@ -237,89 +244,108 @@ class KVClient:
         _check_digests(digests)
 
         def run() -> list[bool]:
-            out: list[bool] = []
-            for s, e in self._chunks(len(keys)):
-                out.extend(self._put_chunk(keys[s:e], handles[s:e], sizes[s:e], digests[s:e]))
-            return out
+            ch, tp = self._conn()
+            try:
+                return self._put_pipelined(ch, tp, keys, handles, sizes, digests)
+            except OSError as e:
+                self._drop()
+                raise wrap_socket_errors("put", e) from e
+            except (TransportError, ProtocolError):
+                self._drop()  # the stream can no longer be trusted
+                raise
 
         with self._lock:
             return self._retrying(run)
 
-    def _put_chunk(
+    def _sub_batches(self, n: int) -> list[tuple[int, int]]:
+        """Split a batch so each sub-batch's control round trip overlaps the
+        previous sub-batch's data transfer (and respects the node's key limit)."""
+        max_keys = self.info.max_keys if self.info else MIN_SUB_BATCH
+        size = min(max_keys, max(MIN_SUB_BATCH, -(-n // PIPELINE_WINDOW)))
+        return [(s, min(n, s + size)) for s in range(0, n, size)]
+
+    def _put_pipelined(
         self,
+        ch: Channel,
+        tp: Transport,
         keys: Sequence[bytes],
         handles: Sequence[int],
         sizes: Sequence[int],
         digests: Sequence[bytes],
     ) -> list[bool]:
-        bs = self._need_slab().block_size  # handles were validated by put()
-        payload = self._call(Op.ALLOC, encode_alloc(keys, sizes, digests), "ALLOC")
-        results = decode_extents(payload, len(keys))
-        ops: list[IoOp] = []
-        written: list[bytes] = []
-        out = [r.status == AllocStatus.EXISTS for r in results]
-        for i, r in enumerate(results):
-            if r.extent is None:
-                continue
-            if r.extent.length != sizes[i]:
-                raise ProtocolError(
-                    f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
-                )
-            ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i]))
-            written.append(keys[i])
-        if not ops:
-            return out
-        ch, tp = self._conn()
-        try:
-            committed = self._write_commit(ch, tp, ops, written)
-        except OSError as e:
-            self._drop()
-            raise wrap_socket_errors("put", e) from e
-        except (TransportError, ProtocolError):
-            self._drop()
-            raise
-        flags = iter(committed)
-        for i, r in enumerate(results):
-            if r.extent is not None:
-                out[i] = next(flags)
-        return out
+        """ALLOC sub-batches ahead, write each as its extents arrive, then COMMIT.
 
-    def _write_commit(
-        self, ch: Channel, tp: Transport, ops: list[IoOp], keys: list[bytes]
-    ) -> list[bool]:
-        """Write the extents, then commit them; a refused write aborts what it left.
-
-        When the node sees every written byte (tcp), COMMIT goes out right
-        behind the WRITEs (one round trip saved) and the node commits only
-        extents it received in full.
+        With node-verified writes (tcp) each COMMIT is queued right behind its
+        WRITEs and the node commits only extents it received in full; otherwise
+        (rdma) a sub-batch is committed once its write completed. A refused
+        write aborts the extents it left uncommitted, then raises.
         """
-        fut = tp.write(ops, self.timeout)
+        bs = self._need_slab().block_size  # handles were validated by put()
+        subs = self._sub_batches(len(keys))
+        out = [False] * len(keys)
+        allocs: deque[tuple[int, int, Reply]] = deque()
+        stages: list[tuple[IoFuture, Reply | None, list[int], list[bytes]]] = []
+        nxt = 0
+
+        def submit_alloc() -> None:
+            nonlocal nxt
+            s, e = subs[nxt]
+            nxt += 1
+            payload = encode_alloc(keys[s:e], sizes[s:e], digests[s:e])
+            allocs.append((s, e, ch.submit(Op.ALLOC, payload, "ALLOC")))
+
+        while nxt < len(subs) and len(allocs) < PIPELINE_WINDOW:
+            submit_alloc()
+        while allocs:
+            s, e, reply = allocs.popleft()
+            results = decode_extents(ch.wait(reply)[1], e - s)
+            if nxt < len(subs):
+                submit_alloc()  # the node allocates it while we write this one
+            ops: list[IoOp] = []
+            idx: list[int] = []
+            for i, r in enumerate(results, s):
+                if r.extent is None:
+                    out[i] = r.status == AllocStatus.EXISTS
+                    continue
+                if r.extent.length != sizes[i]:
+                    raise ProtocolError(
+                        f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
+                    )
+                ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i]))
+                idx.append(i)
+            if not ops:
+                continue
+            fut = tp.write(ops, self.timeout)
+            wkeys = [keys[i] for i in idx]
+            commit = None
+            if tp.node_verifies_writes:
+                payload = encode_keys(wkeys)
+                commit = ch.submit(Op.COMMIT, payload, "COMMIT", flags=COMMIT_FLAG_REQUIRE_WRITTEN)
+            stages.append((fut, commit, idx, wkeys))
         refused: RemoteError | None = None
-        if tp.node_verifies_writes:
-            commit = ch.submit(
-                Op.COMMIT, encode_keys(keys), "COMMIT", flags=COMMIT_FLAG_REQUIRE_WRITTEN
-            )
+        for fut, commit, idx, wkeys in stages:
+            failed = False
             try:
                 fut.result(self.timeout)
-            except RemoteError as e:
-                refused = e
-            flags = decode_flags(ch.wait(commit)[1], len(keys), "COMMIT")
-        else:
-            try:
-                fut.result(self.timeout)
-            except RemoteError as e:
-                refused = e
-                flags = [False] * len(keys)
+            except RemoteError as exc:
+                refused = refused or exc
+                failed = True
+            if commit is not None:
+                flags = decode_flags(ch.wait(commit)[1], len(wkeys), "COMMIT")
+            elif failed:
+                flags = [False] * len(wkeys)
             else:
-                flags = decode_flags(
-                    ch.call(Op.COMMIT, encode_keys(keys), "COMMIT")[1], len(keys), "COMMIT"
-                )
+                reply_payload = ch.call(Op.COMMIT, encode_keys(wkeys), "COMMIT")[1]
+                flags = decode_flags(reply_payload, len(wkeys), "COMMIT")
+            if failed:
+                leftover = [k for k, ok in zip(wkeys, flags, strict=True) if not ok]
+                if leftover:  # give the node its extents back
+                    ch.call(Op.ABORT, encode_keys(leftover), "ABORT")
+            for i, ok in zip(idx, flags, strict=True):
+                out[i] = ok
         if refused is not None:
-            leftover = [k for k, ok in zip(keys, flags, strict=True) if not ok]
-            if leftover:  # give the node its extents back
-                ch.call(Op.ABORT, encode_keys(leftover), "ABORT")
             raise refused
-        return flags
+        return out
 
     def get(
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
@@ -342,52 +368,73 @@ class KVClient:
         _check_digests(digests)
 
         def run() -> list[int | None]:
-            out: list[int | None] = []
-            for s, e in self._chunks(len(keys)):
-                out.extend(self._get_chunk(keys[s:e], handles[s:e], digests[s:e]))
-            return out
+            ch, tp = self._conn()
+            try:
+                return self._get_pipelined(ch, tp, keys, handles, digests)
+            except OSError as e:
+                self._drop()
+                raise wrap_socket_errors("get", e) from e
+            except (TransportError, ProtocolError):
+                self._drop()
+                raise
 
         with self._lock:
             return self._retrying(run)
 
-    def _get_chunk(
-        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    def _get_pipelined(
+        self,
+        ch: Channel,
+        tp: Transport,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        digests: Sequence[bytes],
     ) -> list[int | None]:
-        slab = self._need_slab()
-        _, tp = self._conn()
-        payload = self._call(Op.LOOKUP, encode_keys(keys), "LOOKUP", flags=LOOKUP_FLAG_LEASE)
-        found = decode_lookup_results(payload, len(keys))
-        ops: list[IoOp] = []
+        """LOOKUP (leased) sub-batches ahead; read each one's hits; release its leases."""
+        bs = self._need_slab().block_size
+        subs = self._sub_batches(len(keys))
         out: list[int | None] = [None] * len(keys)
-        leases = []
-        for i, res in enumerate(found):
-            if res is None:
-                continue
-            leases.append(res.lease_id)
-            if res.digest != bytes(digests[i]) or not (0 < res.extent.length <= slab.block_size):
-                continue  # collision or foreign value: a miss, never wrong KV
-            ops.append(IoOp(slab.offset(handles[i]), res.extent.addr, res.extent.length))
-            out[i] = res.extent.length
-        try:
-            if ops:
-                tp.read(ops, self.timeout).result(self.timeout)
-        except BaseException as exc:
-            self._guard(exc)
-            raise
-        finally:
-            if leases and self._ch is not None:
-                self._release(leases)
-        return out
+        lookups: deque[tuple[int, int, Reply]] = deque()
+        nxt = 0
 
-    def _release(self, leases: list[int]) -> None:
-        """End leases without waiting: the node handles requests in order, so the
-        leases are gone before anything this client sends next."""
-        assert self._ch is not None
-        try:
-            self._ch.send_nowait(Op.RELEASE, encode_u64_list(leases))
-        except OSError as e:
-            self._drop()
-            raise wrap_socket_errors("RELEASE", e) from e
+        def submit_lookup() -> None:
+            nonlocal nxt
+            s, e = subs[nxt]
+            nxt += 1
+            payload = encode_keys(keys[s:e])
+            lookups.append((s, e, ch.submit(Op.LOOKUP, payload, "LOOKUP", flags=LOOKUP_FLAG_LEASE)))
+
+        while nxt < len(subs) and len(lookups) < PIPELINE_WINDOW:
+            submit_lookup()
+        refused: RemoteError | None = None
+        while lookups:
+            s, e, reply = lookups.popleft()
+            found = decode_lookup_results(ch.wait(reply)[1], e - s)
+            if nxt < len(subs):
+                submit_lookup()
+            ops: list[IoOp] = []
+            hits: list[tuple[int, int]] = []
+            leases: list[int] = []
+            for i, res in enumerate(found, s):
+                if res is None:
+                    continue
+                leases.append(res.lease_id)
+                length = res.extent.length
+                if res.digest != digests[i] or not (0 < length <= bs):
+                    continue  # collision or foreign value: a miss, never wrong KV
+                ops.append(IoOp(handles[i] * bs, res.extent.addr, length))
+                hits.append((i, length))
+            try:
+                if ops:
+                    tp.read(ops, self.timeout).result(self.timeout)
+                for i, length in hits:
+                    out[i] = length
+            except RemoteError as exc:  # node refused a read; the stream is in sync
+                refused = refused or exc
+            if leases:
+                ch.send_nowait(Op.RELEASE, encode_u64_list(leases))
+        if refused is not None:
+            raise refused
+        return out
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed on the node (one round trip per batch)."""

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -18,9 +18,15 @@ from conftest import NodeProcess
 
 from rdmakv.client import KVClient
 from rdmakv.errors import AuthError, ConfigError, RdmakvError, RemoteError, TransportError
-from rdmakv.protocol import LOOKUP_FLAG_LEASE, Op, decode_lookup_results, encode_keys
+from rdmakv.protocol import (
+    LOOKUP_FLAG_LEASE,
+    Op,
+    decode_lookup_results,
+    encode_keys,
+    encode_u64_list,
+)
 from rdmakv.slab import Slab
-from rdmakv.transport.base import IoOp
+from rdmakv.transport.base import IoFuture, IoOp, Transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,7 +191,8 @@ def test_reading_an_extent_after_its_lease_ended_is_refused(
         assert found is not None
         op = IoOp(client_slab.offset(dst), found.extent.addr, found.extent.length)
         c._tp.read([op], 5.0).result()  # type: ignore[union-attr]
-        c._release([found.lease_id])
+        assert c._ch is not None
+        c._ch.send_nowait(Op.RELEASE, encode_u64_list([found.lease_id]))
         with pytest.raises(RemoteError, match="BAD_ADDRESS"):
             c._tp.read([op], 5.0).result()  # type: ignore[union-attr]
         assert c.exists([b"k"]) == [True]  # connection still serving
@@ -339,27 +346,66 @@ def test_sigterm_shuts_down_cleanly_and_stats_cli(node: NodeProcess, client_slab
     assert "node stopped" in node.stderr()
 
 
+class Misaddressing(Transport):
+    """Fault injection: the real tcp transport, with one op aimed outside our extents."""
+
+    name = "tcp"
+    node_verifies_writes = True
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    def register_local(self, slab: Slab) -> None:
+        self.inner.register_local(slab)
+
+    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+        bad = ops[-1]._replace(remote_addr=ops[-1].remote_addr + BLOCK * 4096)
+        return self.inner.write([*ops[:-1], bad], timeout)
+
+    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+        return self.inner.read(ops, timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def test_refused_write_publishes_nothing_and_frees_extents(
     node: NodeProcess, client_slab: Slab
 ) -> None:
     """COMMIT is pipelined behind WRITE; the node commits only what it received."""
-    from rdmakv.protocol import decode_extents, encode_alloc
-
     src = client_slab.alloc_many(2)
     digests = fill(client_slab, src, seed=8)
     keys = [b"good", b"bad"]
     with KVClient(*node.address, client_slab) as c:
-        payload = c._call(Op.ALLOC, encode_alloc(keys, [BLOCK] * 2, digests), "ALLOC")
-        exts = [r.extent for r in decode_extents(payload, 2)]
-        assert all(e is not None for e in exts)
-        ops = [
-            IoOp(client_slab.offset(src[0]), exts[0].addr, BLOCK),  # type: ignore[union-attr]
-            IoOp(client_slab.offset(src[1]), exts[0].addr + BLOCK * 4096, BLOCK),  # not ours
-        ]
         assert c._ch is not None and c._tp is not None
+        wrapper = Misaddressing(c._tp)
         with pytest.raises(RemoteError, match="BAD_ADDRESS"):
-            c._write_commit(c._ch, c._tp, ops, keys)
+            c._put_pipelined(c._ch, wrapper, keys, src, [BLOCK] * 2, digests)
         st = c.stats()  # same connection, still in sync
         assert st["pending"] == 0 and st["entries"] == 0 and st["blocks_used"] == 0
         assert c.exists(keys) == [False, False]
         assert c.put(keys, src, BLOCK, digests) == [True, True]
+
+
+def test_huge_batch_is_split_within_node_limits(
+    node_factory: Callable[..., NodeProcess],
+) -> None:
+    """More keys than one request may carry and more ops than one WRITE/READ may:
+    sub-batches and request chunking must still move every byte to the right key."""
+    from rdmakv.protocol import MAX_OPS_PER_DATA_REQUEST
+
+    n = 4 * MAX_OPS_PER_DATA_REQUEST + 100
+    size = 64
+    node = node_factory(pool_size=str((n + 64) * 4096), block_size="4KiB")
+    with Slab(n * 4096, 4096, lock=False) as slab, KVClient(*node.address, slab) as c:
+        hs = slab.alloc_many(n)
+        for i, h in enumerate(hs):
+            slab.numpy(h)[:size] = np.frombuffer(i.to_bytes(8, "little") * (size // 8), np.uint8)
+        keys = keys_for("huge", n)
+        digests = [i.to_bytes(16, "little") for i in range(n)]
+        assert c.put(keys, hs, size, digests) == [True] * n
+        slab.array[:] = 0
+        assert c.get(keys, hs, digests) == [True] * n
+        for i, h in enumerate(hs):
+            assert bytes(slab.view(h, size)) == i.to_bytes(8, "little") * (size // 8)
+        assert c.stats()["entries"] == n
