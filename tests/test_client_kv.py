@@ -409,3 +409,22 @@ def test_huge_batch_is_split_within_node_limits(
         for i, h in enumerate(hs):
             assert bytes(slab.view(h, size)) == i.to_bytes(8, "little") * (size // 8)
         assert c.stats()["entries"] == n
+
+
+def test_sigterm_with_a_client_stalled_mid_frame(node: NodeProcess, client_slab: Slab) -> None:
+    """A client that announced a payload and went silent must not hold up shutdown."""
+    import socket as socket_mod
+
+    from rdmakv.protocol import HEADER, encode_hello
+
+    with socket_mod.create_connection(node.address, timeout=10) as s:
+        hello = encode_hello(None)
+        s.sendall(HEADER.pack(Op.HELLO, 0, 0, len(hello), 0, 1) + hello)
+        s.recv(4096)
+        s.sendall(HEADER.pack(Op.EXISTS, 0, 0, 1000, 0, 2) + b"\x01")  # 999 bytes never come
+        idle = KVClient(*node.address, client_slab)
+        assert idle.exists([b"x"]) == [False]
+        assert node.terminate() == 0  # within STOP_TIMEOUT_S, far below the node's IO_TIMEOUT
+        with pytest.raises(TransportError):
+            idle.exists([b"x"])
+        idle.close()

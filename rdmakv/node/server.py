@@ -18,6 +18,7 @@ and leases are reclaimed.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -71,6 +72,8 @@ POLL_INTERVAL = 0.2
 IO_TIMEOUT = 30.0
 """Once a frame has started, the rest of it must arrive within this (seconds)."""
 HANDSHAKE_TIMEOUT = 10.0
+SHUTDOWN_JOIN_TIMEOUT = 5.0
+"""How long shutdown waits for each session thread after waking it."""
 MAX_SESSIONS = 1024
 LISTEN_BACKLOG = 128
 NODE_ID_LEN = 16
@@ -347,9 +350,14 @@ class KVNode:
         if self._listener is not None:
             self._listener.close()
         with self._lock:
-            threads = [t for _, t in self._sessions.values()]
-        for t in threads:
-            t.join(IO_TIMEOUT)
+            sessions = list(self._sessions.values())
+        for session, _ in sessions:
+            # Wakes a session blocked mid-frame on a stalled client, so shutdown
+            # does not wait for IO_TIMEOUT; idle sessions notice the flag anyway.
+            with contextlib.suppress(OSError):
+                session.channel.sock.shutdown(socket.SHUT_RDWR)
+        for _, t in sessions:
+            t.join(SHUTDOWN_JOIN_TIMEOUT)
         for dp in self.datapaths:
             dp.close()
         self.pool.close()
