@@ -4,11 +4,16 @@ The node serves WRITE/READ requests naming ``(absolute pool address, length)``
 lists. Bytes move with scatter-gather socket calls straight between the
 socket and slab/pool blocks (``sendmsg`` of block views, ``recvmsg_into`` of
 block views): no intermediate ``bytes``. A batch is split into requests within
-the node's advertised limits, and requests are pipelined ``PIPELINE_DEPTH``
-deep so the socket never idles between them.
+the node's advertised limits (ops and bulk bytes per request); WRITEs are all
+sent before their acknowledgements are read, READs run ``READ_PIPELINE_DEPTH``
+deep, so the socket never idles between requests.
 
 The data ops share the control socket, so control and data stay ordered and
-the node can tie every op to the session that received the extents.
+the node can tie every op to the session that received the extents. Because
+the node sees every written byte, it marks an extent *written* only once the
+whole extent arrived; the client queues ``COMMIT`` (with
+``COMMIT_FLAG_REQUIRE_WRITTEN``) right behind its WRITEs, and an extent whose
+write failed is never published.
 """
 
 from __future__ import annotations
