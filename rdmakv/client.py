@@ -20,6 +20,7 @@ Thread-safe: calls are serialised on the one connection.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -42,7 +43,12 @@ from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
     DIGEST_LEN,
     LOOKUP_FLAG_LEASE,
+    MAX_BULK_BYTES,
     MAX_KEY_LEN,
+    MAX_KEYS_PER_REQUEST,
+    MAX_OPS_PER_DATA_REQUEST,
+    MAX_PAYLOAD,
+    PROTOCOL_VERSION,
     AllocStatus,
     Channel,
     NodeInfo,
@@ -137,33 +143,40 @@ class KVClient:
         ) from last
 
     def _connect_once(self) -> None:
+        """Connect, handshake, set up the transport; on any failure nothing stays open."""
         what = f"connect to {self.host}:{self.port}"
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         except OSError as e:
             raise wrap_socket_errors(what, e) from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ch = Channel(sock)
-        self._ch = ch
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _, payload = ch.call(Op.HELLO, encode_hello(self.token), "HELLO")
-            info = decode_node_info(payload)
+            info = _sane_node_info(decode_node_info(payload))
+            name = resolve_transport(self._want_transport, info.transports)
+            try:
+                tp = get_transport(name).client(ch, info, self.timeout)
+            except RdmaError as e:  # RDMA set-up with this peer failed: auto falls back to TCP
+                if self._want_transport != "auto" or "tcp" not in info.transports:
+                    raise
+                log.warning(
+                    "rdma set-up with %s:%d failed (%s); using tcp", self.host, self.port, e
+                )
+                name = "tcp"
+                tp = get_transport(name).client(ch, info, self.timeout)
+            if self.slab is not None:
+                tp.register_local(self.slab)
         except OSError as e:
+            ch.close()
             raise wrap_socket_errors(what, e) from e
-        name = resolve_transport(self._want_transport, info.transports)
-        try:
-            tp = get_transport(name).client(ch, info, self.timeout)
-        except RdmaError as e:  # RDMA set-up with this peer failed: auto falls back to TCP
-            if self._want_transport != "auto" or "tcp" not in info.transports:
-                raise
-            log.warning("rdma set-up with %s:%d failed (%s); using tcp", self.host, self.port, e)
-            name = "tcp"
-            tp = get_transport(name).client(ch, info, self.timeout)
-        if self.slab is not None:
-            tp.register_local(self.slab)
+        except BaseException:
+            ch.close()
+            raise
         if self.info is not None and self.info.node_id != info.node_id:
             log.info("node %s:%d restarted; reconnected", self.host, self.port)
-        self.info, self._tp, self.transport_name = info, tp, name
+        self._ch, self._tp = ch, tp
+        self.info, self.transport_name = info, name
 
     def _drop(self) -> None:
         if self._tp is not None:
@@ -484,6 +497,25 @@ class KVClient:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("connected" if self._ch else "disconnected")
         return f"KVClient({self.host}:{self.port}, transport={self.transport_name}, {state})"
+
+
+def _sane_node_info(info: NodeInfo) -> NodeInfo:
+    """Refuse a handshake whose numbers would make this client misbehave, and
+    never use limits above this client's own (the node's figures are remote input)."""
+    if info.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"node speaks protocol version {info.version}, this client {PROTOCOL_VERSION}"
+        )
+    for name in ("block_size", "max_keys", "max_ops", "max_bulk", "max_payload"):
+        if getattr(info, name) < 1:
+            raise ProtocolError(f"node reported {name}={getattr(info, name)}: must be >= 1")
+    return dataclasses.replace(
+        info,
+        max_keys=min(info.max_keys, MAX_KEYS_PER_REQUEST),
+        max_ops=min(info.max_ops, MAX_OPS_PER_DATA_REQUEST),
+        max_bulk=min(info.max_bulk, MAX_BULK_BYTES),
+        max_payload=min(info.max_payload, MAX_PAYLOAD),
+    )
 
 
 def _same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:

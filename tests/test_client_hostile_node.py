@@ -1,0 +1,161 @@
+"""KVClient against a lying peer: a real socket server speaking the protocol badly.
+
+The client must treat everything a node sends as remote input: refuse absurd
+handshake numbers, never read past its slab blocks, and turn out-of-sync
+replies into errors, all within its timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from rdmakv.client import KVClient
+from rdmakv.errors import ProtocolError, RdmakvError, TransportTimeout
+from rdmakv.protocol import (
+    PROTOCOL_VERSION,
+    RESPONSE_BIT,
+    Channel,
+    Extent,
+    Header,
+    LookupResult,
+    NodeInfo,
+    Op,
+    decode_keys,
+    encode_lookup_results,
+    encode_node_info,
+)
+from rdmakv.slab import Slab
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 4096
+GOOD_INFO = NodeInfo(
+    PROTOCOL_VERSION,
+    0,
+    BLOCK,
+    1 << 40,
+    1 << 20,
+    b"n" * 16,
+    1,
+    1 << 20,
+    1024,
+    1024,
+    1 << 24,
+    ("tcp",),
+)
+
+Script = Callable[[Channel, Header, bytearray], bool]  # False = stop serving
+
+
+@pytest.fixture
+def fake_node() -> Iterator[Callable[[NodeInfo, Script], tuple[str, int]]]:
+    servers: list[socket.socket] = []
+
+    def start(info: NodeInfo, script: Script) -> tuple[str, int]:
+        ls = socket.create_server(("127.0.0.1", 0))
+        servers.append(ls)
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = ls.accept()
+                except OSError:
+                    return
+                ch = Channel(conn)
+                try:
+                    hdr = ch.recv_header()
+                    ch.recv_payload(hdr)
+                    ch.send(Op.HELLO | RESPONSE_BIT, encode_node_info(info), req_id=hdr.req_id)
+                    while True:
+                        hdr = ch.recv_header()
+                        if not script(ch, hdr, ch.recv_payload(hdr)):
+                            break
+                except (OSError, RdmakvError):
+                    pass
+                finally:
+                    conn.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+        host, port = ls.getsockname()[:2]
+        return host, port
+
+    yield start
+    for ls in servers:
+        ls.close()
+
+
+def never(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+    return False
+
+
+@pytest.mark.parametrize("field", ["max_keys", "max_ops", "max_bulk", "block_size"])
+def test_absurd_handshake_numbers_are_refused(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], field: str
+) -> None:
+    addr = fake_node(dataclasses.replace(GOOD_INFO, **{field: 0}), never)
+    with pytest.raises(RdmakvError, match=f"{field}=0"):
+        KVClient(*addr, None, connect_retries=1)
+
+
+def test_wrong_version_in_handshake_is_refused(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+) -> None:
+    addr = fake_node(dataclasses.replace(GOOD_INFO, version=PROTOCOL_VERSION + 1), never)
+    with pytest.raises(RdmakvError, match="protocol version"):
+        KVClient(*addr, None, connect_retries=1)
+
+
+def test_oversized_lookup_extent_is_a_miss_and_lying_reads_are_errors(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+) -> None:
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        if hdr.opcode == Op.LOOKUP:
+            keys = decode_keys(payload, "LOOKUP")
+            # key "big" claims more bytes than a client block holds; "ok" fits
+            res = [
+                LookupResult(Extent(1 << 40, BLOCK * 4 if k == b"big" else 100, 0), 7, bytes(16))
+                for k in keys
+            ]
+            ch.send(hdr.opcode | RESPONSE_BIT, encode_lookup_results(res), req_id=hdr.req_id)
+            return True
+        if hdr.opcode == Op.READ:
+            # reply with the wrong amount of bulk
+            ch.send(
+                hdr.opcode | RESPONSE_BIT,
+                req_id=hdr.req_id,
+                bulk=[memoryview(b"x" * 5)],
+                bulk_len=5,
+            )
+            return True
+        ch.send(hdr.opcode | RESPONSE_BIT, b"\x00\x00\x00\x00", req_id=hdr.req_id)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        h = slab.alloc()
+        slab.numpy(h)[:] = 0x5A
+        with pytest.raises(ProtocolError, match="READ response carries 5 bytes"):
+            c.get([b"big", b"ok"], [h, h], [bytes(16)] * 2)
+        # the oversized one never became a read op: only "ok"'s 100 bytes were asked for
+        assert (slab.numpy(h)[100:] == 0x5A).all()
+
+
+def test_silent_node_times_out(fake_node: Callable[[NodeInfo, Script], tuple[str, int]]) -> None:
+    gate = threading.Event()
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        gate.wait(30)  # never answers while the test runs
+        return False
+
+    addr = fake_node(GOOD_INFO, script)
+    with (
+        KVClient(*addr, None, timeout=0.5, connect_retries=1) as c,
+        pytest.raises(TransportTimeout),
+    ):
+        c.exists([b"k"])
+    gate.set()
