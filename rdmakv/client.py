@@ -443,8 +443,8 @@ class KVClient:
                     out[i] = length
             except RemoteError as exc:  # node refused a read; the stream is in sync
                 refused = refused or exc
-            if leases:
-                ch.send_nowait(Op.RELEASE, encode_u64_list(leases))
+            if leases:  # hits of one LOOKUP share a lease id
+                ch.send_nowait(Op.RELEASE, encode_u64_list(sorted(set(leases))))
         if refused is not None:
             raise refused
         return out

@@ -36,6 +36,7 @@ Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
     LOOKUP    req: keys (flags: LOOKUP_FLAG_LEASE)
               resp: u32 n, n x LOOKUP_ENTRY (u8 found, u64 addr, u32 len, u32 rkey,
                                              u64 lease_id, 16s digest)
+              (the hits of one leased LOOKUP share one lease id)
     RELEASE   req: u32 n, n x u64 lease_id   resp: u32 released
     DELETE    req: keys           resp: u32 n, n x u8 (1 = deleted)
     EXISTS    req: keys           resp: u32 n, n x u8 (1 = present and committed)

@@ -250,3 +250,22 @@ class StoreMachine(RuleBasedStateMachine):
 
 StoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 test_store_state_machine = StoreMachine.TestCase
+
+
+def test_one_lease_covers_all_hits_of_a_lookup(pool: Slab) -> None:
+    s = KVStore(pool)
+    for k in (b"a", b"b", b"c"):
+        assert put(s, 1, k)
+    res = s.lookup(2, [b"a", b"zz", b"c"], lease=True)
+    assert res[1] is None
+    a, c = res[0], res[2]
+    assert a is not None and c is not None and a.lease_id == c.lease_id != 0
+    blocks = [pool.handle_at(r.extent.addr - pool.base_addr) for r in (a, c)]
+    assert [pool.refcount(b) for b in blocks] == [2, 2]
+    _views, unpin = s.pin_readable(2, [(a.extent.addr, 10), (c.extent.addr, 10)])
+    unpin()
+    assert s.stats()["leases_active"] == 1 and s.stats()["leased_extents"] == 2
+    assert s.release(2, [a.lease_id, c.lease_id]) == 1  # the same lease, ended once
+    assert [pool.refcount(b) for b in blocks] == [1, 1]
+    with pytest.raises(BadAddress):
+        s.pin_readable(2, [(a.extent.addr, 10)])

@@ -1,24 +1,25 @@
-"""Read leases: while a lease is held, its extent is neither evicted nor reused.
+"""Read leases: while a lease is held, its extents are neither evicted nor reused.
 
-A lease is taken by ``lookup(lease=True)`` and ends at whichever comes first:
-the client releases it, its deadline passes (so a dead client cannot pin memory
-forever), or the client's connection closes. Each lease holds one reference
-on its pool block; the store drops that reference when the lease ends.
+A lease is taken by ``lookup(lease=True)`` -- one lease per LOOKUP request,
+covering every extent that request found (all its hits carry the same lease
+id) -- and ends at whichever comes first: the client releases it, its deadline
+passes (so a dead client cannot pin memory forever), or the client's
+connection closes. A lease holds one reference on each of its pool blocks;
+the store drops those references when the lease ends.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple
+from dataclasses import dataclass
 
 
-class Lease(NamedTuple):
+@dataclass(slots=True)
+class Lease:
     lease_id: int
     session: int
-    block: int
-    addr: int
-    length: int
     deadline: float
+    extents: list[tuple[int, int, int]]  # (block, addr, length)
 
 
 _HEAP_SLACK = 2
@@ -26,25 +27,37 @@ _HEAP_MIN_COMPACT = 1024
 
 
 class LeaseTable:
-    """Active leases by id and by session, with a deadline heap. Not thread-safe."""
+    """Active leases by id, by session and by (session, block), with a deadline heap.
+
+    Not thread-safe (the store's lock guards it).
+    """
 
     def __init__(self) -> None:
         self._by_id: dict[int, Lease] = {}
-        self._by_session: dict[int, dict[int, Lease]] = {}
-        self._by_block: dict[tuple[int, int], dict[int, Lease]] = {}  # (session, block)
-        # (deadline, id); stale ids (already released) are skipped lazily.
+        self._by_session: dict[int, set[int]] = {}
+        # (session, block) -> [count of this session's leases on it, addr, length]
+        self._by_block: dict[tuple[int, int], list[int]] = {}
+        # (deadline, id); ids already released are skipped lazily.
         self._heap: list[tuple[float, int]] = []
         self._next_id = 1
+        self.extent_count = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def add(self, session: int, block: int, addr: int, length: int, deadline: float) -> Lease:
-        lease = Lease(self._next_id, session, block, addr, length, deadline)
+    def add(self, session: int, extents: list[tuple[int, int, int]], deadline: float) -> Lease:
+        lease = Lease(self._next_id, session, deadline, extents)
         self._next_id += 1
         self._by_id[lease.lease_id] = lease
-        self._by_session.setdefault(session, {})[lease.lease_id] = lease
-        self._by_block.setdefault((session, block), {})[lease.lease_id] = lease
+        self._by_session.setdefault(session, set()).add(lease.lease_id)
+        by_block = self._by_block
+        for block, addr, length in extents:
+            rec = by_block.get((session, block))
+            if rec is None:
+                by_block[(session, block)] = [1, addr, length]
+            else:
+                rec[0] += 1
+        self.extent_count += len(extents)
         heapq.heappush(self._heap, (deadline, lease.lease_id))
         if len(self._heap) > _HEAP_SLACK * len(self._by_id) + _HEAP_MIN_COMPACT:
             # Released leases leave stale heap entries: rebuild so metadata stays
@@ -58,25 +71,33 @@ class LeaseTable:
 
     def remove(self, lease_id: int) -> Lease | None:
         lease = self._by_id.pop(lease_id, None)
-        if lease is not None:
-            mine = self._by_session[lease.session]
-            del mine[lease_id]
-            if not mine:
-                del self._by_session[lease.session]
-            bkey = (lease.session, lease.block)
-            same = self._by_block[bkey]
-            del same[lease_id]
-            if not same:
-                del self._by_block[bkey]
+        if lease is None:
+            return None
+        mine = self._by_session[lease.session]
+        mine.discard(lease_id)
+        if not mine:
+            del self._by_session[lease.session]
+        by_block = self._by_block
+        for block, _, _ in lease.extents:
+            key = (lease.session, block)
+            rec = by_block[key]
+            rec[0] -= 1
+            if rec[0] == 0:
+                del by_block[key]
+        self.extent_count -= len(lease.extents)
         return lease
 
-    def covering(self, session: int, block: int) -> Lease | None:
-        """Any lease ``session`` holds on ``block`` (all of them name the same value)."""
-        same = self._by_block.get((session, block))
-        return next(iter(same.values())) if same else None
-
     def of_session(self, session: int) -> list[Lease]:
-        return list(self._by_session.get(session, {}).values())
+        return [self._by_id[i] for i in self._by_session.get(session, ())]
+
+    def covering(self, session: int, block: int) -> tuple[int, int] | None:
+        """(addr, length) of the extent ``session`` holds a lease on in ``block``.
+
+        Every lease on one block names the same value: a block is reused only
+        after all references (leases included) are gone.
+        """
+        rec = self._by_block.get((session, block))
+        return None if rec is None else (rec[1], rec[2])
 
     def pop_expired(self, now: float) -> list[Lease]:
         """Remove and return every lease whose deadline is <= now."""

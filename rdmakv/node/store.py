@@ -28,7 +28,7 @@ from typing import Any
 
 from rdmakv.errors import ConfigError
 from rdmakv.node.index import Entry, Index
-from rdmakv.node.leases import LeaseTable
+from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.protocol import AllocResult, AllocStatus, Extent, LookupResult
 from rdmakv.slab import Slab
 from rdmakv.transport.base import BadAddress
@@ -83,13 +83,15 @@ class KVStore:
         self.counters = Counters()
 
     # -- helpers (lock held) ------------------------------------------------------
-    def _extent(self, e: Entry) -> Extent:
-        return Extent(self._base + e.block * self.block_size, e.length, self.rkey)
-
     def _expire(self) -> None:
         for lease in self._leases.pop_expired(self._clock()):
-            self.pool.decref(lease.block)
+            self._unpin_lease(lease)
             self.counters.leases_expired += 1
+
+    def _unpin_lease(self, lease: Lease) -> None:
+        decref = self.pool.decref
+        for block, _, _ in lease.extents:
+            decref(block)
 
     def _evict_one(self) -> bool:
         for e in self._index.oldest_first():
@@ -112,26 +114,34 @@ class KVStore:
     def alloc(self, session: int, items: Sequence[tuple[bytes, int, bytes]]) -> list[AllocResult]:
         """Reserve one extent per (key, size, digest); invisible until commit."""
         out: list[AllocResult] = []
+        too_large = AllocResult(AllocStatus.TOO_LARGE, None)
+        exists = AllocResult(AllocStatus.EXISTS, None)
+        busy = AllocResult(AllocStatus.BUSY, None)
+        no_space = AllocResult(AllocStatus.NO_SPACE, None)
         with self._lock:
             mine = self._pending_by_session.setdefault(session, {})
+            index = self._index
+            committed, pending, add_pending = index.get, index.pending, index.add_pending
+            pool = self.pool
+            base, bs, rkey = self._base, self.block_size, self.rkey
+            self.counters.allocs += len(items)
             for key, size, digest in items:
-                self.counters.allocs += 1
-                if not (0 < size <= self.block_size):
-                    out.append(AllocResult(AllocStatus.TOO_LARGE, None))
-                elif self._index.get(key) is not None:
-                    out.append(AllocResult(AllocStatus.EXISTS, None))
-                elif self._index.pending(key) is not None:
-                    out.append(AllocResult(AllocStatus.BUSY, None))
+                if not (0 < size <= bs):
+                    out.append(too_large)
+                elif committed(key) is not None:
+                    out.append(exists)
+                elif pending(key) is not None:
+                    out.append(busy)
                 else:
-                    block = self._take_block()
+                    block = pool.alloc() if pool.free_blocks else self._take_block()
                     if block is None:
                         self.counters.no_space += 1
-                        out.append(AllocResult(AllocStatus.NO_SPACE, None))
+                        out.append(no_space)
                         continue
                     e = Entry(key, block, size, digest, owner=session)
-                    self._index.add_pending(e)
+                    add_pending(e)
                     mine[block] = e
-                    out.append(AllocResult(AllocStatus.OK, self._extent(e)))
+                    out.append(AllocResult(AllocStatus.OK, Extent(base + block * bs, size, rkey)))
         return out
 
     def commit(
@@ -174,32 +184,41 @@ class KVStore:
         return out
 
     def lookup(self, session: int, keys: Sequence[bytes], lease: bool) -> list[LookupResult | None]:
-        """Committed extents (+ digest) for ``keys``; with ``lease`` each hit is leased."""
-        out: list[LookupResult | None] = []
+        """Committed extents (+ digest) for ``keys``.
+
+        With ``lease`` all hits of this call share one lease (one id), which
+        pins their blocks until released, expired or the session ends.
+        """
+        found: list[tuple[Extent, bytes] | None] = []
+        extents: list[tuple[int, int, int]] = []
         with self._lock:
             self._expire()
-            deadline = self._clock() + self.lease_timeout
+            touch = self._index.touch
+            incref = self.pool.incref
+            base, bs, rkey = self._base, self.block_size, self.rkey
             for key in keys:
-                self.counters.lookups += 1
-                e = self._index.touch(key)
+                e = touch(key)
                 if e is None:
-                    self.counters.misses += 1
-                    out.append(None)
+                    found.append(None)
                     continue
-                self.counters.hits += 1
-                ext = self._extent(e)
-                lease_id = 0
+                addr = base + e.block * bs
+                found.append((Extent(addr, e.length, rkey), e.digest))
                 if lease:
-                    self.pool.incref(e.block)
-                    lease_id = self._leases.add(
-                        session, e.block, ext.addr, e.length, deadline
-                    ).lease_id
-                    self.counters.leases_granted += 1
-                out.append(LookupResult(ext, lease_id, e.digest))
-        return out
+                    incref(e.block)
+                    extents.append((e.block, addr, e.length))
+            hits = len(extents) if lease else sum(f is not None for f in found)
+            self.counters.lookups += len(keys)
+            self.counters.hits += hits
+            self.counters.misses += len(keys) - hits
+            lease_id = 0
+            if extents:
+                deadline = self._clock() + self.lease_timeout
+                lease_id = self._leases.add(session, extents, deadline).lease_id
+                self.counters.leases_granted += 1
+        return [None if f is None else LookupResult(f[0], lease_id, f[1]) for f in found]
 
     def release(self, session: int, lease_ids: Sequence[int]) -> int:
-        """End this session's leases; unknown/foreign/expired ids are ignored."""
+        """End this session's leases; unknown/foreign/expired/repeated ids are ignored."""
         n = 0
         with self._lock:
             for lid in lease_ids:
@@ -207,7 +226,7 @@ class KVStore:
                 if lease is None or lease.session != session:
                     continue
                 self._leases.remove(lid)
-                self.pool.decref(lease.block)
+                self._unpin_lease(lease)
                 self.counters.leases_released += 1
                 n += 1
         return n
@@ -239,7 +258,7 @@ class KVStore:
                 self.counters.reclaimed_on_disconnect += 1
             for lease in self._leases.of_session(session):
                 self._leases.remove(lease.lease_id)
-                self.pool.decref(lease.block)
+                self._unpin_lease(lease)
                 self.counters.leases_released += 1
 
     def expire_leases(self) -> None:
@@ -307,8 +326,8 @@ class KVStore:
             try:
                 for addr, length in ops:
                     block = self._block_of(addr, length, "read")
-                    lease = self._leases.covering(session, block)
-                    if lease is None or addr + length > lease.addr + lease.length:
+                    leased = self._leases.covering(session, block)
+                    if leased is None or addr + length > leased[0] + leased[1]:
                         self.counters.bad_addresses += 1
                         raise BadAddress(
                             f"read of {length} bytes at 0x{addr:x} is not inside an extent "
@@ -343,6 +362,7 @@ class KVStore:
                 pending=self._index.pending_count,
                 bytes_stored=self._index.committed_bytes,
                 leases_active=len(self._leases),
+                leased_extents=self._leases.extent_count,
                 block_size=self.block_size,
                 blocks_total=self.pool.num_blocks,
                 blocks_used=self.pool.used_blocks,
