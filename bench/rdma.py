@@ -97,6 +97,7 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
     # extents in address order (as a long-running node mostly does).
     node, port = start_node(block, count * repeats + 1)
     puts, gets, wr_ceil, rd_ceil = [], [], [], []
+    put_dp, get_dp = [], []  # the data path alone (native loop), without control RPCs
     put_stats: verbs.JobStats | None = None
     get_stats: verbs.JobStats | None = None
     try:
@@ -109,6 +110,7 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
                 t0 = time.perf_counter()
                 ok = c.put(keys, src, block, digests)
                 puts.append(count * block / (time.perf_counter() - t0) / GB)
+                put_dp.append(count * block / tp.last_run_s / GB)
                 put_stats = tp.last_stats
                 if not all(ok):
                     raise RuntimeError(f"put stored {sum(ok)} of {count}")
@@ -118,6 +120,7 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
                 t0 = time.perf_counter()
                 hits = c.get(keys, dst, digests)
                 gets.append(count * block / (time.perf_counter() - t0) / GB)
+                get_dp.append(count * block / tp.last_run_s / GB)
                 get_stats = tp.last_stats
                 if not all(hits):
                     raise RuntimeError(f"get hit {sum(hits)} of {count}")
@@ -130,11 +133,14 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
         slab.close()
     assert put_stats is not None and get_stats is not None
     best = {"put_gbps": max(puts), "get_gbps": max(gets),
-            "ceiling_write_gbps": max(wr_ceil), "ceiling_read_gbps": max(rd_ceil)}
+            "ceiling_write_gbps": max(wr_ceil), "ceiling_read_gbps": max(rd_ceil),
+            "put_datapath_gbps": max(put_dp), "get_datapath_gbps": max(get_dp)}
     return {
         **{k: round(v, 4) for k, v in best.items()},
         "put_ratio": round(best["put_gbps"] / best["ceiling_write_gbps"], 3),
         "get_ratio": round(best["get_gbps"] / best["ceiling_read_gbps"], 3),
+        "put_datapath_ratio": round(best["put_datapath_gbps"] / best["ceiling_write_gbps"], 3),
+        "get_datapath_ratio": round(best["get_datapath_gbps"] / best["ceiling_read_gbps"], 3),
         "wrs_per_batch": put_stats.wrs,
         "sges_per_wr": round(put_stats.sges / max(1, put_stats.wrs), 2),
         "get_wrs_per_batch": get_stats.wrs,

@@ -39,6 +39,7 @@ struct rk_qp {
     struct ibv_send_wr *wrs;
     struct ibv_sge *sges;
     uint32_t *wr_first_op;
+    uint64_t *wr_bytes;
     uint32_t cap;
 };
 
@@ -342,6 +343,7 @@ void rk_qp_destroy(rk_qp *q) {
     free(q->wrs);
     free(q->sges);
     free(q->wr_first_op);
+    free(q->wr_bytes);
     free(q);
 }
 
@@ -357,6 +359,9 @@ static int ensure_cap(rk_qp *q, uint32_t n) {
     uint32_t *f = realloc(q->wr_first_op, sizeof(*f) * (n + 1));
     if (!f) return -1;
     q->wr_first_op = f;
+    uint64_t *b = realloc(q->wr_bytes, sizeof(*b) * n);
+    if (!b) return -1;
+    q->wr_bytes = b;
     q->cap = n;
     return 0;
 }
@@ -373,8 +378,11 @@ static void mark(int32_t *status, const uint32_t *first, uint32_t wr_lo, uint32_
  * Batching: consecutive ops whose remote ranges are contiguous share one WR
  * (one SGE per op, merged further when the local ranges are contiguous too),
  * up to sge_limit SGEs and max_msg bytes. WRs are posted as chains, only every
- * signal_every-th (and the last) WR is signalled, at most max_wr WRs (reads:
- * max_rd_atom) are outstanding, completions are polled CQ_POLL_BATCH at a time.
+ * signal_every-th WR and the tail of each chain are signalled, at most max_wr
+ * WRs (reads: max_rd_atom) and max_inflight_bytes (0: no limit) are
+ * outstanding, completions are polled CQ_POLL_BATCH at a time. Posting again
+ * as soon as room frees up keeps the device fed (and, on soft-RoCE, drives
+ * the requester from this thread, which is much faster than its tasklets).
  *
  * Returns the number of failed ops (0: all done); status[i] says why op i
  * failed. Never waits past timeout_s (plus a bounded drain): on timeout the QP
@@ -382,7 +390,8 @@ static void mark(int32_t *status, const uint32_t *first, uint32_t wr_lo, uint32_
  * return, and the caller must reset/reconnect it. */
 int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t rkey,
               const rk_op *ops, uint32_t n, int32_t *status, uint32_t sge_limit,
-              uint32_t signal_every, double timeout_s, rk_stats *st) {
+              uint32_t signal_every, uint64_t max_inflight_bytes, double timeout_s,
+              rk_stats *st) {
     memset(st, 0, sizeof(*st));
     if (n == 0) return 0;
     if (ensure_cap(q, n)) {
@@ -403,14 +412,14 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
         int join = 0;
         if (cur) {
             struct ibv_sge *last = &cur->sg_list[cur->num_sge - 1];
-            uint64_t wr_len = 0;
-            for (int s = 0; s < cur->num_sge; s++) wr_len += cur->sg_list[s].length;
+            uint64_t wr_len = q->wr_bytes[nwr - 1];
             const rk_op *prev = &ops[i - 1];
             if (prev->remote_addr + prev->length == op->remote_addr &&
                 wr_len + op->length <= max_msg) {
                 if (last->addr + last->length == local_base + op->local_offset &&
                     (uint64_t)last->length + op->length <= UINT32_MAX) {
                     last->length += (uint32_t)op->length;  /* contiguous on both sides */
+                    q->wr_bytes[nwr - 1] += op->length;
                     join = 1;
                 } else if ((uint32_t)cur->num_sge < sge_limit) {
                     struct ibv_sge *s = &q->sges[nsge++];
@@ -418,6 +427,7 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
                     s->length = (uint32_t)op->length;
                     s->lkey = lkey;
                     cur->num_sge++;
+                    q->wr_bytes[nwr - 1] += op->length;
                     join = 1;
                 }
             }
@@ -426,6 +436,7 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
         struct ibv_send_wr *w = &q->wrs[nwr];
         memset(w, 0, sizeof(*w));
         q->wr_first_op[nwr] = i;
+        q->wr_bytes[nwr] = op->length;
         w->wr_id = nwr;
         w->sg_list = &q->sges[nsge];
         w->num_sge = 1;
@@ -458,6 +469,9 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
     /* ---- post + poll ---- */
     const double deadline = now_s() + timeout_s;
     uint32_t posted = 0, done = 0;  /* WRs [0, done) completed successfully */
+    uint64_t inflight = 0;          /* bytes of WRs [done, posted) */
+    uint32_t bytes_done_upto = 0;
+    if (max_inflight_bytes == 0) max_inflight_bytes = UINT64_MAX;
     int failed = 0;                 /* QP hit an error: stop posting, drain */
     int32_t first_err = 0;
     uint32_t err_wr = 0;
@@ -465,12 +479,30 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
     int marked_rest = 0;
     struct ibv_wc wc[CQ_POLL_BATCH];
     while (done < nwr) {
-        if (!failed && posted < nwr && posted - done < window) {
-            uint32_t k = window - (posted - done);
-            if (k > nwr - posted) k = nwr - posted;
+        if (done > bytes_done_upto) {  /* retire the bytes of completed WRs */
+            for (uint32_t w = bytes_done_upto; w < done; w++) inflight -= q->wr_bytes[w];
+            bytes_done_upto = done;
+        }
+        if (!failed && posted < nwr && posted - done < window &&
+            (inflight < max_inflight_bytes || posted == done)) {
+            uint32_t k = 0;
+            uint64_t add = 0;
+            /* As many WRs as the WR window and the byte budget allow; at
+             * least one when nothing is outstanding. */
+            while (posted + k < nwr && posted - done + k < window &&
+                   (k == 0 || inflight + add + q->wr_bytes[posted + k] <= max_inflight_bytes)) {
+                add += q->wr_bytes[posted + k];
+                k++;
+            }
             struct ibv_send_wr *head = &q->wrs[posted], *bad = NULL;
             struct ibv_send_wr *tail = &q->wrs[posted + k - 1];
             struct ibv_send_wr *saved = tail->next;
+            /* The tail of every chain is signalled, so whatever is outstanding
+             * always ends in a signalled WR: the windows cannot deadlock. */
+            if (!(tail->send_flags & IBV_SEND_SIGNALED)) {
+                tail->send_flags |= IBV_SEND_SIGNALED;
+                st->signaled++;
+            }
             tail->next = NULL;
             int rc = ibv_post_send(q->qp, head, &bad);
             tail->next = saved;
@@ -486,6 +518,7 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
                 if (posted == done) break;
             } else {
                 posted += k;
+                inflight += add;
             }
             if (posted - done > st->max_outstanding) st->max_outstanding = posted - done;
         }

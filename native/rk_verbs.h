@@ -97,5 +97,6 @@ void rk_qp_destroy(rk_qp *q);
 
 int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t rkey,
               const rk_op *ops, uint32_t n, int32_t *status, uint32_t sge_limit,
-              uint32_t signal_every, double timeout_s, rk_stats *stats);
+              uint32_t signal_every, uint64_t max_inflight_bytes, double timeout_s,
+              rk_stats *stats);
 #endif

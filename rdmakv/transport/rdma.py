@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -126,6 +127,7 @@ class RdmaTransport(Transport):
         self._slab: Slab | None = None
         self._remote: verbs.ConnInfo | None = None
         self.last_stats: verbs.JobStats | None = None
+        self.last_run_s = 0.0  # seconds the last batch spent in the native loop (bench)
         self.reconnects = 0
         self.sge_limit = 0  # 0 = the device's max_sge
         try:
@@ -211,14 +213,16 @@ class RdmaTransport(Transport):
         pending = list(range(len(ops)))
         hard: dict[int, int] = {}
         for round_ in range(RETRY_ROUNDS + 1):
+            t0 = time.perf_counter()
             status, stats = self._qp.run(
                 opcode,
                 self._mr,
                 self._remote.rkey,
-                [ops[i] for i in pending],
+                ops if len(pending) == len(ops) else [ops[i] for i in pending],
                 timeout,
                 sge_limit=self.sge_limit,
             )
+            self.last_run_s = time.perf_counter() - t0
             self.last_stats = stats
             if stats.failed_ops == 0:
                 break
