@@ -53,6 +53,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from rdmakv.errors import ConfigError
 
 # Prefix of the per-group key namespace; versioned so a change of the encoding
@@ -273,13 +275,19 @@ def hit_alignment(groups: Sequence[KVCacheGroup]) -> int:
 
 
 def _check_hits(what: str, hits: object) -> Sequence[bool]:
+    """Accept a sequence of bools or a 1-D numpy array (as lookups produce them)."""
+    if isinstance(hits, np.ndarray):
+        if hits.ndim != 1:
+            raise ConfigError(f"{what} must be 1-D, got an array of shape {hits.shape}")
+        as_list: list[bool] = hits.astype(bool).tolist()
+        return as_list
     if isinstance(hits, (str, bytes)) or not isinstance(hits, Sequence):
         raise ConfigError(f"{what} must be a sequence of bools, got {type(hits).__name__}")
     return hits
 
 
 def longest_hit(
-    spec: KVCacheSpec, hits: Sequence[bool], limit: int, align: int | None = None
+    spec: KVCacheSpec, hits: Sequence[bool] | np.ndarray, limit: int, align: int | None = None
 ) -> int:
     """Longest hit of one group ending at or before ``limit`` tokens.
 
@@ -299,7 +307,9 @@ def longest_hit(
 
 
 def longest_common_hit(
-    groups: Sequence[KVCacheGroup], hits: Sequence[Sequence[bool]], max_tokens: int
+    groups: Sequence[KVCacheGroup],
+    hits: Sequence[Sequence[bool] | np.ndarray],
+    max_tokens: int,
 ) -> int:
     """Longest prefix (tokens) that is a hit for every group, by fixed-point iteration.
 

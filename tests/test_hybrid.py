@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -177,6 +178,18 @@ def test_window_larger_than_prefix_requires_whole_prefix() -> None:
     groups = [KVCacheGroup(0, SlidingWindowSpec(16, 4096)), KVCacheGroup(1, StateSpec(32))]
     assert longest_common_hit(groups, [bits("1.11"), bits("11")], 64) == 0
     assert longest_common_hit(groups, [bits("1111"), bits(".1")], 64) == 64
+
+
+def test_numpy_bitmaps_are_accepted() -> None:
+    groups = _mixed_groups()
+    hits = [
+        np.ones(16, dtype=bool),
+        np.array(bits("1110111.")),
+        np.array([1, 1, 0, 1], dtype=np.uint8),
+    ]
+    assert longest_common_hit(groups, hits, 256) == 64
+    with pytest.raises(ConfigError, match=r"hits\[0\] must be 1-D"):
+        longest_common_hit(groups, [np.ones((2, 8), dtype=bool), *hits[1:]], 256)
 
 
 def test_inputs_are_not_modified() -> None:
