@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -84,6 +86,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         lock_pool=not args.no_lock,
     )
     host, port = node.start()
+    if node.token is None and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+        logging.getLogger("rdmakv.node").warning(
+            "serving on %s without a token: anyone who can reach this port can read and "
+            "overwrite cached KV (use --token-file)",
+            host,
+        )
 
     def _on_signal(signum: int, _frame: object) -> None:
         logging.getLogger("rdmakv.node").info("signal %d: shutting down", signum)

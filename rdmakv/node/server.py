@@ -75,6 +75,18 @@ HANDSHAKE_TIMEOUT = 10.0
 SHUTDOWN_JOIN_TIMEOUT = 5.0
 """How long shutdown waits for each session thread after waking it."""
 MAX_SESSIONS = 1024
+KEEPALIVE_IDLE_S = 60
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_PROBES = 3
+_KEEPALIVE = [
+    (opt, value)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    )
+    if (opt := getattr(socket, name, None)) is not None
+]
 LISTEN_BACKLOG = 128
 NODE_ID_LEN = 16
 
@@ -314,6 +326,12 @@ class KVNode:
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A client whose machine vanished never sends FIN: keepalive ends its
+        # session, so its uncommitted extents and leases are reclaimed.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, value in _KEEPALIVE:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
         with self._lock:
             if len(self._sessions) >= MAX_SESSIONS:
                 log.warning("refusing %s: %d sessions open", peer, MAX_SESSIONS)
