@@ -97,9 +97,10 @@ MAX_ERROR_MESSAGE = 4096
 
 # Linux IOV_MAX: the most buffers one sendmsg / recvmsg_into call accepts.
 IOV_MAX = 1024
-# recvmsg_into/sendmsg gather at most this many bytes of buffers per call: enough
-# to drain a full socket buffer, small enough that building the iovec stays cheap.
-IO_CHUNK_BYTES = 8 * 1024 * 1024
+# recvmsg_into/sendmsg gather at most this many bytes of buffers per call: about
+# what one call can move through a loopback socket buffer, small enough that
+# building the iovec stays cheap.
+IO_CHUNK_BYTES = 2 * 1024 * 1024
 
 RESPONSE_BIT = 0x80
 LOOKUP_FLAG_LEASE = 0x01
@@ -314,10 +315,13 @@ def check_digest(digest: bytes) -> None:
 
 def encode_keys(keys: Sequence[bytes]) -> bytes:
     parts = [U32.pack(len(keys))]
+    pack = U16.pack
     for k in keys:
-        check_key(k)
-        parts.append(U16.pack(len(k)))
-        parts.append(bytes(k))
+        n = len(k)
+        if type(k) is not bytes or not 0 < n <= MAX_KEY_LEN:
+            check_key(k)  # raises for anything but a bytearray of a valid length
+        parts.append(pack(n))
+        parts.append(k)
     return b"".join(parts)
 
 
@@ -419,12 +423,17 @@ def decode_node_info(payload: Buffer) -> NodeInfo:
 
 def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]) -> bytes:
     parts = [U32.pack(len(keys))]
-    for k, s, d in zip(keys, sizes, digests, strict=True):
-        check_key(k)
-        check_digest(d)
-        parts.append(U16.pack(len(k)))
-        parts.append(bytes(k))
-        parts.append(ALLOC_ITEM.pack(s, bytes(d)))
+    pack_len, pack_item = U16.pack, ALLOC_ITEM.pack
+    for k, size, d in zip(keys, sizes, digests, strict=True):
+        n = len(k)
+        if type(k) is not bytes or not 0 < n <= MAX_KEY_LEN:
+            check_key(k)
+        if type(d) is not bytes or len(d) != DIGEST_LEN:
+            check_digest(d)  # raises unless a bytearray of the right length
+            d = bytes(d)
+        parts.append(pack_len(n))
+        parts.append(k)
+        parts.append(pack_item(size, d))
     return b"".join(parts)
 
 
@@ -522,7 +531,8 @@ def decode_u64_list(payload: Buffer, what: str) -> list[int]:
 
 
 def encode_data_ops(ops: Sequence[tuple[int, int]]) -> bytes:
-    return U32.pack(len(ops)) + b"".join(DATA_OP.pack(a, n) for a, n in ops)
+    flat = [x for op in ops for x in op]
+    return U32.pack(len(ops)) + struct.pack("<" + "QI" * len(ops), *flat)
 
 
 def decode_data_ops(payload: Buffer, what: str) -> list[tuple[int, int]]:
@@ -570,51 +580,52 @@ def raise_for_status(hdr: Header, payload: Buffer, what: str) -> None:
 # -- scatter-gather socket I/O ---------------------------------------------------
 
 
-def _batches(views: list[memoryview], start: int) -> int:
-    """Index one past the last view to pass to a single sendmsg/recvmsg_into call."""
-    end = start
-    total = 0
-    limit = min(len(views), start + IOV_MAX)
-    while end < limit and total < IO_CHUNK_BYTES:
-        total += len(views[end])
-        end += 1
-    return end
+def _advance(bufs: list[memoryview], i: int, done: int) -> int:
+    """Drop ``done`` transferred bytes from the front of ``bufs[i:]``; new ``i``."""
+    while done:
+        n = len(bufs[i])
+        if done >= n:
+            done -= n
+            i += 1
+        else:
+            bufs[i] = bufs[i][done:]
+            done = 0
+    return i
 
 
 def send_views(sock: socket.socket, views: Sequence[Buffer]) -> None:
-    """Send every buffer in order with as few ``sendmsg`` calls as possible."""
+    """Send every buffer in order with as few ``sendmsg`` calls as possible.
+
+    Each call gathers at most IOV_MAX buffers / IO_CHUNK_BYTES: the window
+    slides forward as bytes go out, so the work per call stays bounded however
+    many small blocks a batch has.
+    """
     bufs = [memoryview(v).cast("B") for v in views if len(v)]
-    i = 0
-    while i < len(bufs):
-        end = _batches(bufs, i)
+    n = len(bufs)
+    i = end = window = 0
+    while i < n:
+        while end < n and end - i < IOV_MAX and window < IO_CHUNK_BYTES:
+            window += len(bufs[end])
+            end += 1
         sent = sock.sendmsg(bufs[i:end])
-        while sent:
-            n = len(bufs[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                bufs[i] = bufs[i][sent:]
-                sent = 0
+        window -= sent
+        i = _advance(bufs, i, sent)
 
 
 def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Fill every writable buffer in order, straight from the socket (no copies)."""
     bufs = [v for v in views if len(v)]
-    i = 0
-    while i < len(bufs):
-        end = _batches(bufs, i)
+    n = len(bufs)
+    i = end = window = 0
+    while i < n:
+        while end < n and end - i < IOV_MAX and window < IO_CHUNK_BYTES:
+            window += len(bufs[end])
+            end += 1
         got = sock.recvmsg_into(bufs[i:end])[0] if end - i > 1 else sock.recv_into(bufs[i])
         if got == 0:
             raise ConnectionLost("peer closed the connection mid-frame")
-        while got:
-            n = len(bufs[i])
-            if got >= n:
-                got -= n
-                i += 1
-            else:
-                bufs[i] = bufs[i][got:]
-                got = 0
+        window -= got
+        i = _advance(bufs, i, got)
 
 
 def chunk_ops(lengths: Sequence[int], max_ops: int, max_bytes: int) -> Iterator[tuple[int, int]]:
