@@ -6,11 +6,20 @@ with leases -> digest check -> one-sided ``read`` into the caller's slab
 blocks -> ``RELEASE``. A value whose stored digest differs from the digest the
 caller expects is a miss: never wrong KV.
 
+A batch is split into up to ``PIPELINE_WINDOW`` sub-batches whose control
+requests go out ahead (the node answers in order), so the ALLOC/LOOKUP round
+trip of one sub-batch hides behind the data of the previous one; RELEASE is
+sent without waiting for its answer.
+
 Every wait is bounded by ``timeout`` (no progress for that long raises
 :class:`~rdmakv.errors.TransportTimeout`). A connection failure raises a
 :class:`~rdmakv.errors.TransportError` subclass and drops the connection; the
-next call reconnects (``connect_retries`` attempts), so a restarted node is
-picked up transparently. Callers that prefer misses catch ``RdmakvError``.
+next call reconnects (``connect_retries`` attempts); a call that finds its
+idle connection dead (the node restarted) retries once on a fresh one, so a
+restarted node is picked up transparently. Callers that prefer misses catch
+``RdmakvError``. Everything the node sends is treated as remote input: the
+handshake limits are validated and clamped, and a looked-up value longer than
+a slab block is a miss.
 
 Ownership: the caller owns the slab blocks it passes and must keep them
 referenced for the duration of the call; the client never incref/decrefs.
