@@ -428,3 +428,22 @@ def test_sigterm_with_a_client_stalled_mid_frame(node: NodeProcess, client_slab:
         with pytest.raises(TransportError):
             idle.exists([b"x"])
         idle.close()
+
+
+def test_leases_of_a_departed_client_are_released(node: NodeProcess, client_slab: Slab) -> None:
+    h = client_slab.alloc()
+    with KVClient(*node.address, client_slab) as c, KVClient(*node.address, None) as watcher:
+        assert c.put([b"k"], [h], BLOCK, [bytes(16)]) == [True]
+        _lease(c, [b"k"])
+        assert watcher.stats()["leases_active"] == 1
+        c.close()
+        wait_for(lambda: watcher.stats()["leases_active"] == 0, "the lease to be released")
+        assert watcher.stats()["leases_expired"] == 0  # released at disconnect, not expired
+
+
+def test_auto_transport_falls_back_to_tcp_without_rdma(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    with KVClient(*node.address, client_slab, transport="auto") as c:
+        assert c.transport_name == "tcp"
+        assert c.exists([b"x"]) == [False]
