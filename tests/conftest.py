@@ -10,106 +10,43 @@ file and passes ``--token-file``.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from rdmakv.node.process import LocalNodeProcess
 from rdmakv.slab import Slab
 
-READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 15.0
 DEFAULT_POOL = "32MiB"
 DEFAULT_BLOCK = "64KiB"
 
 
-class NodeProcess:
-    """A running ``rdmakv serve``; ``restart()`` comes back on the same port."""
+class NodeProcess(LocalNodeProcess):
+    """A test node: small defaults, stderr kept in the test's tmp dir, no mlock.
+
+    ``token=b"..."`` becomes a token file passed as ``--token-file``; other
+    options map to CLI flags (``pool_size="64MiB"`` -> ``--pool-size 64MiB``).
+    """
 
     def __init__(self, tmp: Path, options: dict[str, Any]) -> None:
-        self.tmp = tmp
-        self.options = {"pool_size": DEFAULT_POOL, "block_size": DEFAULT_BLOCK, **options}
-        self.host = "127.0.0.1"
-        self.port = int(self.options.pop("port", 0))
-        self.proc: subprocess.Popen[str] | None = None
-        self.ready_line = ""
-        self.stderr_path = tmp / f"node-{id(self)}.stderr"
-        self.start()
-
-    def argv(self) -> list[str]:
-        args = [
-            sys.executable,
-            "-m",
-            "rdmakv.cli",
-            "serve",
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--no-lock",
-        ]
-        for name, value in self.options.items():
-            if name == "token":
-                path = self.tmp / f"token-{id(self)}"
-                path.write_bytes(value)
-                args += ["--token-file", str(path)]
-            else:
-                args += ["--" + name.replace("_", "-"), str(value)]
-        return args
-
-    def start(self) -> None:
-        err = self.stderr_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.argv(),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        opts = {"pool_size": DEFAULT_POOL, "block_size": DEFAULT_BLOCK, **options}
+        port = int(opts.pop("port", 0))
+        token = opts.pop("token", None)
+        if token is not None:
+            path = tmp / f"token-{id(self)}"
+            path.write_bytes(token)
+            opts["token_file"] = str(path)
+        super().__init__(
+            {k: str(v) for k, v in opts.items()},
+            port=port,
+            stderr_path=tmp / f"node-{id(self)}.stderr",
+            extra_args=["--no-lock"],
         )
-        err.close()
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()))  # type: ignore[union-attr]
-        reader.start()
-        reader.join(READY_TIMEOUT_S)
-        if not line or "ready on" not in line[0]:
-            self.kill()
-            raise RuntimeError(
-                f"rdmakv serve did not become ready: {line!r}\n{self.stderr_path.read_text()}"
-            )
-        self.ready_line = line[0].strip()
-        self.port = int(self.ready_line.split("ready on ", 1)[1].split()[0].rsplit(":", 1)[1])
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: the node dies without any cleanup."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(STOP_TIMEOUT_S)
-
-    def terminate(self) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(STOP_TIMEOUT_S)
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
 
     def stderr(self) -> str:
+        assert self.stderr_path is not None
         return self.stderr_path.read_text(errors="replace")
 
 
@@ -125,8 +62,7 @@ def node_factory(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
     yield make
     for n in nodes:
         n.kill()
-        if n.proc is not None and n.proc.stdout is not None:
-            n.proc.stdout.close()
+        n.close()
 
 
 @pytest.fixture

@@ -96,7 +96,12 @@ class LocalNodeProcess:
         self.port = int(addr.rsplit(":", 1)[1])
 
     @property
-    def address(self) -> str:
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def endpoint(self) -> str:
+        """``HOST:PORT``, as the CLI and KVCacheManager take it."""
         return f"{self.host}:{self.port}"
 
     def alive(self) -> bool:
