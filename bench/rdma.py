@@ -15,7 +15,10 @@ device:
   = LOOKUP(lease) + RDMA READs + RELEASE, every byte verified after the get.
 
 Prints ONE JSON object: ``{"16384": {put_gbps, get_gbps, ceiling_write_gbps,
-ceiling_read_gbps, wrs_per_batch, sges_per_wr, ...}, ...}``. GB/s are 1e9
+ceiling_read_gbps, wrs_per_batch, sges_per_wr, ...}, ...}``. A put or get of
+N blocks is split by the client into a few pipelined sub-batches (each one a
+transport batch): ``wrs_per_batch`` is WRs per such batch, ``*_datapath_*``
+the rate of the native loop alone (no control round trips). GB/s are 1e9
 bytes per second (perftest is run with ``--report_gbits`` and converted).
 Each figure is the best of ``--repeats`` runs, the same rule for both sides.
 """
@@ -36,7 +39,7 @@ import numpy as np
 from rdmakv.client import KVClient
 from rdmakv.slab import Slab
 from rdmakv.transport import verbs
-from rdmakv.transport.rdma import RdmaTransport
+from rdmakv.transport.rdma import DataPathTotals, RdmaTransport
 
 BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024)
 DEFAULT_BYTES = 32 * 1024 * 1024
@@ -70,6 +73,17 @@ def perftest_gbps(tool: str, sel: verbs.Selection, size: int, iters: int) -> flo
     raise RuntimeError(f"{tool}: no result line in\n{out}")
 
 
+def _shape(before: DataPathTotals, after: DataPathTotals) -> dict[str, float]:
+    """WRs per transport batch and SGEs per WR over one put or get."""
+    batches = after.batches - before.batches
+    wrs = after.wrs - before.wrs
+    return {
+        "batches": batches,
+        "wrs_per_batch": round(wrs / max(1, batches), 2),
+        "sges_per_wr": round((after.sges - before.sges) / max(1, wrs), 2),
+    }
+
+
 def start_node(block: int, blocks: int) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rdmakv.cli", "serve", "--port", "0", "--transport", "rdma",
@@ -98,8 +112,8 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
     node, port = start_node(block, count * repeats + 1)
     puts, gets, wr_ceil, rd_ceil = [], [], [], []
     put_dp, get_dp = [], []  # the data path alone (native loop), without control RPCs
-    put_stats: verbs.JobStats | None = None
-    get_stats: verbs.JobStats | None = None
+    put_shape: dict[str, float] = {}
+    get_shape: dict[str, float] = {}
     try:
         with KVClient("127.0.0.1", port, slab, transport="rdma", timeout=CLIENT_TIMEOUT_S) as c:
             tp = c._tp
@@ -107,21 +121,23 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
             for rep in range(repeats):
                 wr_ceil.append(perftest_gbps("ib_write_bw", sel, block, count))
                 keys = [b"b%d-%d" % (rep, i) for i in range(count)]
+                before = tp.totals.snapshot()
                 t0 = time.perf_counter()
                 ok = c.put(keys, src, block, digests)
                 puts.append(count * block / (time.perf_counter() - t0) / GB)
-                put_dp.append(count * block / tp.last_run_s / GB)
-                put_stats = tp.last_stats
+                put_dp.append(count * block / (tp.totals.busy_s - before.busy_s) / GB)
+                put_shape = _shape(before, tp.totals)
                 if not all(ok):
                     raise RuntimeError(f"put stored {sum(ok)} of {count}")
                 for h in dst:
                     slab.numpy(h)[:] = 0
                 rd_ceil.append(perftest_gbps("ib_read_bw", sel, block, count))
+                before = tp.totals.snapshot()
                 t0 = time.perf_counter()
                 hits = c.get(keys, dst, digests)
                 gets.append(count * block / (time.perf_counter() - t0) / GB)
-                get_dp.append(count * block / tp.last_run_s / GB)
-                get_stats = tp.last_stats
+                get_dp.append(count * block / (tp.totals.busy_s - before.busy_s) / GB)
+                get_shape = _shape(before, tp.totals)
                 if not all(hits):
                     raise RuntimeError(f"get hit {sum(hits)} of {count}")
                 for s, d in zip(src, dst, strict=True):
@@ -131,7 +147,6 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
         node.kill()
         node.wait()
         slab.close()
-    assert put_stats is not None and get_stats is not None
     best = {"put_gbps": max(puts), "get_gbps": max(gets),
             "ceiling_write_gbps": max(wr_ceil), "ceiling_read_gbps": max(rd_ceil),
             "put_datapath_gbps": max(put_dp), "get_datapath_gbps": max(get_dp)}
@@ -141,14 +156,14 @@ def bench_size(sel: verbs.Selection, block: int, total: int, repeats: int) -> di
         "get_ratio": round(best["get_gbps"] / best["ceiling_read_gbps"], 3),
         "put_datapath_ratio": round(best["put_datapath_gbps"] / best["ceiling_write_gbps"], 3),
         "get_datapath_ratio": round(best["get_datapath_gbps"] / best["ceiling_read_gbps"], 3),
-        "wrs_per_batch": put_stats.wrs,
-        "sges_per_wr": round(put_stats.sges / max(1, put_stats.wrs), 2),
-        "get_wrs_per_batch": get_stats.wrs,
-        "get_sges_per_wr": round(get_stats.sges / max(1, get_stats.wrs), 2),
+        "wrs_per_batch": put_shape["wrs_per_batch"],
+        "sges_per_wr": put_shape["sges_per_wr"],
+        "batches_per_put": put_shape["batches"],
+        "get_wrs_per_batch": get_shape["wrs_per_batch"],
+        "get_sges_per_wr": get_shape["sges_per_wr"],
+        "batches_per_get": get_shape["batches"],
         "blocks_per_batch": count,
         "bytes_per_batch": count * block,
-        "post_calls": put_stats.post_calls,
-        "signaled_wrs": put_stats.signaled,
         "repeats": repeats,
         "device": sel.describe(),
     }

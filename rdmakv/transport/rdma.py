@@ -16,14 +16,17 @@ session ends or on ``RDMA_DISCONNECT``.
 
 Failure rules:
 
-* Every batch returns within its timeout (the native loop forces the QP to
-  ERROR and drains it on timeout), so once ``write``/``read`` returns no WR
-  still touches the slab or a leased extent: the caller may release leases.
+* Batches run on a per-connection worker thread; the returned future's
+  ``result`` never waits past the batch timeout (the native loop, or the
+  future, forces the QP to ERROR and drains it), and once it returns or
+  raises no WR still touches the slab or a leased extent: the caller may
+  release leases and reuse blocks.
 * Ops the device failed (bad address / rkey, peer unreachable) fail the batch
   with :class:`RdmaOpsFailed`, which names the failed op indexes; ops that were
   only flushed behind a failure are retried once on a fresh QP.
-* After any failure the QP is reset and reconnected before the next batch;
-  if reconnecting fails the error says so and the next batch tries again.
+* After any failure the QP is reset and reconnected (on the caller's thread,
+  over the control channel) before the next batch; if reconnecting fails the
+  error says so and the next batch tries again.
 * :func:`client_transport` (``auto``) falls back to TCP, logging why, when
   RDMA cannot be set up with a peer.
 """
@@ -31,10 +34,13 @@ Failure rules:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rdmakv.errors import (
@@ -61,6 +67,25 @@ log = logging.getLogger("rdmakv.rdma")
 
 RETRY_ROUNDS = 1
 """How often ops flushed behind a failure are retried on a reconnected QP."""
+
+
+@dataclass
+class DataPathTotals:
+    """Running totals of what the native loop did on one transport (bench)."""
+
+    batches: int = 0
+    wrs: int = 0
+    sges: int = 0
+    busy_s: float = 0.0
+
+    def add(self, stats: verbs.JobStats, seconds: float) -> None:
+        self.batches += 1
+        self.wrs += stats.wrs
+        self.sges += stats.sges
+        self.busy_s += seconds
+
+    def snapshot(self) -> DataPathTotals:
+        return DataPathTotals(self.batches, self.wrs, self.sges, self.busy_s)
 
 
 class RdmaOpsFailed(RdmaError):
@@ -112,9 +137,71 @@ def rdma_usable() -> tuple[bool, str]:
         return False, str(e)
 
 
+class _Job:
+    """One batch handed to the QP worker."""
+
+    __slots__ = ("done", "opcode", "ops", "stats", "status", "timeout")
+
+    def __init__(self, opcode: int, ops: list[IoOp], timeout: float) -> None:
+        self.opcode = opcode
+        self.ops = ops
+        self.timeout = timeout
+        self.status: list[int] | None = None  # None: skipped (QP was broken)
+        self.stats: verbs.JobStats | None = None
+        self.done = threading.Event()
+
+
+class RdmaFuture(IoFuture):
+    """Completion of one RDMA batch. ``result`` runs on the caller's thread:
+    that is where a broken QP is reset and reconnected (over the control
+    channel, which only the caller may use) and flushed ops are retried.
+
+    When ``result`` returns or raises, no WR of this batch touches memory any
+    more: on a timeout the QP is forced to ERROR and the worker's bounded
+    drain is awaited first, so leases may be released and blocks reused.
+    """
+
+    def __init__(self, tp: RdmaTransport, job: _Job) -> None:
+        super().__init__(job.timeout)
+        self._tp = tp
+        self._job = job
+        self._settled = False
+
+    def done(self) -> bool:
+        return self._job.done.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        if not self._settled:
+            wait = self._job.timeout if timeout is None else timeout
+            if not self._job.done.wait(wait):
+                self._tp._abort_inflight()
+                self._job.done.wait(DRAIN_WAIT_S + self._job.timeout)
+                self._settled = True
+                self._error = TransportTimeout(
+                    f"RDMA batch of {len(self._job.ops)} ops not complete after {wait} s"
+                )
+            else:
+                self._settled = True
+                self._error = self._tp._settle(self._job)
+        if self._error is not None:
+            raise self._error
+
+
+DRAIN_WAIT_S = 5.0
+"""Extra wait for the worker after forcing the QP to ERROR (the native loop's
+own drain is bounded at 2 s; this only guards against a stuck device)."""
+
+
 class RdmaTransport(Transport):
-    """Client side of one peer connection. Not thread-safe: the KVClient
-    serialises batches (each completes before ``write``/``read`` returns)."""
+    """Client side of one peer connection.
+
+    ``write``/``read`` validate the ops and queue the batch for this
+    connection's QP worker thread (the native loop releases the GIL), so the
+    caller can prepare the next batch while this one moves. Batches run in
+    submission order. Methods are called from one thread (the KVClient's);
+    only the worker touches the QP besides ``_settle``/``_recover``, and both
+    hold ``_qp_lock`` while they do.
+    """
 
     name = "rdma"
 
@@ -126,8 +213,13 @@ class RdmaTransport(Transport):
         self._mr: verbs.MemoryRegion | None = None
         self._slab: Slab | None = None
         self._remote: verbs.ConnInfo | None = None
+        self._broken = False  # the QP failed; _recover() on the caller thread fixes it
+        self._qp_lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
         self.last_stats: verbs.JobStats | None = None
         self.last_run_s = 0.0  # seconds the last batch spent in the native loop (bench)
+        self.totals = DataPathTotals()
         self.reconnects = 0
         self.sge_limit = 0  # 0 = the device's max_sge
         try:
@@ -137,10 +229,10 @@ class RdmaTransport(Transport):
             self._release()
             raise
 
-    # -- connection ----------------------------------------------------------
+    # -- connection (caller thread only: it uses the control channel) -----------
     def _connect(self) -> None:
         """Exchange QP info with the node over the control channel, go to RTS."""
-        mine = self._qp.local_info(self._mr) if self._mr else self._placeholder_info()
+        mine = self._qp.local_info(self._mr if self._mr else _NO_REGION)
         self._ch.sock.settimeout(self._timeout)
         _, payload = self._ch.call(
             Op.RDMA_CONNECT, encode_json({"conn": mine.to_dict()}), "RDMA_CONNECT"
@@ -155,17 +247,24 @@ class RdmaTransport(Transport):
         self._qp.connect(remote)
         self._remote = remote
 
-    def _placeholder_info(self) -> verbs.ConnInfo:
-        # The node never initiates I/O, so before the slab is registered the
-        # client exposes no region (zero address/length/rkey).
-        full = self._qp.local_info(_NO_REGION)
-        return full
+    def _recover(self) -> None:
+        """Reset the QP and reconnect it if a failure broke it (the node
+        replaces its side on RDMA_CONNECT). Raises if reconnecting fails; the
+        next batch tries again."""
+        with self._qp_lock:
+            if not self._broken and self._remote is not None:
+                return
+            self.reconnects += 1
+            self._remote = None
+            self._qp.reset()
+            self._connect()
+            self._broken = False
 
-    def _reconnect(self) -> None:
-        self.reconnects += 1
-        self._remote = None
-        self._qp.reset()
-        self._connect()
+    def _abort_inflight(self) -> None:
+        """Force the QP to ERROR so the device flushes every posted WR now
+        (verbs allow this concurrently with the worker's polling)."""
+        self._broken = True
+        self._qp.force_error()
 
     # -- Transport -------------------------------------------------------------
     def register_local(self, slab: Slab) -> None:
@@ -182,10 +281,10 @@ class RdmaTransport(Transport):
         return self._qp
 
     def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
-        return self._run(verbs.OP_WRITE, ops, timeout)
+        return self._submit(verbs.OP_WRITE, ops, timeout)
 
     def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
-        return self._run(verbs.OP_READ, ops, timeout)
+        return self._submit(verbs.OP_READ, ops, timeout)
 
     def _check_remote(self, ops: Sequence[IoOp]) -> None:
         lo, hi = self._info.pool_base, self._info.pool_base + self._info.pool_len
@@ -193,83 +292,127 @@ class RdmaTransport(Transport):
             if op.length < 0 or op.remote_addr < lo or op.remote_addr + op.length > hi:
                 raise ConfigError(f"I/O op {op} lies outside the node pool 0x{lo:x}..0x{hi:x}")
 
-    def _run(self, opcode: int, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def _submit(self, opcode: int, ops: Sequence[IoOp], timeout: float) -> IoFuture:
         check_local_ops(ops, self._slab)
         self._check_remote(ops)
-        assert self._mr is not None
         if not ops:
             return IoFuture.completed()
-        what = "RDMA WRITE" if opcode == verbs.OP_WRITE else "RDMA READ"
         try:
-            if self._remote is None:  # an earlier failure left us disconnected
-                self._reconnect()
-            self._run_job(opcode, ops, timeout, what)
+            if self._broken or self._remote is None:  # an earlier failure
+                self._recover()
         except RdmakvError as e:
             return IoFuture.completed(e)
-        return IoFuture.completed()
+        job = _Job(opcode, list(ops), timeout)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="rdmakv-rdma-qp", daemon=True)
+            self._worker.start()
+        self._jobs.put(job)
+        return RdmaFuture(self, job)
 
-    def _run_job(self, opcode: int, ops: Sequence[IoOp], timeout: float, what: str) -> None:
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                with self._qp_lock:
+                    if not self._broken and self._remote is not None:
+                        job.status, job.stats = self._execute(job.opcode, job.ops, job.timeout)
+            except BaseException as e:  # never leave a future hanging
+                log.error("rdmakv rdma: QP worker failed: %s", e)
+                self._broken = True
+                job.status = None
+            finally:
+                job.done.set()
+
+    def _execute(
+        self, opcode: int, ops: Sequence[IoOp], timeout: float
+    ) -> tuple[list[int], verbs.JobStats]:
+        """Run ops on the QP (caller holds _qp_lock)."""
         assert self._mr is not None and self._remote is not None
-        pending = list(range(len(ops)))
-        hard: dict[int, int] = {}
-        for round_ in range(RETRY_ROUNDS + 1):
-            t0 = time.perf_counter()
-            status, stats = self._qp.run(
-                opcode,
-                self._mr,
-                self._remote.rkey,
-                ops if len(pending) == len(ops) else [ops[i] for i in pending],
-                timeout,
-                sge_limit=self.sge_limit,
-            )
-            self.last_run_s = time.perf_counter() - t0
-            self.last_stats = stats
-            if stats.failed_ops == 0:
-                break
-            failed = [(pending[j], s) for j, s in enumerate(status) if s != verbs.ST_OK]
-            retry = [i for i, s in failed if s in verbs.RETRYABLE]
-            hard.update((i, s) for i, s in failed if s not in verbs.RETRYABLE)
-            timed_out = any(s == verbs.ST_TIMEOUT for _, s in failed)
+        t0 = time.perf_counter()
+        status, stats = self._qp.run(
+            opcode, self._mr, self._remote.rkey, ops, timeout, sge_limit=self.sge_limit
+        )
+        self.last_run_s = time.perf_counter() - t0
+        self.last_stats = stats
+        self.totals.add(stats, self.last_run_s)
+        if stats.failed_ops:
+            self._broken = True  # the QP is in ERROR now
             log.warning(
-                "rdmakv rdma: %s: %d of %d ops failed (first: %s); resetting the QP",
-                what,
-                len(failed),
-                len(pending),
-                verbs.status_name(stats.first_error),
+                "rdmakv rdma: %d of %d ops failed (first: %s); the QP will be reset",
+                stats.failed_ops, len(ops), verbs.status_name(stats.first_error),
             )
-            # The QP is in ERROR now; reconnect so the next batch (and the retry)
-            # runs on a working QP. The node replaces its QP on RDMA_CONNECT.
-            self._reconnect_or_mark()
-            if timed_out:
-                for i, s in failed:
-                    hard.setdefault(i, s)
-                raise TransportTimeout(
-                    f"{what}: {len(failed)} of {len(ops)} ops not done within {timeout} s"
-                )
-            if not retry or round_ == RETRY_ROUNDS or self._remote is None:
-                hard.update((i, s) for i, s in failed if i not in hard)
-                break
-            pending = retry
-        if hard:
-            first = min(hard)
-            raise RdmaOpsFailed(
-                f"{what}: {len(hard)} of {len(ops)} ops failed "
-                f"(op {first}: {verbs.status_name(hard[first])})",
-                sorted(hard),
-                hard,
-            )
+        return status, stats
 
-    def _reconnect_or_mark(self) -> None:
-        try:
-            self._reconnect()
-        except RdmakvError as e:
-            log.warning("rdmakv rdma: reconnecting the QP failed: %s", e)
-            self._remote = None
+    def _settle(self, job: _Job) -> RdmakvError | None:
+        """Caller thread, after the worker finished ``job``: recover the QP and
+        retry ops that were only flushed or never posted; the error (if any)
+        names the ops that really failed."""
+        what = "RDMA WRITE" if job.opcode == verbs.OP_WRITE else "RDMA READ"
+        n = len(job.ops)
+        if job.status is None:  # skipped: the QP was already broken
+            failed = [(i, verbs.ST_NOT_POSTED) for i in range(n)]
+        elif job.stats is not None and job.stats.failed_ops == 0:
+            return None
+        else:
+            failed = [(i, s) for i, s in enumerate(job.status) if s != verbs.ST_OK]
+        hard = {i: s for i, s in failed if s not in verbs.RETRYABLE}
+        retry = [i for i, s in failed if s in verbs.RETRYABLE]
+        if any(s == verbs.ST_TIMEOUT for s in hard.values()):
+            with contextlib.suppress(RdmakvError):
+                self._recover()
+            return TransportTimeout(
+                f"{what}: {len(failed)} of {n} ops not done within {job.timeout} s"
+            )
+        for _ in range(RETRY_ROUNDS):
+            if not retry:
+                break
+            try:
+                self._recover()
+                with self._qp_lock:
+                    status, _ = self._execute(
+                        job.opcode, [job.ops[i] for i in retry], job.timeout
+                    )
+            except RdmakvError as e:
+                log.warning("rdmakv rdma: retry after a QP error failed: %s", e)
+                break
+            again = [(i, s) for i, s in zip(retry, status, strict=True) if s != verbs.ST_OK]
+            hard.update((i, s) for i, s in again if s not in verbs.RETRYABLE)
+            retry = [i for i, s in again if s in verbs.RETRYABLE]
+        hard.update((i, verbs.ST_FLUSHED) for i in retry)
+        if self._broken:  # reset/reconnect now, not at the next batch
+            try:
+                self._recover()
+            except RdmakvError as e:
+                log.warning("rdmakv rdma: reconnecting the QP failed: %s", e)
+        if not hard:
+            return None
+        first = min(hard)
+        return RdmaOpsFailed(
+            f"{what}: {len(hard)} of {n} ops failed "
+            f"(op {first}: {verbs.status_name(hard[first])})",
+            sorted(hard),
+            hard,
+        )
 
     def close(self) -> None:
         self._release()
 
     def _release(self) -> None:
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            self._jobs.put(None)
+            worker.join(self._timeout + DRAIN_WAIT_S)
+            if worker.is_alive():  # stuck device: flush, then wait once more
+                self._abort_inflight()
+                worker.join(DRAIN_WAIT_S)
+            self._worker = None
+            if worker.is_alive():
+                # Destroying the QP under a running loop would be worse than
+                # leaking it: leave it to process exit.
+                log.error("rdmakv rdma: QP worker did not stop; leaking its QP")
+                self._qp = None  # type: ignore[assignment]
         qp = getattr(self, "_qp", None)
         if qp is not None:
             qp.close()

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from rdmakv.client import KVClient
-from rdmakv.errors import ConfigError, RdmaError, TransportError
+from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
 from rdmakv.slab import Slab
 from rdmakv.transport import verbs
 from rdmakv.transport.base import IoOp
@@ -230,3 +230,24 @@ def test_auto_falls_back_to_tcp_when_rdma_setup_fails(
     with pytest.raises(RdmaError):  # an explicit "rdma" never falls back silently
         KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT,
                  connect_retries=1)
+
+
+def test_batch_past_its_deadline_times_out_then_recovers(node: Node, slab: Slab) -> None:
+    src = slab.alloc_many(NBLOCKS)
+    dst = slab.alloc_many(NBLOCKS)
+    fill(slab, src)
+    keys = [b"d%d" % i for i in range(NBLOCKS)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.info is not None
+        tp = rdma_of(c)
+        ops = [
+            IoOp(slab.offset(h), c.info.pool_base + i * BLOCK, BLOCK) for i, h in enumerate(src)
+        ]
+        # A deadline far shorter than moving 1.5 MiB takes: a real timeout.
+        with pytest.raises(TransportTimeout):
+            tp.write(ops, 1e-6).result()
+        assert tp.reconnects >= 1
+        assert c.put(keys, src, BLOCK, digests(NBLOCKS)) == [True] * NBLOCKS
+        assert c.get(keys, dst, digests(NBLOCKS)) == [True] * NBLOCKS
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
