@@ -34,7 +34,6 @@ Failure rules:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import queue
 import threading
@@ -175,7 +174,8 @@ class RdmaFuture(IoFuture):
             wait = self._job.timeout if timeout is None else timeout
             if not self._job.done.wait(wait):
                 self._tp._abort_inflight()
-                self._job.done.wait(DRAIN_WAIT_S + self._job.timeout)
+                if self._job.done.wait(DRAIN_WAIT_S + self._job.timeout):
+                    self._tp._recover_quietly()
                 self._settled = True
                 self._error = TransportTimeout(
                     f"RDMA batch of {len(self._job.ops)} ops not complete after {wait} s"
@@ -259,6 +259,16 @@ class RdmaTransport(Transport):
             self._qp.reset()
             self._connect()
             self._broken = False
+
+    def _recover_quietly(self) -> None:
+        """:meth:`_recover` if the QP is broken; a failure is logged (the next
+        batch tries again) because the caller is already reporting an error."""
+        if not self._broken:
+            return
+        try:
+            self._recover()
+        except RdmakvError as e:
+            log.warning("rdmakv rdma: reconnecting the QP failed: %s", e)
 
     def _abort_inflight(self) -> None:
         """Force the QP to ERROR so the device flushes every posted WR now
@@ -360,8 +370,7 @@ class RdmaTransport(Transport):
         hard = {i: s for i, s in failed if s not in verbs.RETRYABLE}
         retry = [i for i, s in failed if s in verbs.RETRYABLE]
         if any(s == verbs.ST_TIMEOUT for s in hard.values()):
-            with contextlib.suppress(RdmakvError):
-                self._recover()
+            self._recover_quietly()
             return TransportTimeout(
                 f"{what}: {len(failed)} of {n} ops not done within {job.timeout} s"
             )
@@ -381,11 +390,7 @@ class RdmaTransport(Transport):
             hard.update((i, s) for i, s in again if s not in verbs.RETRYABLE)
             retry = [i for i, s in again if s in verbs.RETRYABLE]
         hard.update((i, verbs.ST_FLUSHED) for i in retry)
-        if self._broken:  # reset/reconnect now, not at the next batch
-            try:
-                self._recover()
-            except RdmakvError as e:
-                log.warning("rdmakv rdma: reconnecting the QP failed: %s", e)
+        self._recover_quietly()  # reset/reconnect now, not at the next batch
         if not hard:
             return None
         first = min(hard)
