@@ -81,11 +81,14 @@ def _netdev_hint(info: verbs.PortInfo) -> str:
     return next(iter(ndevs)) if len(ndevs) == 1 else "<netdev>"
 
 
-def diagnose() -> Report:
-    """Collect the facts and the problems (pure reading; changes nothing)."""
+def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
+    """Collect the facts and the problems (pure reading; changes nothing).
+
+    ``root`` is the sysfs directory of RDMA devices (tests point it elsewhere).
+    """
     report = Report(
         native="built" if verbs.native_available() else f"MISSING ({verbs.NATIVE_ERROR})",
-        devices=verbs.list_devices(),
+        devices=verbs.list_devices(root),
     )
     if not verbs.native_available():
         report.problems.append(Problem(
@@ -102,21 +105,22 @@ def diagnose() -> Report:
             f"<netdev> (modprobe rdma_rxe; rdma link add rxe0 type rxe netdev <netdev>). "
             f"A kernel without rdma_rxe: run under {RUN_IN_VM} -- <cmd>",
         ))
-    elif not (UVERBS_DIR.is_dir() and any(UVERBS_DIR.glob("uverbs*"))):
+    elif root == verbs.SYSFS_IB and not (UVERBS_DIR.is_dir() and any(UVERBS_DIR.glob("uverbs*"))):
         report.problems.append(Problem(
             "RDMA devices exist but /dev/infiniband/uverbs* is missing (user verbs unavailable)",
             "modprobe ib_uverbs",
         ))
     usable_port = False
     for dev in report.devices:
-        for p in verbs.list_ports(dev):
-            info = verbs.port_info(dev, p)
+        for p in verbs.list_ports(dev, root):
+            info = verbs.port_info(dev, p, root)
             gids = [
                 {"index": g.index, "gid": g.text, "type": g.type or "?", "netdev": g.netdev}
                 for g in info.gids
             ]
+            mtu = _mtu(dev, p) if root == verbs.SYSFS_IB else None
             report.ports.append(PortReport(dev, p, info.state, info.phys_state,
-                                           info.link_layer, _mtu(dev, p), gids))
+                                           info.link_layer, mtu, gids))
             if not info.active:
                 fix = (
                     f"ip link set {_netdev_hint(info)} up (and check the link/cable)"
@@ -150,7 +154,7 @@ def diagnose() -> Report:
                 "ulimit -l unlimited (shell); LimitMEMLOCK=infinity (systemd); "
                 "docker run --ulimit memlock=-1; or raise memlock in /etc/security/limits.conf",
             ))
-    if usable_port and verbs.native_available():
+    if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
         try:
             report.selected = verbs.select().describe()
         except RdmakvError as e:

@@ -541,11 +541,23 @@ def node_data_path_or_none(pool: Slab) -> RdmaNodeDataPath | None:
     return dp
 
 
+_logged_reasons: set[str] = set()
+
+
+def _usable_for_auto() -> bool:
+    """The registry's probe; says once per distinct reason why RDMA is not used."""
+    ok, why = rdma_usable()
+    if not ok and why not in _logged_reasons:
+        _logged_reasons.add(why)
+        log.info("rdmakv: rdma not usable here (%s); auto uses tcp", why)
+    return ok
+
+
 def _register() -> None:
     from rdmakv.transport import TransportSpec, register_transport
 
     register_transport(
-        TransportSpec("rdma", RdmaTransport, RdmaNodeDataPath, usable=lambda: rdma_usable()[0])
+        TransportSpec("rdma", RdmaTransport, RdmaNodeDataPath, usable=_usable_for_auto)
     )
 
 

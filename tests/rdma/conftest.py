@@ -42,8 +42,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not str(item.fspath).startswith(here):
             continue
         item.add_marker(pytest.mark.rdma)
+        if item.get_closest_marker("anydevice"):
+            continue  # works with or without a device
         if not USABLE and os.environ.get(REQUIRE_ENV) != "1":
             item.add_marker(pytest.mark.skip(reason=f"no RDMA device: {WHY}"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "anydevice: runs with or without an RDMA device")
 
 
 @pytest.fixture(scope="session", autouse=True)
