@@ -347,7 +347,8 @@ class KVNode:
         t.start()
 
     def session_ended(self, session: Session) -> None:
-        self.store.session_closed(session.session_id)
+        # Data paths first: once the session's RDMA QP is gone no remote write
+        # can land, so its uncommitted extents are safe to free and reuse.
         for dp in self.datapaths:
             try:
                 dp.session_closed(session)
@@ -355,6 +356,7 @@ class KVNode:
                 log.exception(
                     "data path %s failed to tear down session %d", dp.name, session.session_id
                 )
+        self.store.session_closed(session.session_id)
         session.channel.close()
         with self._lock:
             self._sessions.pop(session.session_id, None)

@@ -44,6 +44,7 @@ from typing import Any
 
 from rdmakv.errors import (
     ConfigError,
+    ConnectionLost,
     RdmaError,
     RdmakvError,
     RdmaUnavailable,
@@ -214,6 +215,7 @@ class RdmaTransport(Transport):
         self._slab: Slab | None = None
         self._remote: verbs.ConnInfo | None = None
         self._broken = False  # the QP failed; _recover() on the caller thread fixes it
+        self._closing = False  # close() started: queued batches are skipped, not run
         self._qp_lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -326,7 +328,7 @@ class RdmaTransport(Transport):
                 return
             try:
                 with self._qp_lock:
-                    if not self._broken and self._remote is not None:
+                    if not (self._broken or self._closing or self._remote is None):
                         job.status, job.stats = self._execute(job.opcode, job.ops, job.timeout)
             except BaseException as e:  # never leave a future hanging
                 log.error("rdmakv rdma: QP worker failed: %s", e)
@@ -361,6 +363,8 @@ class RdmaTransport(Transport):
         names the ops that really failed."""
         what = "RDMA WRITE" if job.opcode == verbs.OP_WRITE else "RDMA READ"
         n = len(job.ops)
+        if job.status is None and self._closing:
+            return ConnectionLost(f"{what}: the transport was closed before the batch ran")
         if job.status is None:  # skipped: the QP was already broken
             failed = [(i, verbs.ST_NOT_POSTED) for i in range(n)]
         elif job.stats is not None and job.stats.failed_ops == 0:
@@ -407,6 +411,7 @@ class RdmaTransport(Transport):
     def _release(self) -> None:
         worker = getattr(self, "_worker", None)
         if worker is not None:
+            self._closing = True
             self._jobs.put(None)
             worker.join(self._timeout + DRAIN_WAIT_S)
             if worker.is_alive():  # stuck device: flush, then wait once more
