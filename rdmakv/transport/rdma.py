@@ -531,21 +531,6 @@ class RdmaNodeDataPath(NodeDataPath):
         self._mr.close()  # the pool is going away with the node
 
 
-def node_data_path_or_none(pool: Slab) -> RdmaNodeDataPath | None:
-    """The node's RDMA data path, or None (logged) when RDMA is unusable here."""
-    ok, why = rdma_usable()
-    if not ok:
-        log.warning("rdmakv node: rdma not offered (%s); serving tcp only", why)
-        return None
-    try:
-        dp = RdmaNodeDataPath(pool)
-    except RdmakvError as e:
-        log.warning("rdmakv node: rdma not offered (%s); serving tcp only", e)
-        return None
-    log.info("rdmakv node: rdma offered on %s", dp.device.sel.describe())
-    return dp
-
-
 _logged_reasons: set[str] = set()
 
 
