@@ -22,7 +22,21 @@ Ownership and threads:
   :meth:`poll`).
 
 Only *full* blocks are cached: a request's trailing partial block is never
-stored or looked up (it cannot be shared until it fills).
+stored or looked up (it cannot be shared until it fills). ``exists`` and
+``acquire`` therefore answer in multiples of ``block_tokens``; the engine
+recomputes the partial tail.
+
+Tensor parallelism: every TP rank runs its own manager over its own slice of
+the KV (see :func:`tp_namespace` for keys that let different TP sizes share
+blocks where the bytes are identical). ``acquire(..., tp_group=g)`` is a
+collective: the ranks all-reduce MIN the number of blocks each obtained, keep
+that many and release the rest, so every rank restores the same prefix even
+when one rank's fetch failed. The wait is bounded by the process group's own
+timeout (``init_process_group(timeout=...)``).
+
+Hybrid models (several KV cache groups) use one manager per group; see
+:mod:`rdmakv.hybrid_manager`, which builds on :meth:`KVCacheManager.hit_bitmap`
+and :meth:`KVCacheManager.acquire_blocks`.
 
 Failures of the node become misses: every remote call is bounded by the
 client timeout and an :class:`~rdmakv.errors.RdmakvError` from it is logged and
@@ -31,6 +45,7 @@ counted, never raised into the engine's lookup path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -41,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from rdmakv.client import KVClient
-from rdmakv.errors import ConfigError, RdmakvError
+from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey, BlockKeyer, KeyNamespace
 from rdmakv.l1 import L1Cache, OffloadItem, OffloadMode, OffloadQueue
 from rdmakv.slab import Slab
@@ -286,33 +301,155 @@ class KVCacheManager:
         return new
 
     # -- reading -----------------------------------------------------------------------
-    def acquire(self, tokens: Tokens, *, extra: bytes | None = None) -> Acquired:
-        """Hold the longest cached prefix of ``tokens``: L1 first, then one batched node fetch."""
+    def acquire(
+        self,
+        tokens: Tokens,
+        *,
+        extra: bytes | None = None,
+        max_tokens: int | None = None,
+        tp_group: Any = None,
+    ) -> Acquired:
+        """Hold the longest cached prefix of ``tokens``: L1 first, then one batched node fetch.
+
+        ``max_tokens`` caps the prefix (e.g. at what :meth:`exists` promised the
+        scheduler): the node fetch allocates room for every block it asks for,
+        so without a cap a long, mostly-uncached request makes L1 evict up to
+        that many blocks before the misses are known (their blocks are freed
+        right after). Blocks the node lacks, or whose digest differs, are
+        misses; the hit stops at the first one. A failing node gives the L1
+        hits only, within the client timeout.
+
+        ``tp_group`` (a ``torch.distributed`` process group, or the default
+        group with ``torch.distributed.group.WORLD``) makes this a collective:
+        every rank of the group must call it for the same request, and all
+        of them end up holding the same number of blocks, the minimum over the
+        ranks (blocks beyond it are released here).
+
+        The caller owns one reference per returned block until :meth:`release`.
+        """
         self.poll()
         chain = self.keyer.chain(tokens, extra)
+        if max_tokens is not None:
+            if max_tokens < 0:
+                raise ConfigError(f"max_tokens must be >= 0, got {max_tokens}")
+            chain = chain[: max_tokens // self.block_tokens]
         keys = [k for _, k, _ in chain]
         digests = [d for _, _, d in chain]
         handles = self.l1.acquire_prefix(keys, digests)
         got = Acquired(handles, self.block_tokens, l1_blocks=len(handles))
         self.stats.l1_hit_blocks += len(handles)
         if len(handles) < len(keys) and self.client is not None:
-            handles.extend(self._fetch(keys[len(handles) :], digests[len(handles) :]))
+            fetched = self._fetch(keys[len(handles) :], digests[len(handles) :], leading=True)
+            handles.extend(h for h in fetched if h is not None)
+        if tp_group is not None:
+            self.truncate(got, agree_min(got.num_blocks, tp_group))
         return got
 
-    def _fetch(self, keys: list[BlockKey], digests: list[bytes]) -> list[int]:
-        """Fetch the leading hits of ``keys`` into L1; handles held for the caller."""
-        assert self.client is not None
+    def truncate(self, acquired: Acquired, num_blocks: int) -> None:
+        """Keep the first ``num_blocks`` blocks of ``acquired``; release the rest now."""
+        if num_blocks < 0:
+            raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
+        extra_handles = acquired.handles[num_blocks:]
+        if extra_handles:
+            self.l1.release(extra_handles)
+            del acquired.handles[num_blocks:]
+            acquired.l1_blocks = min(acquired.l1_blocks, num_blocks)
+
+    def hit_bitmap(
+        self, tokens: Tokens, *, extra: bytes | None = None, max_blocks: int | None = None
+    ) -> list[bool]:
+        """Per full block of ``tokens`` (up to ``max_blocks``): present in L1 or on the node.
+
+        Not a prefix answer: block ``i`` may be present after an absent one
+        (what sliding-window and state groups need). Answered from the L1 index
+        plus one batched ``exists`` for the blocks L1 lacks. Presence is by key
+        only (no digest check, no lease): :meth:`acquire_blocks` verifies, and
+        may still find a block gone. A failing node counts as absent.
+        """
+        self.poll()
+        keys = self.keyer.keys(tokens, extra)
+        if max_blocks is not None:
+            keys = keys[:max_blocks]
+        bitmap = [self.l1.contains(k) for k in keys]
+        absent = [i for i, present in enumerate(bitmap) if not present]
+        if absent and self.client is not None:
+            remote = self._remote_exists([keys[i] for i in absent])
+            for i, present in zip(absent, remote, strict=True):
+                bitmap[i] = present
+        return bitmap
+
+    def acquire_blocks(
+        self, tokens: Tokens, indices: Sequence[int], *, extra: bytes | None = None
+    ) -> list[int | None]:
+        """Hold blocks ``indices`` of ``tokens`` (not necessarily a prefix): a handle or None each.
+
+        L1 first (digest-checked), then one batched node fetch for the rest;
+        fetched blocks enter L1. The caller owns one reference per returned
+        handle until :meth:`release` (pass the non-None handles).
+        """
+        self.poll()
+        chain = self.keyer.chain(tokens, extra)
+        for i in indices:
+            if not 0 <= i < len(chain):
+                raise ConfigError(
+                    f"block index {i} out of range: {len(tokens)} tokens hold {len(chain)} "
+                    f"full blocks of {self.block_tokens}"
+                )
+        if len(set(indices)) != len(indices):
+            raise ConfigError(f"acquire_blocks got duplicate block indices: {list(indices)}")
+        out: list[int | None] = []
+        missing: list[int] = []
+        for pos, i in enumerate(indices):
+            _, key, digest = chain[i]
+            h = self.l1.get(key, digest)
+            out.append(h)
+            if h is None:
+                missing.append(pos)
+            else:
+                self.stats.l1_hit_blocks += 1
+        if missing and self.client is not None:
+            keys = [chain[indices[p]][1] for p in missing]
+            digests = [chain[indices[p]][2] for p in missing]
+            for pos, h in zip(missing, self._fetch(keys, digests, leading=False), strict=True):
+                out[pos] = h
+        return out
+
+    def _fetch(
+        self, keys: list[BlockKey], digests: list[bytes], *, leading: bool
+    ) -> list[int | None]:
+        """Fetch ``keys`` from the node into L1: a held handle or None per key.
+
+        With ``leading``, only the leading run of hits is kept (a prefix). When
+        L1 cannot make room for all of them, the keys at the end get None.
+        """
         blocks = self._allocate_upto(len(keys))
-        if not blocks:
-            return []
-        keys, digests = keys[: len(blocks)], digests[: len(blocks)]
+        n = len(blocks)
+        sizes: list[int | None] = [None] * len(keys)
+        if n:
+            sizes[:n] = self._remote_get(keys[:n], blocks, digests[:n])
+        return self._admit(keys, digests, blocks, sizes, hold=True, leading=leading)
+
+    def _remote_get(
+        self, keys: list[BlockKey], blocks: list[int], digests: list[bytes]
+    ) -> list[int | None]:
+        """One batched verified node get; any node failure is all misses (counted, logged)."""
+        assert self.client is not None
         try:
-            sizes = self.client.get_sizes(keys, blocks, digests)
+            return self.client.get_sizes(keys, blocks, digests)
         except RdmakvError as e:
             self.stats.l2_errors += 1
-            log.warning("remote lookup of %d blocks failed, treating as misses: %s", len(keys), e)
-            sizes = [None] * len(keys)
-        return self._admit(keys, digests, blocks, sizes, hold=True)
+            log.warning("remote get of %d blocks failed, treating as misses: %s", len(keys), e)
+            return [None] * len(keys)
+
+    def _remote_exists(self, keys: list[BlockKey]) -> list[bool]:
+        """One batched node exists; any node failure is all absent (counted, logged)."""
+        assert self.client is not None
+        try:
+            return self.client.exists(keys)
+        except RdmakvError as e:
+            self.stats.l2_errors += 1
+            log.warning("remote exists of %d blocks failed, counting as absent: %s", len(keys), e)
+            return [False] * len(keys)
 
     def _allocate_upto(self, n: int) -> list[int]:
         """Up to ``n`` fresh blocks: fewer when L1 cannot make room (fetch less, not fail)."""
@@ -332,50 +469,66 @@ class KVCacheManager:
         sizes: Sequence[int | None],
         *,
         hold: bool,
-    ) -> list[int]:
-        """Enter the leading fetched blocks into L1; free the rest. Returns held handles."""
-        n = 0
-        while n < len(sizes) and sizes[n] == self.block_bytes:
-            n += 1
-        self.stats.l2_hit_blocks += n
-        self.stats.l2_miss_blocks += len(keys) - n
-        self.stats.bytes_fetched += n * self.block_bytes
-        held: list[int] = []
+        leading: bool,
+    ) -> list[int | None]:
+        """Enter fetched blocks into L1 and free the others; per key a held handle or None.
+
+        ``blocks[i]`` was fetched for ``keys[i]`` (there may be fewer blocks than
+        keys); a block is a hit when the node returned a whole block for it. Takes
+        over every block's reference: it becomes the L1 entry's or is freed.
+        """
+        out: list[int | None] = [None] * len(keys)
+        stop = False
         for i, h in enumerate(blocks):
-            if i >= n:
+            hit = not stop and sizes[i] == self.block_bytes
+            if leading and not hit:
+                stop = True
+            if not hit:
                 self.slab.decref(h)
+                self.stats.l2_miss_blocks += 1
                 continue
-            self.l1.insert(keys[i], h, self.block_bytes, digests[i], from_remote=True)
+            try:
+                self.l1.insert(keys[i], h, self.block_bytes, digests[i], from_remote=True)
+            except SlabExhausted:
+                # insert() dropped the block; every other entry is held: nothing to do
+                # but report a miss (the engine recomputes it).
+                self.stats.l2_miss_blocks += 1
+                stop = stop or leading
+                continue
+            self.stats.l2_hit_blocks += 1
+            self.stats.bytes_fetched += self.block_bytes
             if hold:
-                got = self.l1.acquire_prefix([keys[i]], [digests[i]])
-                if not got:  # cannot happen single-threaded; be loud if it does
+                out[i] = self.l1.get(keys[i], digests[i])
+                if out[i] is None:  # cannot happen single-threaded; be loud if it does
                     raise RdmakvError(f"block {i} vanished from L1 right after insert")
-                held.extend(got)
-        return held
+        self.stats.l2_miss_blocks += len(keys) - len(blocks)
+        return out
 
     def exists(self, tokens: Tokens, *, extra: bytes | None = None) -> int:
-        """How many leading tokens would hit: L1 index, then at most one node call."""
+        """How many leading tokens would hit (a multiple of ``block_tokens``).
+
+        Answered from the L1 index, then -- only if L1 misses a block -- at most
+        one batched node ``exists`` for the blocks after the L1 prefix, never a
+        round trip per block. Takes no references: a block may be evicted before
+        :meth:`acquire`, which then returns fewer. A failing node counts as misses.
+        """
         self.poll()
         keys = self.keyer.keys(tokens, extra)
         n = self.l1.count_prefix(keys)
         if n < len(keys) and self.client is not None:
-            try:
-                present = self.client.exists(keys[n:])
-            except RdmakvError as e:
-                self.stats.l2_errors += 1
-                log.warning("remote exists failed, counting as misses: %s", e)
-                present = []
-            for p in present:
-                if not p:
+            for present in self._remote_exists(keys[n:]):
+                if not present:
                     break
                 n += 1
         return n * self.block_tokens
 
     def prefetch(self, tokens: Tokens, *, extra: bytes | None = None) -> Future[int]:
-        """Start fetching the blocks of ``tokens`` that L1 lacks; the future gives how many arrived.
+        """Start fetching the blocks of ``tokens`` that L1 lacks; never blocks on the node.
 
-        The fetched blocks enter L1 (not held) on the engine thread at the next
-        manager call; :meth:`poll` does just that.
+        The node I/O runs on a background thread into freshly allocated blocks.
+        The fetched leading hits enter L1 (not held) on the engine thread at the
+        next manager call, or :meth:`poll` / :meth:`wait_prefetches`; the
+        returned future then gives how many blocks arrived (0 on node failure).
         """
         self.poll()
         chain = self.keyer.chain(tokens, extra)
@@ -393,20 +546,9 @@ class KVCacheManager:
         digests = [d for _, _, d in chain][n : n + len(blocks)]
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdmakv-prefetch")
-        fut = self._executor.submit(self._prefetch_io, keys, blocks, digests)
+        fut = self._executor.submit(self._remote_get, keys, blocks, digests)
         self._prefetches.append(_Prefetch(keys, digests, blocks, fut, done))
         return done
-
-    def _prefetch_io(
-        self, keys: list[BlockKey], blocks: list[int], digests: list[bytes]
-    ) -> list[int | None]:
-        assert self.client is not None
-        try:
-            return self.client.get_sizes(keys, blocks, digests)
-        except RdmakvError as e:
-            log.warning("prefetch of %d blocks failed, treating as misses: %s", len(keys), e)
-            self.stats.l2_errors += 1
-            return [None] * len(keys)
 
     def poll(self) -> None:
         """Engine-thread housekeeping: admit finished prefetches, reclaim sent offloads."""
@@ -420,7 +562,7 @@ class KVCacheManager:
                 continue
             sizes = p.future.result()
             before = self.stats.l2_hit_blocks
-            self._admit(p.keys, p.digests, p.handles, sizes, hold=False)
+            self._admit(p.keys, p.digests, p.handles, sizes, hold=False, leading=True)
             arrived = self.stats.l2_hit_blocks - before
             self.stats.prefetched_blocks += arrived
             p.done.set_result(arrived)
@@ -457,6 +599,7 @@ class KVCacheManager:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+            self.poll()  # admit (or free) the blocks of finished prefetches
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -474,3 +617,62 @@ def _split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ConfigError(f"node address must be HOST:PORT, got {address!r}")
     return host, int(port)
+
+
+def agree_min(value: int, group: Any) -> int:
+    """The minimum of ``value`` over the ranks of a ``torch.distributed`` group (a collective).
+
+    Every rank of ``group`` must call it, in the same order relative to other
+    collectives. The wait is bounded by the group's timeout (set at
+    ``init_process_group``); torch raises when it expires. torch is imported
+    here, not at module import: an L1/node-only user does not pay for it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def tp_namespace(
+    base: KeyNamespace, *, tp_rank: int, tp_size: int, num_kv_heads: int
+) -> KeyNamespace:
+    """The key namespace of one TP rank's blocks, shared wherever the bytes are identical.
+
+    A rank's KV block holds the KV heads that rank owns, so what decides
+    whether two ranks (of the same or of different TP sizes) can share a block
+    is the *head slice*, not the rank number. This names the slice in the
+    layout (``kv_layout + "|kv_heads=a:b/H"``) instead of setting the
+    namespace's ``tp_rank``/``tp_size``:
+
+    * a rank holding every head (``tp_size == 1``, or ``num_kv_heads == 1`` as
+      with MLA's single latent KV replicated on all ranks) gets ``base``
+      unchanged: every TP size shares those blocks;
+    * heads split evenly (``num_kv_heads % tp_size == 0``): rank ``r`` holds
+      ``[r*H/tp, (r+1)*H/tp)``; TP sizes that give the same slice share keys;
+    * heads replicated (``tp_size % num_kv_heads == 0``, more ranks than heads,
+      vLLM's rule): rank ``r`` holds head ``r * H // tp``; ranks holding the same
+      head share keys, so replicated heads are stored once on the node, and
+      e.g. TP=4 and TP=8 over 4 heads share every block.
+    """
+    for name, v in (("tp_size", tp_size), ("num_kv_heads", num_kv_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive int, got {v!r}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank!r}")
+    heads = num_kv_heads
+    if heads % tp_size == 0:
+        per = heads // tp_size
+        first, last = tp_rank * per, (tp_rank + 1) * per
+    elif tp_size % heads == 0:
+        first = tp_rank * heads // tp_size
+        last = first + 1
+    else:
+        raise ConfigError(
+            f"num_kv_heads={heads} and tp_size={tp_size}: one must divide the other "
+            "(the KV heads cannot be split evenly across the ranks)"
+        )
+    if first == 0 and last == heads:
+        return base
+    return dataclasses.replace(base, kv_layout=f"{base.kv_layout}|kv_heads={first}:{last}/{heads}")
