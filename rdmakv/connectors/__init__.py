@@ -1,0 +1,16 @@
+"""Engine connectors: how vLLM and SGLang use rdmakv.
+
+* :mod:`rdmakv.connectors.vllm` -- ``RdmakvConnector``, a vLLM v1 KV connector
+  (imports vllm; load it with ``kv_connector_module_path``).
+* :mod:`rdmakv.connectors.sglang` -- ``RdmakvHiCacheStorage``, an SGLang HiCache
+  storage backend (imports sglang; load it with ``--hicache-storage-backend dynamic``).
+
+Engine-independent parts, importable without any engine installed:
+
+* :mod:`rdmakv.connectors.paged` -- block copies between paged KV tensors and slab blocks;
+* :mod:`rdmakv.connectors.plan` -- scheduler-side request bookkeeping (what to load/save);
+* :mod:`rdmakv.connectors.store` -- per-KV-cache-group managers, options, load/save execution.
+
+This package deliberately imports neither engine: ``import rdmakv.connectors``
+works in any environment.
+"""

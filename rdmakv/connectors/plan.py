@@ -1,0 +1,301 @@
+"""Scheduler-side request bookkeeping for engine connectors (engine independent).
+
+The engine's scheduler asks, per waiting request, how many tokens beyond its
+local prefix-cache hit can be loaded from rdmakv; later it tells which engine
+blocks it allocated, and once per step which requests run and how far. A
+:class:`RequestBook` turns those calls into a :class:`StepPlan`: which blocks
+each worker must *load* from rdmakv before the forward pass and which freshly
+computed blocks it must *save* after it.
+
+Rules it enforces:
+
+* Only full blocks move; a hit never covers the request's last token (the
+  engine must compute at least one token to sample from), and a hit is
+  aligned to every group's block size (:func:`rdmakv.hybrid.longest_common_hit`).
+* Hybrid models (more than one KV cache group) load *asynchronously*: the
+  engine cannot take block-level failure reports for several groups, so a
+  failure is reported per request.
+* A request whose load failed is never offered an external hit again (the
+  engine would otherwise retry the same failing load forever); the blocks it
+  recomputes are saved as usual.
+* Only prompt blocks are saved: generated tokens may still change (speculative
+  decoding) and are rarely shared.
+* The engine's null block (a sliding-window block that fell out of the window)
+  is never loaded or saved.
+
+A book entry lives from the first scheduler question about a request until
+:meth:`RequestBook.finished`. Not thread-safe: the engine's scheduler thread
+owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from rdmakv.errors import ConfigError
+from rdmakv.hybrid import KVCacheGroup, longest_common_hit
+
+HitLookup = Callable[[Sequence[int], bytes | None], list[list[bool]]]
+"""``(tokens, extra) -> one hit bitmap per group`` (entry ``i``: block ``i`` is cached)."""
+
+MIN_TOKENS_TO_COMPUTE = 1
+"""The engine must compute at least this many tokens itself (it samples from them)."""
+
+
+@dataclass(frozen=True)
+class GroupBlocks:
+    """Blocks of one KV cache group to move for one request.
+
+    ``block_ids[j]`` is the engine block holding request block
+    ``first_block + j``; the null block may appear and is skipped.
+    """
+
+    first_block: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One request's load or save: a token prefix and, per group, the blocks in it.
+
+    ``tokens`` is the prefix the blocks belong to (the key chain input); it
+    covers at least every listed block. ``extra`` is the request's key extra
+    (LoRA, multimodal hashes, cache salt; :func:`rdmakv.keys.extra_bytes`).
+    """
+
+    req_id: str
+    tokens: tuple[int, ...]
+    extra: bytes | None
+    groups: tuple[GroupBlocks, ...]
+
+    def engine_block_ids(self, null_block: int | None) -> set[int]:
+        return {b for g in self.groups for b in g.block_ids if b != null_block}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the workers do in one engine step. Plain data: it crosses process boundaries."""
+
+    loads: tuple[Transfer, ...] = ()
+    saves: tuple[Transfer, ...] = ()
+    async_loads: bool = False
+
+
+@dataclass
+class _Request:
+    tokens: Sequence[int]
+    num_prompt: int
+    extra: bytes | None
+    block_ids: list[list[int]]
+    saved_blocks: list[int]
+    num_computed: int = 0
+    load_start: int = 0
+    load_end: int = 0
+    loaded_block_ids: set[int] = field(default_factory=set)
+
+
+class RequestBook:
+    """Per-request state of a connector's scheduler side; see the module docstring.
+
+    ``lookup`` answers which blocks of each group are cached (one batched call
+    per group at most; :class:`~rdmakv.connectors.store.GroupStores` provides it).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        lookup: HitLookup,
+        *,
+        null_block: int | None = 0,
+    ) -> None:
+        if not groups:
+            raise ConfigError("a connector needs at least one KV cache group")
+        self.groups = list(groups)
+        self.lookup = lookup
+        self.null_block = null_block
+        self.hybrid = len(self.groups) > 1
+        self._reqs: dict[str, _Request] = {}
+        self._no_external: set[str] = set()
+        self._pending_loads: list[Transfer] = []
+        self._inflight: dict[str, _Request] = {}
+        self._asked: dict[str, int] = {}
+
+    # -- questions from the scheduler ------------------------------------------------------
+    def num_new_matched_tokens(
+        self, req_id: str, tokens: Sequence[int], num_computed: int, extra: bytes | None
+    ) -> tuple[int, bool]:
+        """``(tokens loadable beyond num_computed, load is asynchronous)``. No side effects
+        on what is cached; remembers ``num_computed`` for :meth:`after_alloc`."""
+        if num_computed < 0:
+            raise ConfigError(f"num_computed must be >= 0, got {num_computed}")
+        self._asked[req_id] = num_computed
+        limit = len(tokens) - MIN_TOKENS_TO_COMPUTE
+        if req_id in self._no_external or limit <= num_computed:
+            return 0, False
+        hits = self.lookup(tokens, extra)
+        hit = longest_common_hit(self.groups, hits, limit)
+        n = max(0, hit - num_computed)
+        return n, self.hybrid and n > 0
+
+    def after_alloc(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        num_prompt: int,
+        extra: bytes | None,
+        block_ids: Sequence[Sequence[int]],
+        num_external: int,
+        num_computed: int | None = None,
+    ) -> None:
+        """The engine allocated ``block_ids`` (per group) and will load ``num_external`` tokens.
+
+        ``num_computed`` defaults to the value of the last
+        :meth:`num_new_matched_tokens` call for this request.
+        """
+        self._check_groups(block_ids)
+        start = self._asked.get(req_id, 0) if num_computed is None else num_computed
+        req = self._reqs.get(req_id)
+        if req is None:
+            computed = start
+            req = _Request(
+                tokens=tokens,
+                num_prompt=num_prompt,
+                extra=extra,
+                block_ids=[list(b) for b in block_ids],
+                saved_blocks=[computed // g.block_size for g in self.groups],
+                num_computed=computed,
+            )
+            self._reqs[req_id] = req
+        else:
+            req.block_ids = [list(b) for b in block_ids]
+            req.tokens = tokens
+        if num_external <= 0:
+            return  # nothing to load (or the second call after an async load)
+        end = start + num_external
+        parts = []
+        for g, ids in zip(self.groups, block_ids, strict=True):
+            first, last = start // g.block_size, end // g.block_size
+            if last > len(ids):
+                raise ConfigError(
+                    f"request {req_id}: group {g.group_id} has {len(ids)} blocks, "
+                    f"a load to token {end} needs {last}"
+                )
+            parts.append(GroupBlocks(first, tuple(ids[first:last])))
+        load = Transfer(req_id, tuple(tokens[:end]), extra, tuple(parts))
+        req.load_start, req.load_end = start, end
+        req.loaded_block_ids = load.engine_block_ids(self.null_block)
+        # Blocks below the hit end are cached already: never save them again.
+        req.saved_blocks = [end // g.block_size for g in self.groups]
+        self._pending_loads.append(load)
+
+    def scheduled(
+        self,
+        req_id: str,
+        num_computed: int,
+        *,
+        block_ids: Sequence[Sequence[int]] | None = None,
+        new_block_ids: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """A request runs this step from ``num_computed`` tokens: full ``block_ids``
+        (new or resumed request) or ``new_block_ids`` appended per group."""
+        req = self._reqs.get(req_id)
+        if req is None:
+            return
+        if block_ids is not None:
+            self._check_groups(block_ids)
+            req.block_ids = [list(b) for b in block_ids]
+            # After a preemption everything past num_computed is recomputed.
+            req.saved_blocks = [
+                min(s, num_computed // g.block_size)
+                for s, g in zip(req.saved_blocks, self.groups, strict=True)
+            ]
+        if new_block_ids is not None:
+            self._check_groups(new_block_ids)
+            for have, extra_ids in zip(req.block_ids, new_block_ids, strict=True):
+                have.extend(extra_ids)
+        req.num_computed = num_computed
+
+    def build(self, num_scheduled: Mapping[str, int]) -> StepPlan:
+        """The plan of this step; resets the pending loads."""
+        saves: list[Transfer] = []
+        for req_id, n in num_scheduled.items():
+            req = self._reqs.get(req_id)
+            if req is None:
+                continue
+            end_tokens = min(req.num_computed + n, req.num_prompt, len(req.tokens))
+            parts = []
+            furthest = 0
+            for k, g in enumerate(self.groups):
+                first = req.saved_blocks[k]
+                last = min(end_tokens // g.block_size, len(req.block_ids[k]))
+                if last <= first:
+                    parts.append(GroupBlocks(first, ()))
+                    continue
+                parts.append(GroupBlocks(first, tuple(req.block_ids[k][first:last])))
+                req.saved_blocks[k] = last
+                furthest = max(furthest, last * g.block_size)
+            if furthest:
+                saves.append(
+                    Transfer(req_id, tuple(req.tokens[:furthest]), req.extra, tuple(parts))
+                )
+        loads = tuple(self._pending_loads)
+        self._pending_loads = []
+        for load in loads:
+            self._inflight[load.req_id] = self._reqs[load.req_id]
+        return StepPlan(loads, tuple(saves), self.hybrid)
+
+    # -- feedback ----------------------------------------------------------------------------
+    def load_results(
+        self,
+        finished: Iterable[str] = (),
+        failed: Iterable[str] = (),
+        bad_blocks: Iterable[int] = (),
+    ) -> set[str]:
+        """Record the workers' load outcome; returns the requests whose load failed.
+
+        ``failed`` are request ids (hybrid/async), ``bad_blocks`` engine block
+        ids (single group/sync). A failed request is never offered a hit again,
+        and its unloaded blocks become due for saving once recomputed.
+        """
+        bad = set(bad_blocks)
+        failed_ids = set(failed)
+        done = set(finished)
+        for req_id, req in list(self._inflight.items()):
+            if req_id in failed_ids or req.loaded_block_ids & bad:
+                failed_ids.add(req_id)
+            if req_id in failed_ids or req_id in done or not self.hybrid:
+                self._inflight.pop(req_id, None)
+        for req_id in failed_ids:
+            self._no_external.add(req_id)
+            entry = self._reqs.get(req_id)
+            if entry is not None:
+                entry.saved_blocks = [
+                    min(s, entry.load_start // g.block_size)
+                    for s, g in zip(entry.saved_blocks, self.groups, strict=True)
+                ]
+        return failed_ids
+
+    def finished(self, req_id: str) -> None:
+        """The request is gone: forget it."""
+        self._reqs.pop(req_id, None)
+        self._inflight.pop(req_id, None)
+        self._no_external.discard(req_id)
+        self._asked.pop(req_id, None)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._reqs
+
+    def _check_groups(self, per_group: Sequence[Sequence[int]]) -> None:
+        if len(per_group) != len(self.groups):
+            raise ConfigError(
+                f"block ids for {len(per_group)} KV cache groups, the connector has "
+                f"{len(self.groups)}"
+            )
+
+
+__all__ = ["GroupBlocks", "HitLookup", "RequestBook", "StepPlan", "Transfer"]

@@ -1,0 +1,276 @@
+"""Per-group KV stores of a connector: one :class:`KVCacheManager` per KV cache group.
+
+A hybrid model's groups differ in layers (and possibly block sizes), so each
+group gets its own manager: its own slab of group-block-sized blocks, sharing
+one node. The group is part of every key (:meth:`KVCacheGroup.key_extra`), so
+groups never see each other's blocks even on one node.
+
+Used by both connector sides:
+
+* scheduler side: :meth:`GroupStores.hit_bitmaps` answers "which blocks are
+  cached" (the L1 of that process plus one batched node call per group);
+* worker side: :meth:`GroupStores.load` / :meth:`GroupStores.save` execute a
+  :class:`~rdmakv.connectors.plan.Transfer` through a
+  :class:`~rdmakv.connectors.paged.PagedGroupCopier` per group.
+
+Failures become misses: a node error, a missing block or a slab shortage is
+logged and counted, and a load reports the engine blocks it could not fill;
+nothing raises into the engine's step. Blocks handed out by a manager are
+always given back before a call returns (no lease outlives a call).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from rdmakv.connectors.paged import PagedGroupCopier
+from rdmakv.connectors.plan import Transfer
+from rdmakv.errors import ConfigError, RdmakvError
+from rdmakv.hybrid import KVCacheGroup
+from rdmakv.keys import KeyNamespace
+from rdmakv.manager import Acquired, KVCacheManager
+
+log = logging.getLogger("rdmakv.connectors")
+
+DEFAULT_L1_BYTES = 1 << 30
+"""Default L1 capacity of a worker, split evenly across its KV cache groups."""
+SCHEDULER_L1_BLOCKS = 1
+"""The scheduler side never holds KV; its managers get the smallest L1 possible."""
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Connector settings, as given in an engine's connector config dict.
+
+    ``node`` is ``HOST:PORT`` of an ``rdmakv serve`` node (required: the
+    scheduler side sees only what reached the node). Sizes accept ints or
+    strings like ``"4GiB"``.
+    """
+
+    node: str
+    transport: str = "auto"
+    l1_bytes: int = DEFAULT_L1_BYTES
+    policy: str = "lru"
+    offload: str = "all"
+    token: str | None = None
+    token_file: str | None = None
+    timeout: float = 5.0
+    lock_slab: bool = True
+    model: str | None = None
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], *, ignore: Sequence[str] = ()) -> StoreOptions:
+        """Parse a config dict; unknown keys are an error naming them (typos never pass)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known - set(ignore))
+        if unknown:
+            raise ConfigError(
+                f"unknown rdmakv connector option(s) {unknown}; known: {sorted(known)}"
+            )
+        if not raw.get("node"):
+            raise ConfigError(
+                'rdmakv connector option "node" (HOST:PORT of rdmakv serve) is required'
+            )
+        values = {k: v for k, v in raw.items() if k in known}
+        if "l1_bytes" in values:
+            values["l1_bytes"] = _size(values["l1_bytes"], "l1_bytes")
+        if "timeout" in values:
+            values["timeout"] = float(values["timeout"])
+            if values["timeout"] <= 0:
+                raise ConfigError(f"timeout must be > 0 seconds, got {values['timeout']}")
+        return cls(**values)
+
+    def secret(self) -> str | None:
+        """The node token: ``token``, or the contents of ``token_file``."""
+        if self.token_file is not None:
+            try:
+                return Path(self.token_file).read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read token_file {self.token_file!r}: {e}") from e
+        return self.token
+
+
+def _size(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a size, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        from rdmakv.cli import parse_size
+
+        size = parse_size(value)
+    else:
+        raise ConfigError(f"{what} must be an int or a size string, got {type(value).__name__}")
+    if size <= 0:
+        raise ConfigError(f"{what} must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class StoreStats:
+    """What the connector did, for logs and tests."""
+
+    loaded_blocks: int = 0
+    failed_load_blocks: int = 0
+    saved_blocks: int = 0
+    failed_save_blocks: int = 0
+
+
+class GroupStores:
+    """One manager per group; ``block_bytes[k]`` is group ``k``'s block size in bytes.
+
+    ``scheduler=True`` makes control-only stores (tiny L1, no offload): the
+    scheduler side only asks what is cached.
+    """
+
+    def __init__(
+        self,
+        namespace: KeyNamespace,
+        groups: Sequence[KVCacheGroup],
+        block_bytes: Sequence[int],
+        options: StoreOptions,
+        *,
+        scheduler: bool = False,
+    ) -> None:
+        if len(groups) != len(block_bytes) or not groups:
+            raise ConfigError(f"{len(groups)} groups but {len(block_bytes)} block sizes")
+        self.groups = list(groups)
+        self.block_bytes = list(block_bytes)
+        self.stats = StoreStats()
+        share = options.l1_bytes // len(groups)
+        self.managers: list[KVCacheManager] = []
+        try:
+            for group, nbytes in zip(self.groups, self.block_bytes, strict=True):
+                l1 = nbytes * SCHEDULER_L1_BLOCKS if scheduler else share
+                if l1 < nbytes:
+                    raise ConfigError(
+                        f"l1_bytes {options.l1_bytes} leaves {share} bytes per group, less than "
+                        f"one {nbytes}-byte block"
+                    )
+                self.managers.append(
+                    KVCacheManager(
+                        namespace=namespace,
+                        block_tokens=group.block_size,
+                        block_bytes=nbytes,
+                        l1_bytes=l1,
+                        node=options.node,
+                        transport=options.transport,
+                        policy=options.policy,
+                        offload="none" if scheduler else options.offload,
+                        token=options.secret(),
+                        timeout=options.timeout,
+                        lock_slab=options.lock_slab and not scheduler,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- scheduler side --------------------------------------------------------------------
+    def hit_bitmaps(self, tokens: Sequence[int], extra: bytes | None) -> list[list[bool]]:
+        """Per group: which leading blocks of ``tokens`` are cached (L1, then the node)."""
+        out: list[list[bool]] = []
+        for g, mgr in zip(self.groups, self.managers, strict=True):
+            n = mgr.exists(tokens, extra=g.key_extra(extra))
+            out.append([True] * (n // g.block_size))
+        return out
+
+    # -- worker side -----------------------------------------------------------------------
+    def load(
+        self, transfer: Transfer, copiers: Sequence[PagedGroupCopier], null_block: int | None
+    ) -> set[int]:
+        """Fill the transfer's engine blocks from rdmakv; returns the block ids not filled."""
+        failed: set[int] = set()
+        for g, part, copier, mgr in zip(
+            self.groups, transfer.groups, copiers, self.managers, strict=True
+        ):
+            wanted = [
+                (part.first_block + j, b) for j, b in enumerate(part.block_ids) if b != null_block
+            ]
+            if not wanted:
+                continue
+            acq: Acquired | None = None
+            try:
+                acq = mgr.acquire(
+                    transfer.tokens[: part.end_block * g.block_size],
+                    extra=g.key_extra(transfer.extra),
+                )
+                have = [(acq.handles[i], b) for i, b in wanted if i < len(acq.handles)]
+                failed.update(b for i, b in wanted if i >= len(acq.handles))
+                copier.load(mgr.slab, [h for h, _ in have], [b for _, b in have])
+                self.stats.loaded_blocks += len(have)
+            except RdmakvError as e:
+                log.warning(
+                    "request %s: load of group %d failed: %s", transfer.req_id, g.group_id, e
+                )
+                failed.update(b for _, b in wanted)
+            finally:
+                if acq is not None:
+                    mgr.release(acq)
+        self.stats.failed_load_blocks += len(failed)
+        return failed
+
+    def save(
+        self, transfer: Transfer, copiers: Sequence[PagedGroupCopier], null_block: int | None
+    ) -> int:
+        """Store the transfer's engine blocks (null blocks skipped); returns how many were saved."""
+        saved = 0
+        for g, part, copier, mgr in zip(
+            self.groups, transfer.groups, copiers, self.managers, strict=True
+        ):
+            tokens = transfer.tokens[: part.end_block * g.block_size]
+            extra = g.key_extra(transfer.extra)
+            for first, ids in _runs(part.first_block, part.block_ids, null_block):
+                handles: list[int] = []
+                try:
+                    handles = mgr.allocate_for(len(ids))
+                    copier.save(mgr.slab, handles, ids)
+                except RdmakvError as e:
+                    mgr.discard(handles)
+                    self.stats.failed_save_blocks += len(ids)
+                    log.warning(
+                        "request %s: save of %d blocks skipped: %s", transfer.req_id, len(ids), e
+                    )
+                    continue
+                try:
+                    mgr.put(tokens, handles, extra=extra, first_block=first)
+                except RdmakvError as e:  # put takes the handles over even when it fails
+                    self.stats.failed_save_blocks += len(ids)
+                    log.warning(
+                        "request %s: put of %d blocks failed: %s", transfer.req_id, len(ids), e
+                    )
+                    continue
+                saved += len(ids)
+        self.stats.saved_blocks += saved
+        return saved
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every group's offloads reached the node."""
+        return all(m.flush(timeout) for m in self.managers)
+
+    def close(self) -> None:
+        for m in self.managers:
+            m.close()
+        self.managers = []
+
+
+def _runs(
+    first: int, block_ids: Sequence[int], null_block: int | None
+) -> list[tuple[int, list[int]]]:
+    """Maximal runs of consecutive non-null blocks as ``(first request block, ids)``."""
+    runs: list[tuple[int, list[int]]] = []
+    for j, b in enumerate(block_ids):
+        if b == null_block:
+            continue
+        if runs and runs[-1][0] + len(runs[-1][1]) == first + j:
+            runs[-1][1].append(b)
+        else:
+            runs.append((first + j, [b]))
+    return runs
+
+
+__all__ = ["DEFAULT_L1_BYTES", "GroupStores", "StoreOptions", "StoreStats"]

@@ -1,0 +1,351 @@
+"""vLLM v1 KV connector: vLLM's paged KV cache <-> rdmakv (L1 slab + KV node).
+
+Load it through vLLM's connector factory, no patching::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "RdmakvConnector",
+        "kv_connector_module_path": "rdmakv.connectors.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"node": "10.0.0.5:7070"}}'
+
+(options of ``kv_connector_extra_config``: :class:`~rdmakv.connectors.store.StoreOptions`;
+``docs/engines.md`` has the whole story). Checked against vLLM 0.33.0.
+
+How one request flows:
+
+1. *Scheduler side* (engine-core process): ``get_num_new_matched_tokens``
+   asks the node which blocks of the prompt are cached, per KV cache group,
+   and answers the longest common hit beyond vLLM's own prefix-cache hit
+   (:class:`~rdmakv.connectors.plan.RequestBook`). ``update_state_after_alloc``
+   records the engine blocks to fill; ``build_connector_meta`` ships a
+   :class:`~rdmakv.connectors.plan.StepPlan` (loads + saves) to the workers.
+2. *Worker side* (each TP rank): ``register_kv_caches`` wraps each group's
+   layer tensors in a :class:`~rdmakv.connectors.paged.PagedGroupCopier`.
+   ``start_load_kv`` fetches the planned blocks (L1, then the node) and copies
+   them into vLLM's blocks before the forward pass; ``wait_for_save`` copies the
+   prompt blocks computed in this step into slab blocks and puts them (the
+   offloader thread writes them to the node).
+3. Failures become recomputation: a single-group model loads synchronously
+   and reports unfilled blocks through ``get_block_ids_with_load_errors``; a
+   hybrid model (several groups) loads asynchronously and reports failed
+   requests through ``get_transfer_results(...).failed_recving`` (vLLM refuses
+   block-level reports with several groups). A failed request is never offered
+   a hit again. Set ``"kv_load_failure_policy": "recompute"`` (vLLM's default
+   "fail" aborts such requests).
+
+Keys: the namespace is the model (name + revision, or the ``model`` option),
+the KV dtype, each group's page geometry and, when heads are split across TP
+ranks (not MLA), the TP rank and size. Each group's spec is in every key. The
+scheduler side checks TP rank 0's keys; other ranks that miss report failures.
+
+Limits (say so, don't guess): mamba/state groups and cross-attention specs are
+refused at start-up with a clear error; only prompt blocks are saved;
+``wait_for_layer_load`` / ``save_kv_layer`` are no-ops (whole blocks move
+before and after the forward pass), so CUDA graphs need no piecewise mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
+    FullAttentionSpec as VllmFullAttentionSpec,
+)
+from vllm.v1.kv_cache_interface import (
+    SlidingWindowSpec as VllmSlidingWindowSpec,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
+
+from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
+from rdmakv.connectors.plan import RequestBook, StepPlan
+from rdmakv.connectors.store import GroupStores, StoreOptions
+from rdmakv.errors import ConfigError, RdmakvError
+from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
+from rdmakv.keys import KeyNamespace, extra_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("rdmakv.connectors.vllm")
+
+NULL_BLOCK_ID = 0
+"""vLLM's null block: stands in for sliding-window blocks that left the window."""
+KEY_FORMAT = "vllm-paged.v1"
+"""Version of the slab block format (see rdmakv.connectors.paged) in the key namespace."""
+SCHEDULER_TP_RANK = 0
+"""The scheduler side has no rank of its own; it checks rank 0's keys."""
+
+
+class RdmakvConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler tells the workers for one step (picklable plain data)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        p = self.plan
+        return (
+            f"RdmakvConnectorMetadata(loads={len(p.loads)}, saves={len(p.saves)}, "
+            f"async={p.async_loads})"
+        )
+
+
+class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """rdmakv as a vLLM v1 KV connector (both roles; vLLM makes one instance per role)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("RdmakvConnector needs the KVCacheConfig (vLLM >= 0.33 passes it)")
+        self.options = StoreOptions.from_mapping(
+            self._kv_transfer_config.kv_connector_extra_config or {}
+        )
+        self.groups, self.page_specs, self.layer_names = _groups(kv_cache_config)
+        block_bytes = [
+            s.page_bytes * len(names)
+            for s, names in zip(self.page_specs, self.layer_names, strict=True)
+        ]
+        self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        namespace = _namespace(
+            vllm_config, self.options, self.page_specs, kv_cache_config, self.is_scheduler
+        )
+        self.stores = GroupStores(
+            namespace, self.groups, block_bytes, self.options, scheduler=self.is_scheduler
+        )
+        self.book = RequestBook(self.groups, self.stores.hit_bitmaps, null_block=NULL_BLOCK_ID)
+        self.copiers: list[PagedGroupCopier] | None = None
+        self._bad_blocks: set[int] = set()
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+
+    # ----------------------------------------------------------------- scheduler side
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a miss is never an error
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        try:
+            return self.book.num_new_matched_tokens(
+                request.request_id,
+                list(request.all_token_ids),
+                num_computed_tokens,
+                _extra(request),
+            )
+        except RdmakvError as e:  # never let a lookup problem stop the scheduler
+            log.warning("request %s: rdmakv lookup failed, no hit: %s", request.request_id, e)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.book.after_alloc(
+            request.request_id,
+            list(request.all_token_ids),
+            request.num_prompt_tokens,
+            _extra(request),
+            blocks.get_block_ids(),
+            num_external_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> RdmakvConnectorMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            self.book.scheduled(new.req_id, new.num_computed_tokens, block_ids=new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.book.scheduled(req_id, cached.num_computed_tokens[i], block_ids=ids)
+            else:
+                self.book.scheduled(req_id, cached.num_computed_tokens[i], new_block_ids=ids)
+        return RdmakvConnectorMetadata(self.book.build(scheduler_output.num_scheduled_tokens))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        failed = self.book.load_results(
+            finished=connector_output.finished_recving or (),
+            failed=connector_output.failed_recving or (),
+            bad_blocks=connector_output.invalid_block_ids or (),
+        )
+        if failed:
+            log.info("rdmakv loads failed for %d request(s); vLLM recomputes them", len(failed))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.book.finished(request.request_id)
+        return False, None  # saves finish within the step: vLLM may free the blocks now
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.book.finished(request.request_id)
+        return False, None
+
+    # -------------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        copiers = []
+        for k, (names, spec) in enumerate(zip(self.layer_names, self.page_specs, strict=True)):
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise ConfigError(
+                    f"KV cache group {k}: vLLM registered no tensor for layers {missing}"
+                )
+            copier = PagedGroupCopier(
+                [(n, kv_caches[n]) for n in names], spec, null_block=NULL_BLOCK_ID
+            )
+            if copier.block_bytes != self.stores.block_bytes[k]:
+                raise ConfigError(
+                    f"KV cache group {k}: tensors give {copier.block_bytes}-byte blocks, "
+                    f"the spec {self.stores.block_bytes[k]}"
+                )
+            copiers.append(copier)
+        self.copiers = copiers
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, RdmakvConnectorMetadata):
+            raise ConfigError(
+                f"connector metadata is {type(meta).__name__}, not RdmakvConnectorMetadata"
+            )
+        return meta.plan
+
+    def _need_copiers(self) -> list[PagedGroupCopier]:
+        if self.copiers is None:
+            raise ConfigError("register_kv_caches was not called before the first transfer")
+        return self.copiers
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if not plan.loads:
+            return
+        copiers = self._need_copiers()
+        for load in plan.loads:
+            failed = self.stores.load(load, copiers, NULL_BLOCK_ID)
+            if plan.async_loads:
+                self._recv_done.add(load.req_id)
+                if failed:
+                    self._recv_failed.add(load.req_id)
+            else:
+                self._bad_blocks |= failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv filled every layer already
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # whole blocks are saved in wait_for_save, after the forward pass
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if not plan.saves:
+            return
+        copiers = self._need_copiers()
+        for save in plan.saves:
+            self.stores.save(save, copiers, NULL_BLOCK_ID)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # saves are synchronous; async loads go through get_transfer_results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._bad_blocks = self._bad_blocks, set()
+        return bad
+
+    def shutdown(self) -> None:
+        self.stores.close()
+
+
+def _groups(kv_cache_config: Any) -> tuple[list[KVCacheGroup], list[PageSpec], list[list[str]]]:
+    """rdmakv groups, page specs and layer names of vLLM's KVCacheConfig (unknown specs: error)."""
+    groups: list[KVCacheGroup] = []
+    pages: list[PageSpec] = []
+    names: list[list[str]] = []
+    for k, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        ours: KVCacheSpec
+        if isinstance(spec, VllmSlidingWindowSpec):
+            ours = SlidingWindowSpec(spec.block_size, spec.sliding_window)
+        elif isinstance(spec, VllmFullAttentionSpec):
+            ours = FullAttentionSpec(spec.block_size)
+        else:
+            raise ConfigError(
+                f"KV cache group {k} has a {type(spec).__name__}: the rdmakv connector handles "
+                "full and sliding-window attention only"
+            )
+        groups.append(KVCacheGroup(k, ours))
+        pages.append(
+            PageSpec(
+                spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype
+            )
+        )
+        names.append(list(g.layer_names))
+    if not groups:
+        raise ConfigError("vLLM's KVCacheConfig has no KV cache groups")
+    return groups, pages, names
+
+
+def _namespace(
+    vllm_config: Any,
+    options: StoreOptions,
+    pages: list[PageSpec],
+    kv_cache_config: Any,
+    scheduler: bool,
+) -> KeyNamespace:
+    model = options.model
+    mc = vllm_config.model_config
+    if model is None and mc is not None:
+        model = str(mc.model) + (f"@{mc.revision}" if getattr(mc, "revision", None) else "")
+    if not model:
+        raise ConfigError('no model to name the keys: set a model or the "model" connector option')
+    geometry = ";".join(
+        f"{len(g.layer_names)}x{p.num_heads}h{p.head_size}+{p.head_size_v}"
+        for p, g in zip(pages, kv_cache_config.kv_cache_groups, strict=True)
+    )
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    mla = mc is not None and bool(getattr(mc, "use_mla", False))
+    rank: int | None = None
+    size: int | None = None
+    if tp_size > 1 and not mla:  # each rank holds different heads: keys per rank
+        size = tp_size
+        if scheduler:
+            rank = SCHEDULER_TP_RANK
+        else:
+            from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
+                get_tensor_model_parallel_rank,
+            )
+
+            rank = int(get_tensor_model_parallel_rank())
+    return KeyNamespace(
+        model=model,
+        dtype=str(pages[0].dtype).removeprefix("torch."),
+        kv_layout=f"{KEY_FORMAT}:{geometry}",
+        tp_rank=rank,
+        tp_size=size,
+    )
+
+
+def _extra(request: Any) -> bytes | None:
+    """Per-request key extra: LoRA, multimodal inputs, cache salt (all change KV, not tokens)."""
+    lora = request.lora_request
+    mm = [f.identifier for f in (request.mm_features or ()) if getattr(f, "identifier", None)]
+    return extra_bytes(
+        lora_name=lora.lora_name if lora is not None else None,
+        mm_hashes=mm,
+        cache_salt=request.cache_salt,
+    )
+
+
+__all__ = ["RdmakvConnector", "RdmakvConnectorMetadata"]
