@@ -93,7 +93,7 @@ def make_manager(node: NodeProcess | None, **kw: Any) -> KVCacheManager:
 def compute_and_put(
     mgr: KVCacheManager, tokens: np.ndarray, first: int = 0, count: int | None = None
 ) -> list[BlockKey]:
-    """Compute (fill) blocks ``first..first+count`` of ``tokens`` and put them; returns their keys."""
+    """Compute (fill) blocks ``first..first+count`` of ``tokens`` and put them; their keys."""
     keys = mgr.keyer.keys(tokens)
     count = len(keys) - first if count is None else count
     handles = mgr.allocate_for(count)
