@@ -17,9 +17,9 @@ Ownership and threads:
 * Offloads selected by the L1 offload mode go through a bounded queue to an
   :class:`Offloader` thread with its own node connection: a slow or dead node
   drops offloads (counted), it never blocks the engine.
-* ``prefetch`` starts a background fetch into freshly allocated blocks; the
-  fetched blocks enter L1 on the engine thread at the next manager call (or
-  :meth:`poll`).
+* ``prefetch`` starts a background fetch (own thread, own connection) into
+  freshly allocated blocks; the fetched blocks enter L1 on the engine thread
+  at the next manager call (or :meth:`poll`).
 
 Only *full* blocks are cached: a request's trailing partial block is never
 stored or looked up (it cannot be shared until it fills). ``exists`` and
@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,7 +115,7 @@ class _Prefetch:
     keys: list[BlockKey]
     digests: list[bytes]
     handles: list[int]
-    future: Future[list[int | None]]
+    future: Future[tuple[list[int | None], bool]]
     done: Future[int] = field(default_factory=Future)
 
 
@@ -235,18 +235,27 @@ class KVCacheManager:
         self.offloader: Offloader | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._prefetches: list[_Prefetch] = []
+        self._prefetch_client: KVClient | None = None
+        self._new_client: Callable[[], KVClient] | None = None
         if node is not None:
             host, port = _split_address(node)
-            self.client = KVClient(
-                host, port, self.slab, token=token, transport=transport, timeout=timeout
-            )
-            if self.queue is not None:
-                self.offloader = Offloader(
-                    self.queue,
-                    KVClient(
-                        host, port, self.slab, token=token, transport=transport, timeout=timeout
-                    ),
+
+            def new_client() -> KVClient:
+                return KVClient(
+                    host, port, self.slab, token=token, transport=transport, timeout=timeout
                 )
+
+            self._new_client = new_client
+            # Fails fast (ConnectionLost naming the address) when the node is
+            # unreachable at start: a wrong address should be loud. Later node
+            # failures become misses, and the clients reconnect on their own.
+            self.client = new_client()
+            if self.queue is not None:
+                try:
+                    self.offloader = Offloader(self.queue, new_client())
+                except BaseException:
+                    self.client.close()
+                    raise
 
     @property
     def transport_name(self) -> str | None:
@@ -525,7 +534,8 @@ class KVCacheManager:
     def prefetch(self, tokens: Tokens, *, extra: bytes | None = None) -> Future[int]:
         """Start fetching the blocks of ``tokens`` that L1 lacks; never blocks on the node.
 
-        The node I/O runs on a background thread into freshly allocated blocks.
+        The node I/O runs on a background thread, on its own node connection,
+        into freshly allocated blocks.
         The fetched leading hits enter L1 (not held) on the engine thread at the
         next manager call, or :meth:`poll` / :meth:`wait_prefetches`; the
         returned future then gives how many blocks arrived (0 on node failure).
@@ -546,9 +556,27 @@ class KVCacheManager:
         digests = [d for _, _, d in chain][n : n + len(blocks)]
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdmakv-prefetch")
-        fut = self._executor.submit(self._remote_get, keys, blocks, digests)
+        fut = self._executor.submit(self._prefetch_io, keys, blocks, digests)
         self._prefetches.append(_Prefetch(keys, digests, blocks, fut, done))
         return done
+
+    def _prefetch_io(
+        self, keys: list[BlockKey], blocks: list[int], digests: list[bytes]
+    ) -> tuple[list[int | None], bool]:
+        """On the prefetch thread: one batched get on the prefetch connection.
+
+        Its own connection (opened on first use), so the engine's lookups never
+        queue behind a prefetch. Returns the sizes and whether the node failed
+        (counted on the engine thread: the stats are not thread-safe).
+        """
+        try:
+            if self._prefetch_client is None:
+                assert self._new_client is not None
+                self._prefetch_client = self._new_client()
+            return self._prefetch_client.get_sizes(keys, blocks, digests), False
+        except RdmakvError as e:
+            log.warning("prefetch of %d blocks failed, treating as misses: %s", len(keys), e)
+            return [None] * len(keys), True
 
     def poll(self) -> None:
         """Engine-thread housekeeping: admit finished prefetches, reclaim sent offloads."""
@@ -560,7 +588,8 @@ class KVCacheManager:
             if not p.future.done():
                 still.append(p)
                 continue
-            sizes = p.future.result()
+            sizes, failed = p.future.result()
+            self.stats.l2_errors += failed
             before = self.stats.l2_hit_blocks
             self._admit(p.keys, p.digests, p.handles, sizes, hold=False, leading=True)
             arrived = self.stats.l2_hit_blocks - before
@@ -600,6 +629,9 @@ class KVCacheManager:
             self._executor.shutdown(wait=True)
             self._executor = None
             self.poll()  # admit (or free) the blocks of finished prefetches
+        if self._prefetch_client is not None:
+            self._prefetch_client.close()
+            self._prefetch_client = None
         if self.client is not None:
             self.client.close()
             self.client = None
