@@ -324,6 +324,30 @@ def test_node_killed_mid_workload_gives_l1_hits_and_misses_then_reconnects(
     reader.release(got)
 
 
+def test_stalled_node_gives_l1_hits_within_the_timeout_then_recovers(
+    node: NodeProcess, managers: ManagerFactory
+) -> None:
+    writer = managers(offload="all")
+    tokens = tokens_of(17, 8)
+    compute_and_put(writer, tokens)
+    assert writer.flush(FLUSH_TIMEOUT)
+    reader = managers(offload="none")
+    compute_and_put(reader, tokens, first=0, count=2)
+    assert node.proc is not None
+    os.kill(node.proc.pid, signal.SIGSTOP)  # alive but silent: only the timeout ends the wait
+    try:
+        got = reader.acquire(tokens)
+        assert (got.num_blocks, got.l1_blocks) == (2, 2)
+        assert reader.stats.l2_errors == 1
+        reader.release(got)
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+    got = reader.acquire(tokens)
+    assert (got.num_blocks, got.l1_blocks) == (8, 2), "the next acquire reconnects and fetches"
+    assert_kv(reader, got, tokens)
+    reader.release(got)
+
+
 # -- exists / prefetch / partial blocks (issue 5 item 1) ----------------------------------------
 
 
