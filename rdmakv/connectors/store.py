@@ -84,6 +84,13 @@ class StoreOptions:
                 raise ConfigError(f"timeout must be > 0 seconds, got {values['timeout']}")
         return cls(**values)
 
+    def address(self) -> tuple[str, int]:
+        """``node`` as ``(host, port)``."""
+        host, _, port = self.node.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"node must be HOST:PORT, got {self.node!r}")
+        return host.strip("[]"), int(port)
+
     def secret(self) -> str | None:
         """The node token: ``token``, or the contents of ``token_file``."""
         if self.token_file is not None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -30,13 +29,36 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 _TORCHVISION_STUB = '''
-"""Test-only stand-in for torchvision (see tests/engines/conftest.py)."""
+"""Test-only stand-in for torchvision (see tests/engines/conftest.py).
+
+Module-level names resolve (sglang's multimodal modules bind them at import),
+but calling anything raises: a code path that needs torchvision fails loudly.
+"""
 __version__ = "0.0.0+rdmakv-test-stub"
 
 
+class _Meta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+
+class _Placeholder(metaclass=_Meta):
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("torchvision is not installed (rdmakv test stand-in)")
+
+
 def __getattr__(name):
-    raise AttributeError(f"torchvision stand-in has no {name!r}: this code path needs torchvision")
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Placeholder
 '''
+_STUB_MODULES = ("torchvision", "torchvision/transforms")
+_STUB_SUBMODULES = ("torchvision/transforms/functional.py", "torchvision/transforms/v2.py")
 
 
 def install_torchvision_stand_in(tmp_root: Path) -> None:
@@ -46,17 +68,18 @@ def install_torchvision_stand_in(tmp_root: Path) -> None:
             import torchvision  # noqa: F401  # a working torchvision needs no stand-in
 
             return
-        except Exception:  # noqa: BLE001 -- a broken wheel: fall through to the stand-in
+        except Exception:
             sys.modules.pop("torchvision", None)
     from transformers.utils import import_utils
 
     import_utils.is_torchvision_available()  # cache "absent" before the stand-in appears
     if import_utils.is_torchvision_available():
         return
-    pkg = tmp_root / "torchvision"
-    (pkg / "transforms").mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").write_text(textwrap.dedent(_TORCHVISION_STUB))
-    (pkg / "transforms" / "__init__.py").write_text(textwrap.dedent(_TORCHVISION_STUB))
+    for pkg in _STUB_MODULES:
+        (tmp_root / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_root / pkg / "__init__.py").write_text(_TORCHVISION_STUB)
+    for mod in _STUB_SUBMODULES:
+        (tmp_root / mod).write_text(_TORCHVISION_STUB)
     sys.path.insert(0, str(tmp_root))
 
 

@@ -32,9 +32,9 @@ import pytest
 if os.environ.get("RDMAKV_REQUIRE_ENGINES") != "1":  # deploy/engines.sh: missing = failure
     pytest.importorskip("vllm", reason="needs the engine venv: bash deploy/engines.sh")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
@@ -42,28 +42,28 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     supports_hma,
 )
-from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: E402
-from vllm.v1.core.kv_cache_planning import (  # noqa: E402
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.core.kv_cache_planning import (
     get_global_kv_cache_groups,
     get_kv_cache_configs,
 )
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from vllm.v1.worker.utils import allocate_kv_cache
 
-from rdmakv.connectors.vllm import RdmakvConnector  # noqa: E402
-from rdmakv.errors import ConfigError  # noqa: E402
+from rdmakv.connectors.vllm import RdmakvConnector
+from rdmakv.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,8 +90,8 @@ TINY_LLAMA = {
     "eos_token_id": 2,
 }
 SHARED = list(range(100, 164))  # 4 full blocks shared by both requests
-PROMPT_A = SHARED + [7, 8, 9, 10, 11, 12]
-PROMPT_B = SHARED + [20, 21, 22, 23, 24, 25]
+PROMPT_A = [*SHARED, 7, 8, 9, 10, 11, 12]
+PROMPT_B = [*SHARED, 20, 21, 22, 23, 24, 25]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,262 @@
+"""RdmakvHiCacheStorage against the real sglang 0.5.23 classes, on CPU, with a real node.
+
+Real: ``HiCacheStorage`` (subclass check), the ``dynamic`` backend factory
+(``StorageBackendFactory.create_backend`` -> ``cls(storage_config, kwargs)``),
+``MHATokenToKVPoolHost`` host pools in every layout built from a real
+``MHATokenToKVPool`` device pool, and the real ``HiCacheController`` (its
+backup thread calling ``batch_set_v1``, prefetch thread calling
+``batch_exists``, IO thread calling ``batch_get_v1``). Not run: the SGLang
+scheduler / HiRadixCache (we hand the controller what the radix cache would),
+device<->host copies (CUDA kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+if os.environ.get("RDMAKV_REQUIRE_ENGINES") != "1":  # deploy/engines.sh: missing = failure
+    pytest.importorskip("sglang", reason="needs the engine venv: bash deploy/engines.sh")
+
+import torch
+import torch.distributed as dist
+
+from rdmakv.errors import ConfigError
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("torchvision_stand_in")]
+
+PAGE = 16
+LAYERS = 2
+HEADS = 2
+HEAD = 8
+DEVICE_TOKENS = 256
+LAYOUTS = ["page_first", "layer_first", "page_first_direct", "page_head"]
+BACKEND = {
+    "backend_name": "rdmakv",
+    "module_path": "rdmakv.connectors.sglang",
+    "class_name": "RdmakvHiCacheStorage",
+    "interface_v1": 1,
+}
+
+
+def _pools(layout: str) -> tuple[Any, Any]:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    dev = MHATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=PAGE,
+        dtype=torch.float32,
+        head_num=HEADS,
+        head_dim=HEAD,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    host = MHATokenToKVPoolHost(
+        dev._mha_buffer_info(),
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=PAGE,
+        layout=layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+    return dev, host
+
+
+def _config(node: str, **extra: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="tiny",
+        extra_config={**BACKEND, "node": node, "transport": "tcp", "lock_slab": False, **extra},
+    )
+
+
+def _page(host: Any, indices: torch.Tensor, i: int) -> torch.Tensor:
+    return host.get_data_page(indices[i * PAGE]).clone()
+
+
+@pytest.fixture
+def backends() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for b in made:
+        b.close()
+
+
+def _create(node: str, host: Any, made: list[Any], **extra: Any) -> Any:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    be = StorageBackendFactory.create_backend("dynamic", _config(node, **extra), host)
+    made.append(be)
+    return be
+
+
+def test_is_a_hicache_storage() -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    from rdmakv.connectors.sglang import RdmakvHiCacheStorage
+
+    assert issubclass(RdmakvHiCacheStorage, HiCacheStorage)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_factory_backend_round_trips_pages_through_the_node(
+    layout: str, node_factory: Any, backends: list[Any]
+) -> None:
+    from rdmakv.connectors.sglang import RdmakvHiCacheStorage
+
+    node = node_factory()
+    _, host = _pools(layout)
+    writer = _create(node.endpoint, host, backends)
+    assert isinstance(writer, RdmakvHiCacheStorage)
+    writer.register_mem_pool_host(host)  # what HiCacheController does right after creation
+    idx = host.alloc(3 * PAGE)
+    host.kv_buffer.view(-1).copy_(torch.arange(host.kv_buffer.numel(), dtype=torch.float32))
+    want = [_page(host, idx, i) for i in range(3)]
+    keys = [f"{i:064x}" for i in (1, 2, 3)]
+    assert writer.batch_set_v1(keys, idx) == [True, True, True]
+
+    # A second backend (another SGLang instance: its own staging slab) reads them back.
+    host.kv_buffer.zero_()
+    reader = _create(node.endpoint, host, backends)
+    reader.register_mem_pool_host(host)
+    assert reader.batch_exists([*keys, f"{9:064x}"]) == 3
+    assert reader.exists(keys[0]) and not reader.exists(f"{9:064x}")
+    idx2 = host.alloc(3 * PAGE)
+    assert reader.batch_get_v1(keys, idx2) == [True, True, True]
+    for i in range(3):
+        assert torch.equal(_page(host, idx2, i), want[i])
+    assert reader.batch_get_v1([f"{9:064x}"], idx2[:PAGE]) == [False]
+
+
+def test_a_down_node_gives_misses_not_errors(node_factory: Any, backends: list[Any]) -> None:
+    node = node_factory()
+    _, host = _pools("page_first")
+    be = _create(node.endpoint, host, backends, timeout=2)
+    be.register_mem_pool_host(host)
+    idx = host.alloc(PAGE)
+    key = f"{7:064x}"
+    assert be.batch_set_v1([key], idx) == [True]
+    node.kill()
+    assert be.batch_exists([key]) == 0
+    assert be.batch_get_v1([key], idx) == [False]
+    assert be.batch_set_v1([key], idx) == [False]
+
+
+def test_interface_v1_is_required(node_factory: Any) -> None:
+    from rdmakv.connectors.sglang import RdmakvHiCacheStorage
+
+    node = node_factory()
+    cfg = _config(node.endpoint)
+    cfg.extra_config = {k: v for k, v in cfg.extra_config.items() if k != "interface_v1"}
+    with pytest.raises(ConfigError, match="interface_v1"):
+        RdmakvHiCacheStorage(cfg, {})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_real_hicache_controller_backs_up_and_prefetches(node_factory: Any) -> None:
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    from sglang.srt.runtime_context import get_parallel
+
+    from rdmakv.connectors.sglang import RdmakvHiCacheStorage
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+    node = node_factory()
+    dev, host = _pools("page_first")
+    alloc = PagedTokenToKVPoolAllocator(
+        DEVICE_TOKENS, PAGE, torch.float32, "cpu", dev, need_sort=False
+    )
+    # The controller reads parallel widths from SGLang's runtime context (set by the
+    # server at start-up); a single-rank CPU run has to provide them.
+    with get_parallel().override(
+        attn_dcp_size=1,
+        attn_dcp_rank=0,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_size=1,
+        attn_cp_rank=0,
+        attn_tp_size=1,
+        attn_tp_rank=0,
+        attn_dp_rank=0,
+    ):
+        ctl = HiCacheController(
+            alloc,
+            host,
+            PAGE,
+            dist.group.WORLD,
+            threading.Event(),
+            storage_backend="dynamic",
+            model_name="tiny",
+            storage_backend_extra_config={
+                **BACKEND,
+                "node": node.endpoint,
+                "transport": "tcp",
+                "lock_slab": False,
+            },
+        )
+        try:
+            assert isinstance(ctl.storage_backend, RdmakvHiCacheStorage)
+            # interface_v1 selected SGLang's zero-copy page functions.
+            assert "zero_copy" in ctl.page_get_func.__name__
+            assert "zero_copy" in ctl.page_set_func.__name__
+
+            tokens = list(range(3 * PAGE))
+            hidx = host.alloc(3 * PAGE)
+            host.kv_buffer.view(-1).copy_(torch.arange(host.kv_buffer.numel(), dtype=torch.float32))
+            want = [_page(host, hidx, i) for i in range(3)]
+            hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+            ctl.write_storage(hidx, tokens, hash_value=hashes)  # backup thread
+            ack = ctl.ack_backup_queue.get(timeout=30)
+            assert ack.completed_tokens == 3 * PAGE
+
+            host.kv_buffer.zero_()
+            op = ctl.prefetch("req-1", [*tokens, 1, 2, 3])  # prefetch thread: batch_exists
+            hit = ctl.prefetch_hit_queue.get(timeout=30)
+            assert hit is op
+            assert hit.storage_hit_count == 3 * PAGE
+            # What HiRadixCache does on the scheduler thread: host pages for the hit.
+            hit.host_indices = host.alloc(hit.storage_hit_count)
+            ctl.prefetch_buffer.put(hit)
+            done = False
+            while not done:  # IO thread: batch_get_v1
+                a = ctl.ack_prefetch_queue.get(timeout=30)
+                done = bool(a.completed_req)
+            for i in range(3):
+                assert torch.equal(_page(host, hit.host_indices, i), want[i])
+        finally:
+            backend = ctl.storage_backend
+            ctl.detach_storage_backend()  # SGLang's own shutdown of the storage threads
+            backend.close()
