@@ -32,7 +32,7 @@ from rdmakv.connectors.plan import Transfer
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import KVCacheGroup
 from rdmakv.keys import KeyNamespace
-from rdmakv.manager import Acquired, KVCacheManager
+from rdmakv.manager import KVCacheManager
 
 log = logging.getLogger("rdmakv.connectors")
 
@@ -180,11 +180,12 @@ class GroupStores:
     # -- scheduler side --------------------------------------------------------------------
     def hit_bitmaps(self, tokens: Sequence[int], extra: bytes | None) -> list[list[bool]]:
         """Per group: which leading blocks of ``tokens`` are cached (L1, then the node)."""
-        out: list[list[bool]] = []
-        for g, mgr in zip(self.groups, self.managers, strict=True):
-            n = mgr.exists(tokens, extra=g.key_extra(extra))
-            out.append([True] * (n // g.block_size))
-        return out
+        # Real bitmaps, not leading runs: a sliding-window or state group may hit
+        # after a hole (its early blocks were never saved or were evicted).
+        return [
+            mgr.hit_bitmap(tokens, extra=g.key_extra(extra))
+            for g, mgr in zip(self.groups, self.managers, strict=True)
+        ]
 
     # -- worker side -----------------------------------------------------------------------
     def load(
@@ -200,14 +201,17 @@ class GroupStores:
             ]
             if not wanted:
                 continue
-            acq: Acquired | None = None
+            # Exactly the blocks the engine gave real ids for (a sliding window
+            # needs only its last blocks), L1 first, then one batched node fetch.
+            got: list[int | None] = []
             try:
-                acq = mgr.acquire(
+                got = mgr.acquire_blocks(
                     transfer.tokens[: part.end_block * g.block_size],
+                    [i for i, _ in wanted],
                     extra=g.key_extra(transfer.extra),
                 )
-                have = [(acq.handles[i], b) for i, b in wanted if i < len(acq.handles)]
-                failed.update(b for i, b in wanted if i >= len(acq.handles))
+                have = [(h, b) for h, (_, b) in zip(got, wanted, strict=True) if h is not None]
+                failed.update(b for h, (_, b) in zip(got, wanted, strict=True) if h is None)
                 copier.load(mgr.slab, [h for h, _ in have], [b for _, b in have])
                 self.stats.loaded_blocks += len(have)
             except RdmakvError as e:
@@ -216,8 +220,7 @@ class GroupStores:
                 )
                 failed.update(b for _, b in wanted)
             finally:
-                if acq is not None:
-                    mgr.release(acq)
+                mgr.release([h for h in got if h is not None])
         self.stats.failed_load_blocks += len(failed)
         return failed
 

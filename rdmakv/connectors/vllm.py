@@ -33,12 +33,17 @@ How one request flows:
    "fail" aborts such requests).
 
 Keys: the namespace is the model (name + revision, or the ``model`` option),
-the KV dtype, each group's page geometry and, when heads are split across TP
-ranks (not MLA), the TP rank and size. Each group's spec is in every key. The
-scheduler side checks TP rank 0's keys; other ranks that miss report failures.
+the KV dtype, each group's page geometry and, under tensor parallelism, the
+rank's KV-head slice (:func:`rdmakv.manager.tp_namespace`: TP sizes holding the
+same heads share blocks; MLA shares across all ranks). Each group's spec is in
+every key. Tensor parallelism: the scheduler side checks TP rank 0's keys;
+every rank loads on its own and reports what it could not fill, and vLLM
+combines the ranks' reports (a block any rank failed is recomputed on all), so
+all ranks always use the same prefix without an extra collective.
 
 Limits (say so, don't guess): mamba/state groups and cross-attention specs are
-refused at start-up with a clear error; only prompt blocks are saved;
+refused at start-up with a clear error; pipeline parallelism is refused; only
+prompt blocks are saved;
 ``wait_for_layer_load`` / ``save_kv_layer`` are no-ops (whole blocks move
 before and after the forward pass), so CUDA graphs need no piecewise mode.
 """
@@ -69,6 +74,7 @@ from rdmakv.connectors.store import GroupStores, StoreOptions
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
 from rdmakv.keys import KeyNamespace, extra_bytes
+from rdmakv.manager import tp_namespace
 
 if TYPE_CHECKING:
     import torch
@@ -314,27 +320,31 @@ def _namespace(
         f"{len(g.layer_names)}x{p.num_heads}h{p.head_size}+{p.head_size_v}"
         for p, g in zip(pages, kv_cache_config.kv_cache_groups, strict=True)
     )
-    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-    mla = mc is not None and bool(getattr(mc, "use_mla", False))
-    rank: int | None = None
-    size: int | None = None
-    if tp_size > 1 and not mla:  # each rank holds different heads: keys per rank
-        size = tp_size
-        if scheduler:
-            rank = SCHEDULER_TP_RANK
-        else:
-            from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
-                get_tensor_model_parallel_rank,
-            )
-
-            rank = int(get_tensor_model_parallel_rank())
-    return KeyNamespace(
+    parallel = vllm_config.parallel_config
+    if int(parallel.pipeline_parallel_size) > 1:
+        # Each PP stage holds other layers; the scheduler side sees all of them, so
+        # its keys could not match any stage's. Refuse rather than never hit.
+        raise ConfigError("the rdmakv vLLM connector does not support pipeline parallelism yet")
+    base = KeyNamespace(
         model=model,
         dtype=str(pages[0].dtype).removeprefix("torch."),
         kv_layout=f"{KEY_FORMAT}:{geometry}",
-        tp_rank=rank,
-        tp_size=size,
     )
+    tp_size = int(parallel.tensor_parallel_size)
+    if tp_size == 1:
+        return base
+    if scheduler:
+        rank = SCHEDULER_TP_RANK
+    else:
+        from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
+            get_tensor_model_parallel_rank,
+        )
+
+        rank = int(get_tensor_model_parallel_rank())
+    total_heads = mc.get_total_num_kv_heads() if mc is not None else pages[0].num_heads * tp_size
+    # Names the rank's head slice, so TP sizes holding the same heads share blocks
+    # and MLA (one latent "head" on every rank) shares across all ranks.
+    return tp_namespace(base, tp_rank=rank, tp_size=tp_size, num_kv_heads=int(total_heads))
 
 
 def _extra(request: Any) -> bytes | None:
