@@ -17,11 +17,12 @@
 #   the SGLang tests work around sglang's unguarded `import torchvision` in test
 #   setup code (tests/engines/conftest.py), never by editing site-packages.
 #
-# Environment: RDMAKV_ENGINES_VENV (default .venv-engines), PYTHON (default python3.11).
+# Environment: RDMAKV_ENGINES_VENV (default .venv-engines), PYTHON (default python3.11,
+# else python3).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${RDMAKV_ENGINES_VENV:-$ROOT/.venv-engines}
-PYTHON=${PYTHON:-python3.11}
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3 || echo python3)}
 MODE=${1:-all}
 [[ $# -gt 0 ]] && shift
 
@@ -48,6 +49,12 @@ RUNTIME_DEPS=(
 # Changing anything above invalidates the stamp and refreshes the venv.
 STAMP_TEXT="$TORCH_SPEC|$ENGINES|$NO_DEPS_EXTRAS|${RUNTIME_DEPS[*]}"
 
+# pip install, minus the noise of local mirrors lacking a package (not an error).
+pip_install() {
+  "$VENV/bin/python" -m pip install --progress-bar off "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
 setup() {
   command -v "$PYTHON" >/dev/null || die "$PYTHON not found (set PYTHON=...)"
   if [[ ! -x $VENV/bin/python ]]; then
@@ -59,7 +66,7 @@ setup() {
     log "$VENV is up to date (delete $stamp to force a refresh)"
     return
   fi
-  local pip=("$VENV/bin/python" -m pip install --progress-bar off)
+  local pip=(pip_install)
   local cons=$VENV/rdmakv-constraints.txt
   echo "$TORCH_SPEC" > "$cons"
   local t0=$SECONDS
