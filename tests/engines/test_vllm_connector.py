@@ -120,7 +120,9 @@ def kv_value(token: int, pos: int, layer: int) -> torch.Tensor:
 class Engine:
     """One vLLM instance's scheduler + worker connector over real vLLM objects (CPU)."""
 
-    def __init__(self, model_dir: Path, node: str, *, hybrid: bool) -> None:
+    def __init__(
+        self, model_dir: Path, node: str, *, hybrid: bool, layout_name: str = "NHD"
+    ) -> None:
         ktc = KVTransferConfig(
             kv_connector="RdmakvConnector",
             kv_connector_module_path="rdmakv.connectors.vllm",
@@ -162,7 +164,8 @@ class Engine:
                 dtype=torch.float32,
                 sliding_window=WINDOW,
             )
-        layout = resolve_kv_cache_layout(vc, [["NHD"]], specs.values())
+        # "NHD" gives strided [B, H, N, C] views, "HND" contiguous ones (the CPU backend's).
+        layout = resolve_kv_cache_layout(vc, [[layout_name]], specs.values())
         vc.cache_config.kv_cache_layout = layout.name
         groups = get_global_kv_cache_groups(vc, [specs])
         budget = fa.page_size_bytes * len(LAYERS) * NUM_BLOCKS_BUDGET
@@ -279,8 +282,8 @@ class Engine:
 def engines(model_dir: Path) -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
-    def make(node: str, *, hybrid: bool = False) -> Engine:
-        e = Engine(model_dir, node, hybrid=hybrid)
+    def make(node: str, *, hybrid: bool = False, layout: str = "NHD") -> Engine:
+        e = Engine(model_dir, node, hybrid=hybrid, layout_name=layout)
         made.append(e)
         return e
 
@@ -290,9 +293,11 @@ def engines(model_dir: Path) -> Iterator[Callable[..., Engine]]:
     kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
-def _fill_cache(engines: Callable[..., Engine], node: str, hybrid: bool) -> None:
+def _fill_cache(
+    engines: Callable[..., Engine], node: str, hybrid: bool, layout: str = "NHD"
+) -> None:
     """Engine A computes PROMPT_A and saves its prompt blocks; wait until they reach the node."""
-    a = engines(node, hybrid=hybrid)
+    a = engines(node, hybrid=hybrid, layout=layout)
     a.run(a.add("a", PROMPT_A))
     assert a.worker.stores.stats.saved_blocks == 4 * len(a.group_layers)
     assert a.worker.stores.flush(10.0)
@@ -351,13 +356,15 @@ def test_unknown_option_is_refused_by_name(node_factory: Any) -> None:
         KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
 
 
+@pytest.mark.parametrize(("layout_a", "layout_b"), [("NHD", "NHD"), ("HND", "NHD")])
 def test_single_group_prefix_saved_by_one_engine_is_loaded_by_another(
-    node_factory: Any, engines: Callable[..., Engine]
+    layout_a: str, layout_b: str, node_factory: Any, engines: Callable[..., Engine]
 ) -> None:
     node = node_factory(block_size="64KiB")
-    _fill_cache(engines, node.endpoint, hybrid=False)
+    # Stored bytes are layout independent: an HND engine's blocks load into an NHD one.
+    _fill_cache(engines, node.endpoint, hybrid=False, layout=layout_a)
 
-    b = engines(node.endpoint)
+    b = engines(node.endpoint, layout=layout_b)
     req = b.add("b", PROMPT_B)
     out, mro = b.step()
     # The scheduler asked the connector and took its 64-token hit: only the tail runs.
