@@ -454,3 +454,27 @@ def test_hybrid_failed_load_is_reported_per_request_and_not_retried(
     assert steps[0][0].num_scheduled_tokens == {"b": len(PROMPT_B)}  # recomputed in full
     assert b.worker.stores.stats.loaded_blocks == 0
     assert b.blocks_hold("b", PROMPT_B, 4)
+
+
+def test_mamba_groups_are_refused_at_start_up(node_factory: Any) -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    node = node_factory()
+    ktc = KVTransferConfig(
+        kv_connector="RdmakvConnector",
+        kv_connector_module_path="rdmakv.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"node": node.endpoint, "model": "m"},
+    )
+    vc = VllmConfig(kv_transfer_config=ktc)
+    fa = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+    kcc = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(LAYERS[:1], fa), KVCacheGroupSpec(LAYERS[1:], mamba)],
+    )
+    with pytest.raises(ConfigError, match="group 1 has a MambaSpec"):
+        KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kcc)
