@@ -401,7 +401,10 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
         return (int)n;
     }
     if (sge_limit == 0 || sge_limit > q->max_sge) sge_limit = q->max_sge;
-    const uint64_t max_msg = q->max_msg;
+    /* A WR never carries more than the in-flight budget: one giant WR would
+     * leave the budget (and the posting loop) idle until it completes. */
+    uint64_t max_msg = q->max_msg;
+    if (max_inflight_bytes && max_inflight_bytes < max_msg) max_msg = max_inflight_bytes;
 
     /* ---- build: group ops into WRs ---- */
     uint32_t nwr = 0, nsge = 0;
