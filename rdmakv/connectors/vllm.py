@@ -115,6 +115,13 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.options = StoreOptions.from_mapping(
             self._kv_transfer_config.kv_connector_extra_config or {}
         )
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
+            log.warning(
+                'kv_load_failure_policy is "%s": a block rdmakv cannot load will fail its '
+                'request instead of being recomputed; set "kv_load_failure_policy": "recompute"',
+                policy,
+            )
         self.groups, self.page_specs, self.layer_names = _groups(kv_cache_config)
         block_bytes = [
             s.page_bytes * len(names)
