@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -295,12 +293,12 @@ def test_stalled_node_times_out(node: NodeProcess, client_slab: Slab) -> None:
     with KVClient(*node.address, client_slab, timeout=0.5, connect_retries=1) as c:
         assert c.put([b"k"], [h], BLOCK, [bytes(16)]) == [True]
         assert node.proc is not None
-        os.kill(node.proc.pid, signal.SIGSTOP)
+        node.pause()
         try:
             with pytest.raises(TransportTimeout):
                 c.get([b"k"], [h], [bytes(16)])
         finally:
-            os.kill(node.proc.pid, signal.SIGCONT)
+            node.resume()
         assert c.get([b"k"], [h], [bytes(16)]) == [True]  # reconnected after the timeout
 
 

@@ -9,8 +9,6 @@ to it unchanged.
 
 from __future__ import annotations
 
-import os
-import signal
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -177,7 +175,7 @@ def test_offload_backpressure_drops_and_never_blocks_the_engine(
     m = managers(offload="all", max_pending_offload_bytes=2 * BLOCK_BYTES)
     tokens = tokens_of(4, 20)
     assert node.proc is not None
-    os.kill(node.proc.pid, signal.SIGSTOP)  # the node stalls: offloads cannot finish
+    node.pause()  # the node stalls: offloads cannot finish
     try:
         keys = compute_and_put(m, tokens)  # must return although nothing can be sent
         assert len(m.l1) == 20
@@ -186,7 +184,7 @@ def test_offload_backpressure_drops_and_never_blocks_the_engine(
         assert stats.offloads_dropped == 18
         assert m.queue is not None and m.queue.dropped == 18
     finally:
-        os.kill(node.proc.pid, signal.SIGCONT)
+        node.resume()
     assert m.flush(FLUSH_TIMEOUT)
     # Whatever the stalled batch achieved, the dropped blocks never reached the node.
     assert probe.exists(keys[2:]) == [False] * 18
@@ -334,14 +332,14 @@ def test_stalled_node_gives_l1_hits_within_the_timeout_then_recovers(
     reader = managers(offload="none")
     compute_and_put(reader, tokens, first=0, count=2)
     assert node.proc is not None
-    os.kill(node.proc.pid, signal.SIGSTOP)  # alive but silent: only the timeout ends the wait
+    node.pause()  # alive but silent: only the timeout ends the wait
     try:
         got = reader.acquire(tokens)
         assert (got.num_blocks, got.l1_blocks) == (2, 2)
         assert reader.stats.l2_errors == 1
         reader.release(got)
     finally:
-        os.kill(node.proc.pid, signal.SIGCONT)
+        node.resume()
     got = reader.acquire(tokens)
     assert (got.num_blocks, got.l1_blocks) == (8, 2), "the next acquire reconnects and fetches"
     assert_kv(reader, got, tokens)
@@ -381,13 +379,13 @@ def test_prefetch_is_asynchronous_and_fills_l1(node: NodeProcess, managers: Mana
     reader = managers(offload="none")
     calls = count_calls(reader)
     assert node.proc is not None
-    os.kill(node.proc.pid, signal.SIGSTOP)
+    node.pause()
     try:
         fut = reader.prefetch(tokens)  # returns although the node cannot answer yet
         assert not fut.done()
         assert reader.l1.count_prefix(keys) == 0
     finally:
-        os.kill(node.proc.pid, signal.SIGCONT)
+        node.resume()
     reader.wait_prefetches(FLUSH_TIMEOUT)
     assert fut.result(0) == 8
     assert reader.l1.count_prefix(keys) == 8

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -119,6 +120,26 @@ class LocalNodeProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(STOP_TIMEOUT_S)
+
+    def pause(self) -> None:
+        """SIGSTOP, returning once the node is really stopped (alive but silent)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        # Delivery is asynchronous: without this wait, a request sent right
+        # after could still be answered.
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+            if state in ("T", "t"):
+                return
+            time.sleep(0.001)
+        raise NodeStartError(f"node pid {self.proc.pid} did not stop after SIGSTOP")
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         self.kill()
