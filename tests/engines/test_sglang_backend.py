@@ -260,3 +260,22 @@ def test_real_hicache_controller_backs_up_and_prefetches(node_factory: Any) -> N
             backend = ctl.storage_backend
             ctl.detach_storage_backend()  # SGLang's own shutdown of the storage threads
             backend.close()
+
+
+def test_tensor_interface_round_trips_one_page(node_factory: Any, backends: list[Any]) -> None:
+    """get/set/batch_get/batch_set (what SGLang uses without interface_v1) still work."""
+    node = node_factory()
+    _, host = _pools("page_first")
+    be = _create(node.endpoint, host, backends)
+    be.register_mem_pool_host(host)
+    value = torch.arange(be.value_bytes // 4, dtype=torch.float32)
+    assert be.set(f"{5:064x}", value)
+    got = be.get(f"{5:064x}")
+    assert got is not None and bytes(got.numpy()) == bytes(value.numpy())
+    target = torch.zeros_like(value)
+    assert be.batch_get([f"{5:064x}", f"{6:064x}"], [target, torch.zeros_like(value)])[1] is None
+    assert torch.equal(target, value)
+    with pytest.raises(ConfigError, match="one value tensor per key"):
+        be.batch_set([f"{5:064x}"], [])
+    assert be.set(f"{8:064x}", torch.zeros(3)) is False  # wrong size: refused, not stored
+    assert not be.exists(f"{8:064x}")
