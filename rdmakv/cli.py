@@ -70,7 +70,7 @@ def _read_token(path: str | None) -> bytes | None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from rdmakv.node import KVNode
 
-    transports = ["tcp"] if args.transport == "tcp" else [args.transport]
+    transports = [args.transport]
     if args.transport == "auto":
         from rdmakv.transport import available_transports
 
@@ -84,6 +84,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         lease_timeout=args.lease_timeout,
         token=_read_token(args.token_file),
         lock_pool=not args.no_lock,
+        optional_transports=args.transport == "auto",
     )
     host, port = node.start()
     if node.token is None and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
@@ -138,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7480, help="TCP port (0 = pick a free one)")
     p.add_argument("--pool-size", type=_size_arg, default=parse_size("1GiB"))
     p.add_argument("--block-size", type=_size_arg, default=parse_size("256KiB"))
-    p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="tcp")
+    p.add_argument(
+        "--transport",
+        choices=["tcp", "rdma", "auto"],
+        default="auto",
+        help="auto (default): RDMA too when a usable device exists; tcp always serves",
+    )
     p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds a read lease lasts")
     p.add_argument("--token-file", help="file holding the shared-secret token clients must send")
     p.add_argument("--no-lock", action="store_true", help="do not mlock the pool")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any, NoReturn
 
 import pytest
 
@@ -57,3 +58,41 @@ def test_serve_refuses_bad_options_clearly(tmp_path: object) -> None:
         [*run, "stats", "no-port-here"], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 2 and "HOST:PORT" in out.stderr
+
+
+def test_serve_auto_is_the_default_and_serves_tcp_without_rdma(node_factory: Any) -> None:
+    node = node_factory()  # no --transport: the default
+    assert "transports=tcp" in node.ready_line or "transports=tcp,rdma" in node.ready_line
+
+
+def test_optional_transport_that_fails_to_come_up_is_left_out() -> None:
+    """``auto`` must not crash the node when RDMA set-up fails (e.g. registration refused)."""
+    from rdmakv.errors import RdmaError
+    from rdmakv.node import KVNode
+    from rdmakv.transport import TransportSpec, get_transport, register_transport
+
+    def broken_node_path(pool: object) -> NoReturn:
+        raise RdmaError("ibv_reg_mr: Cannot allocate memory (injected)")
+
+    tcp = get_transport("tcp")
+    register_transport(TransportSpec("broken-rdma", tcp.client, broken_node_path))
+    node = KVNode(
+        pool_size=1 << 20,
+        block_size=1 << 16,
+        port=0,
+        transports=["broken-rdma"],
+        lock_pool=False,
+        optional_transports=True,
+    )
+    try:
+        assert node.transports == ("tcp",)
+    finally:
+        node.pool.close()
+    with pytest.raises(RdmaError, match="injected"):
+        KVNode(
+            pool_size=1 << 20,
+            block_size=1 << 16,
+            port=0,
+            transports=["broken-rdma"],
+            lock_pool=False,
+        )

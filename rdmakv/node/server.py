@@ -238,13 +238,24 @@ class KVNode:
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         token: bytes | None = None,
         lock_pool: bool = True,
+        optional_transports: bool = False,
     ) -> None:
+        """``optional_transports``: a data path beyond tcp that fails to come up
+        (e.g. ``auto`` found a device but registering the pool failed) is logged
+        with its reason and left out, instead of failing the node's start."""
         self.host = host
         self.port = port
         self.token = token or None
         self.pool = Slab(pool_size, block_size, lock=lock_pool)
         names = list(dict.fromkeys(["tcp", *transports]))  # tcp always serves control + fallback
-        self.datapaths: list[NodeDataPath] = [get_transport(n).node(self.pool) for n in names]
+        self.datapaths: list[NodeDataPath] = []
+        for name in names:
+            try:
+                self.datapaths.append(get_transport(name).node(self.pool))
+            except RdmakvError as e:
+                if name == "tcp" or not optional_transports:
+                    raise
+                log.warning("transport %s unavailable, serving without it: %s", name, e)
         self.transports = tuple(dp.name for dp in self.datapaths)
         rkey = next((dp.rkey for dp in self.datapaths if dp.rkey), 0)
         self.store = KVStore(self.pool, lease_timeout=lease_timeout, rkey=rkey)
