@@ -15,6 +15,12 @@ Invariants:
   list is never handed out twice and never overlaps another block.
 * Views (memoryview / numpy / torch) alias the arena; they do not keep a block
   alive by themselves -- hold a reference while you use one.
+
+A slab can also be laid over memory someone else allocated
+(:meth:`Slab.over_buffer`, e.g. an inference engine's host KV pool), so the
+KV client moves bytes straight into and out of that memory. Such a slab never
+maps, locks or frees the memory: see :meth:`Slab.over_buffer` for who owns
+its blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import ctypes
 import ctypes.util
 import mmap
 import resource
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +93,73 @@ class Slab:
         # (warm in cache and TLB).
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
         self._refs = [0] * self.num_blocks
+        self.external = False
+        """True for a slab laid over foreign memory (:meth:`over_buffer`)."""
+        self._owner: object | None = None
+
+    @classmethod
+    def over_buffer(cls, buffer: object, block_size: int, *, borrowed: bool = True) -> Slab:
+        """A slab whose blocks are consecutive ``block_size``-byte pieces of ``buffer``.
+
+        ``buffer`` is memory someone else allocated: any writable, C-contiguous
+        object with the buffer protocol (``bytearray``, ``mmap``, ``memoryview``,
+        numpy array) or a contiguous CPU ``torch.Tensor`` of any dtype. Its size
+        must be a whole number of blocks. Block ``h`` is bytes
+        ``[h * block_size, (h + 1) * block_size)`` of it and :attr:`base_addr` is
+        its address, so a transport registers exactly that memory and one-sided
+        I/O on a block reads or writes the owner's bytes in place (zero copy).
+
+        Memory: the slab never maps, locks (mlock) or frees the buffer; it keeps
+        a reference to ``buffer`` so the memory outlives the slab, and
+        :meth:`close` only drops the slab's views and that reference. Keeping
+        the memory resident (pinned) for RDMA is the owner's business;
+        :attr:`locked` is False.
+
+        Block ownership (the invariant callers rely on):
+
+        * ``borrowed=True`` (default): every block starts *live* with refcount 1,
+          a reference that belongs to the buffer's owner (its pages are in use by
+          it), so all handles are valid at once and :meth:`alloc` has nothing to
+          hand out (:class:`SlabExhausted`). Callers may still incref/decref
+          around their I/O; dropping the owner's own reference puts the block on
+          the free list like any other.
+        * ``borrowed=False``: every block starts free and :meth:`alloc` /
+          :meth:`decref` work exactly as on an mmap slab (an arena carved out of
+          foreign memory).
+
+        Bad input (not a buffer, read-only, non-contiguous, not on the CPU,
+        empty, or a size that is not a multiple of ``block_size``) raises
+        :class:`ConfigError` naming the problem.
+        """
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        flat = _writable_bytes(buffer)
+        nbytes = flat.nbytes
+        if nbytes == 0:
+            raise ConfigError("cannot lay a slab over an empty buffer (0 bytes)")
+        if nbytes % block_size:
+            raise ConfigError(
+                f"buffer of {nbytes} bytes is not a whole number of {block_size}-byte blocks "
+                f"({nbytes % block_size} bytes left over)"
+            )
+        slab = cls.__new__(cls)
+        slab.block_size = block_size
+        slab.num_blocks = nbytes // block_size
+        slab.nbytes = nbytes
+        slab._mmap = None
+        slab._array = np.frombuffer(flat, dtype=np.uint8)
+        slab._view = flat
+        slab.base_addr = int(slab._array.ctypes.data)
+        slab.locked = False
+        if borrowed:
+            slab._free = []
+            slab._refs = [1] * slab.num_blocks
+        else:
+            slab._free = list(range(slab.num_blocks - 1, -1, -1))
+            slab._refs = [0] * slab.num_blocks
+        slab.external = True
+        slab._owner = buffer
+        return slab
 
     def _try_lock(self, length: int) -> bool:
         err = _mlock(self.base_addr, length)
@@ -216,7 +290,19 @@ class Slab:
 
     # -- lifetime ------------------------------------------------------------
     def close(self) -> None:
-        """Unmap the arena. Views handed out earlier must not be used after."""
+        """Unmap the arena. Views handed out earlier must not be used after.
+
+        A slab over foreign memory (:meth:`over_buffer`) only drops its own
+        views and its reference to the buffer; the memory stays with its owner.
+        """
+        if self.external:
+            if self._owner is None:
+                return
+            del self._array  # first: the array is an export of the view
+            with contextlib.suppress(BufferError):  # a caller still holds a slice
+                self._view.release()
+            self._owner = None
+            return
         if self._mmap is None:
             return
         self._view.release()
@@ -229,6 +315,8 @@ class Slab:
 
     @property
     def closed(self) -> bool:
+        if self.external:
+            return self._owner is None
         return self._mmap is None
 
     def __enter__(self) -> Slab:
@@ -238,7 +326,44 @@ class Slab:
         self.close()
 
     def __repr__(self) -> str:
+        where = ", external" if self.external else ""
         return (
             f"Slab(blocks={self.num_blocks}x{self.block_size}, used={self.used_blocks}, "
-            f"locked={self.locked}, base=0x{self.base_addr:x})"
+            f"locked={self.locked}, base=0x{self.base_addr:x}{where})"
         )
+
+
+def _writable_bytes(buffer: object) -> memoryview:
+    """``buffer``'s memory as a flat writable byte memoryview aliasing it (no copy)."""
+    torch_mod = sys.modules.get("torch")  # a tensor implies torch is already imported
+    if torch_mod is not None and isinstance(buffer, torch_mod.Tensor):
+        t = buffer
+        if t.device.type != "cpu":
+            raise ConfigError(f"a slab needs CPU memory; the tensor is on {t.device}")
+        if not t.is_contiguous():
+            raise ConfigError(
+                f"a slab needs contiguous memory; the tensor (shape {tuple(t.shape)}, "
+                f"strides {t.stride()}) is not contiguous"
+            )
+        if t.is_sparse or t.is_quantized or t.is_conj() or t.is_neg():
+            raise ConfigError("a slab needs a plain dense tensor (not sparse/quantized/conj/neg)")
+        # A byte view of the tensor's own storage: works for every dtype (bf16 too).
+        arr = t.detach().reshape(-1).view(torch_mod.uint8).numpy()
+        if arr.ctypes.data != t.data_ptr():
+            raise ConfigError("the tensor's byte view does not alias its memory")
+        return memoryview(arr)
+    try:
+        mv = memoryview(buffer)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise ConfigError(
+            f"a slab needs a writable buffer (buffer protocol or CPU tensor), "
+            f"got {type(buffer).__name__}"
+        ) from e
+    if mv.readonly:
+        raise ConfigError(f"the {type(buffer).__name__} buffer is read-only; a slab must write it")
+    if not mv.c_contiguous:
+        raise ConfigError(
+            f"a slab needs C-contiguous memory; the {type(buffer).__name__} buffer "
+            f"(shape {mv.shape}, strides {mv.strides}) is not"
+        )
+    return mv if (mv.ndim == 1 and mv.format == "B") else mv.cast("B")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,3 +185,106 @@ def test_allocator_never_hands_out_live_or_overlapping_blocks(
                 assert s.refcount(h) == c
     finally:
         s.close()
+
+
+# -- slabs over foreign memory (Slab.over_buffer) ------------------------------------------
+
+
+def test_over_buffer_blocks_are_the_buffers_bytes_in_place() -> None:
+    owner = np.zeros(4 * BS, dtype=np.uint8)
+    slab = Slab.over_buffer(owner, BS)
+    assert slab.external and not slab.locked
+    assert (slab.num_blocks, slab.nbytes) == (4, 4 * BS)
+    assert slab.base_addr == owner.ctypes.data  # what a transport registers
+    for h in range(4):
+        assert slab.addr(h) == owner.ctypes.data + h * BS
+    slab.view(2)[:3] = b"abc"  # writes land in the owner's memory...
+    assert bytes(owner[2 * BS : 2 * BS + 3]) == b"abc"
+    owner[3 * BS] = 7  # ...and the owner's writes are what the slab sees
+    assert slab.numpy(3)[0] == 7 and slab.buffer[3 * BS] == 7
+    assert bytes(slab.buffer[2 * BS : 2 * BS + 3]) == b"abc"
+
+
+def test_over_buffer_borrowed_blocks_are_all_live_and_nothing_is_allocatable() -> None:
+    slab = Slab.over_buffer(bytearray(3 * BS), BS)
+    assert [slab.refcount(h) for h in range(3)] == [1, 1, 1]  # the owner's references
+    assert slab.free_blocks == 0
+    with pytest.raises(SlabExhausted):
+        slab.alloc()
+    slab.incref(1)  # an I/O pins a page like on any slab
+    slab.decref(1)
+    assert slab.refcount(1) == 1
+    slab.decref(0)  # the owner gives page 0 up: now it is allocatable
+    assert slab.alloc() == 0
+
+
+def test_over_buffer_unborrowed_allocates_like_an_mmap_slab() -> None:
+    raw = bytearray(4 * BS)
+    slab = Slab.over_buffer(raw, BS, borrowed=False)
+    assert slab.free_blocks == 4
+    with pytest.raises(InvalidHandle, match="not allocated"):
+        slab.offset(0)
+    hs = slab.alloc_many(4)
+    assert sorted(hs) == [0, 1, 2, 3]
+    with pytest.raises(SlabExhausted):
+        slab.alloc()
+    slab.decref(hs[0])
+    assert slab.alloc() == hs[0]
+
+
+def test_over_buffer_accepts_tensors_of_any_dtype_and_multidim_arrays() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(2, 3, 8, dtype=torch.bfloat16)  # no numpy dtype: viewed as bytes
+    slab = Slab.over_buffer(t, 3 * 8 * 2)
+    assert (slab.num_blocks, slab.base_addr) == (2, t.data_ptr())
+    slab.torch(1, torch.bfloat16)[:] = 1.5
+    assert torch.equal(t[1], torch.full((3, 8), 1.5, dtype=torch.bfloat16))
+    assert bool((t[0] == 0).all())
+    a = np.zeros((4, 8), dtype=">i4")  # multi-dimensional, non-byte, non-native order
+    s2 = Slab.over_buffer(a, 32)
+    assert (s2.num_blocks, s2.base_addr) == (4, a.ctypes.data)
+
+
+def test_over_buffer_keeps_the_owner_alive_and_close_does_not_free_it() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.arange(64, dtype=torch.float32)
+    slab = Slab.over_buffer(t, 64)
+    addr = t.data_ptr()
+    del t  # the slab's reference keeps the tensor's memory alive
+    assert slab.numpy(0, np.float32)[3] == 3.0 and slab.base_addr == addr
+    owner = np.arange(8 * BS, dtype=np.uint8)
+    slab = Slab.over_buffer(owner, BS)
+    slab.close()
+    assert slab.closed
+    slab.close()  # idempotent
+    assert owner[BS + 5] == 5  # the memory is still the owner's, intact and usable
+    owner[0] = 9
+
+
+@pytest.mark.parametrize(
+    ("make", "block_size", "match"),
+    [
+        (lambda: bytes(1024), 256, "read-only"),
+        (lambda: np.zeros(1024, dtype=np.uint8)[::2], 256, "C-contiguous"),
+        (lambda: np.zeros((8, 8), dtype=np.uint8).T, 8, "C-contiguous"),
+        (lambda: bytearray(1000), 256, "not a whole number of 256-byte blocks"),
+        (lambda: bytearray(0), 16, "empty buffer"),
+        (lambda: [1, 2, 3], 1, "writable buffer .* got list"),
+        (lambda: bytearray(1024), 0, "block_size must be a positive int"),
+        (lambda: bytearray(1024), True, "block_size must be a positive int"),
+        (lambda: bytearray(1024), 2048, "not a whole number"),
+    ],
+)
+def test_over_buffer_bad_input_is_a_clear_error(make: Any, block_size: int, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Slab.over_buffer(make(), block_size)
+
+
+def test_over_buffer_refuses_non_contiguous_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ConfigError, match="not contiguous"):
+        Slab.over_buffer(torch.zeros(8, 8).t(), 32)
+    ro = np.zeros(64, dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ConfigError, match="read-only"):
+        Slab.over_buffer(ro, 16)
