@@ -288,3 +288,23 @@ def test_over_buffer_refuses_non_contiguous_tensors() -> None:
     ro.flags.writeable = False
     with pytest.raises(ConfigError, match="read-only"):
         Slab.over_buffer(ro, 16)
+
+
+@pytest.mark.timeout(60)
+def test_kv_client_moves_bytes_straight_between_foreign_buffers_and_a_node(node: Any) -> None:
+    """A real node: put from one foreign buffer's blocks, get into another's, no slab of ours."""
+    from rdmakv.client import KVClient
+
+    bs = 4096
+    src = np.random.default_rng(1).integers(0, 256, 8 * bs, dtype=np.uint8)
+    dst = np.zeros(8 * bs, dtype=np.uint8)
+    keys = [bytes([k]) * 16 for k in range(3)]
+    digests = [bytes([k]) * 16 for k in range(3)]
+    with Slab.over_buffer(src, bs) as s_slab, Slab.over_buffer(dst, bs) as d_slab:
+        with KVClient("127.0.0.1", node.port, s_slab, transport="tcp", timeout=5) as c:
+            assert c.put(keys, [5, 0, 7], bs, digests) == [True, True, True]
+        with KVClient("127.0.0.1", node.port, d_slab, transport="tcp", timeout=5) as c:
+            assert c.get(keys, [1, 2, 3], digests) == [True, True, True]
+    for got, sent in ((1, 5), (2, 0), (3, 7)):
+        assert bytes(dst[got * bs : (got + 1) * bs]) == bytes(src[sent * bs : (sent + 1) * bs])
+    assert not dst[: bs].any() and not dst[4 * bs :].any()  # nothing else was touched
