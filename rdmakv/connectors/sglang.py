@@ -201,7 +201,8 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if self.parts == 1 and len(first_page) > 1:
             return (
                 f"layout {self.mem_pool_host.layout!r} has {len(first_page)} spans per page "
-                f"(more than {MAX_SPLIT_PARTS}); they are gathered into one value"
+                f"(zero copy needs at most {MAX_SPLIT_PARTS} of equal size); they are "
+                "gathered into one value"
             )
         if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu":
             return "the host KV buffer is not a CPU tensor"
@@ -463,14 +464,16 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         for p, s in spans:
             ctypes.memmove(dst + off, p, s)
             off += s
-        self.copied_spans += len(spans)
+        with self._lock:  # SGLang's threads copy concurrently
+            self.copied_spans += len(spans)
 
     def _scatter(self, src: int, spans: Sequence[tuple[int, int]]) -> None:
         off = 0
         for p, s in spans:
             ctypes.memmove(p, src + off, s)
             off += s
-        self.copied_spans += len(spans)
+        with self._lock:  # SGLang's threads copy concurrently
+            self.copied_spans += len(spans)
 
     # -- tensor interface (SGLang uses it only without interface_v1) ----------------------------
     # A value tensor is one flat page whose bytes are the page's parts in order
