@@ -35,13 +35,14 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from rdmakv.errors import (
     AuthError,
     ConfigError,
     ConnectionLost,
+    OpsFailed,
     ProtocolError,
     RdmaError,
     RdmakvError,
@@ -86,6 +87,12 @@ DEFAULT_CONNECT_RETRIES = 3
 PIPELINE_WINDOW = 4
 """Sub-batches a put/get splits into and keeps in flight: each one's ALLOC or
 LOOKUP round trip is hidden behind the previous one's data transfer."""
+READS_IN_FLIGHT = 1
+"""Sub-batch reads queued on the transport besides the one being prepared:
+the next sub-batch's LOOKUP is decoded while the previous read moves."""
+WRITES_IN_FLIGHT = 1
+"""Likewise for writes: a sub-batch's COMMIT goes out while the next one's
+write moves (rdma), instead of after every write of the batch."""
 MIN_SUB_BATCH = 64
 """Keys per sub-batch at least: smaller batches are not worth splitting."""
 RETRY_BACKOFF = 0.1
@@ -299,14 +306,18 @@ class KVClient:
 
         With node-verified writes (tcp) each COMMIT is queued right behind its
         WRITEs and the node commits only extents it received in full; otherwise
-        (rdma) a sub-batch is committed once its write completed. A refused
-        write aborts the extents it left uncommitted, then raises.
+        (rdma) a sub-batch's COMMIT is sent as soon as its write completed,
+        while the next sub-batch's write runs. Ops the transport reports as
+        failed (:class:`OpsFailed`) are ABORTed and give False for exactly
+        their keys; the rest are committed. A write the node refused aborts
+        the extents it left uncommitted, then raises.
         """
         bs = self._need_slab().block_size  # handles were validated by put()
         subs = self._sub_batches(len(keys))
         out = [False] * len(keys)
         allocs: deque[tuple[int, int, Reply]] = deque()
-        stages: list[tuple[IoFuture, Reply | None, list[int], list[bytes]]] = []
+        writing: deque[_PutStage] = deque()
+        settled: list[_PutStage] = []
         nxt = 0
 
         def submit_alloc() -> None:
@@ -316,58 +327,91 @@ class KVClient:
             payload = encode_alloc(keys[s:e], sizes[s:e], digests[s:e])
             allocs.append((s, e, ch.submit(Op.ALLOC, payload, "ALLOC")))
 
-        while nxt < len(subs) and len(allocs) < PIPELINE_WINDOW:
-            submit_alloc()
-        while allocs:
-            s, e, reply = allocs.popleft()
-            results = decode_extents(ch.wait(reply)[1], e - s)
-            if nxt < len(subs):
-                submit_alloc()  # the node allocates it while we write this one
-            ops: list[IoOp] = []
-            idx: list[int] = []
-            for i, r in enumerate(results, s):
-                if r.extent is None:
-                    out[i] = r.status == AllocStatus.EXISTS
+        try:
+            while nxt < len(subs) and len(allocs) < PIPELINE_WINDOW:
+                submit_alloc()
+            while allocs:
+                s, e, reply = allocs.popleft()
+                results = decode_extents(ch.wait(reply)[1], e - s)
+                if nxt < len(subs):
+                    submit_alloc()  # the node allocates it while we write this one
+                ops: list[IoOp] = []
+                idx: list[int] = []
+                for i, r in enumerate(results, s):
+                    if r.extent is None:
+                        out[i] = r.status == AllocStatus.EXISTS
+                        continue
+                    if r.extent.length != sizes[i]:
+                        raise ProtocolError(
+                            f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
+                        )
+                    ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i]))
+                    idx.append(i)
+                if not ops:
                     continue
-                if r.extent.length != sizes[i]:
-                    raise ProtocolError(
-                        f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
+                stage = _PutStage(tp.write(ops, self.timeout), idx, [keys[i] for i in idx])
+                if tp.node_verifies_writes:
+                    stage.commit = ch.submit(
+                        Op.COMMIT, encode_keys(stage.keys), "COMMIT",
+                        flags=COMMIT_FLAG_REQUIRE_WRITTEN,
                     )
-                ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i]))
-                idx.append(i)
-            if not ops:
-                continue
-            fut = tp.write(ops, self.timeout)
-            wkeys = [keys[i] for i in idx]
-            commit = None
-            if tp.node_verifies_writes:
-                payload = encode_keys(wkeys)
-                commit = ch.submit(Op.COMMIT, payload, "COMMIT", flags=COMMIT_FLAG_REQUIRE_WRITTEN)
-            stages.append((fut, commit, idx, wkeys))
+                writing.append(stage)
+                # Settle the previous sub-batch while this one's write runs.
+                while len(writing) > WRITES_IN_FLIGHT:
+                    settled.append(self._settle_write(ch, writing.popleft()))
+            while writing:
+                settled.append(self._settle_write(ch, writing.popleft()))
+        except BaseException:
+            _drain(stage.fut for stage in writing)  # no write may still read the slab
+            raise
         refused: RemoteError | None = None
-        for fut, commit, idx, wkeys in stages:
-            failed = False
-            try:
-                fut.result(self.timeout)
-            except RemoteError as exc:
-                refused = refused or exc
-                failed = True
-            if commit is not None:
-                flags = decode_flags(ch.wait(commit)[1], len(wkeys), "COMMIT")
-            elif failed:
-                flags = [False] * len(wkeys)
+        for stage in settled:
+            refused = refused or stage.refused
+            if stage.commit is not None:
+                flags = decode_flags(ch.wait(stage.commit)[1], len(stage.commit_idx), "COMMIT")
             else:
-                reply_payload = ch.call(Op.COMMIT, encode_keys(wkeys), "COMMIT")[1]
-                flags = decode_flags(reply_payload, len(wkeys), "COMMIT")
-            if failed:
-                leftover = [k for k, ok in zip(wkeys, flags, strict=True) if not ok]
+                flags = [False] * len(stage.commit_idx)
+            if stage.refused is not None and stage.abort is None:
+                # tcp: COMMIT went out behind the refused write; free what it left
+                leftover = [
+                    stage.keys[j] for j, ok in zip(stage.commit_idx, flags, strict=True) if not ok
+                ]
                 if leftover:  # give the node its extents back
                     ch.call(Op.ABORT, encode_keys(leftover), "ABORT")
-            for i, ok in zip(idx, flags, strict=True):
-                out[i] = ok
+            for j, ok in zip(stage.commit_idx, flags, strict=True):
+                out[stage.idx[j]] = ok
+            if stage.abort is not None:
+                ch.wait(stage.abort)  # failed ops' extents are free again
         if refused is not None:
             raise refused
         return out
+
+    def _settle_write(self, ch: Channel, stage: _PutStage) -> _PutStage:
+        """Wait for one sub-batch's write; for rdma, send its COMMIT (ops that
+        moved) and ABORT (ops that failed) without waiting for the answers."""
+        failed: set[int] = set()
+        try:
+            stage.fut.result(self.timeout)
+        except RemoteError as exc:  # the node refused a write; the stream is in sync
+            stage.refused = exc
+            failed = set(range(len(stage.keys)))
+        except OpsFailed as exc:  # the device failed these ops only; the rest moved
+            log.warning("put: %d of %d writes failed; those keys are not stored: %s",
+                        len(exc.failed), len(stage.keys), exc)
+            failed = {j for j in exc.failed if 0 <= j < len(stage.keys)}
+        if stage.commit is not None:  # tcp: COMMIT is already queued behind the writes
+            stage.commit_idx = list(range(len(stage.keys)))
+            return stage
+        stage.commit_idx = [j for j in range(len(stage.keys)) if j not in failed]
+        if stage.refused is None and stage.commit_idx:
+            commit_keys = [stage.keys[j] for j in stage.commit_idx]
+            stage.commit = ch.submit(Op.COMMIT, encode_keys(commit_keys), "COMMIT")
+        else:
+            stage.commit_idx = []
+        if failed:
+            aborted = [stage.keys[j] for j in sorted(failed)]
+            stage.abort = ch.submit(Op.ABORT, encode_keys(aborted), "ABORT")
+        return stage
 
     def get(
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
@@ -411,11 +455,20 @@ class KVClient:
         handles: Sequence[int],
         digests: Sequence[bytes],
     ) -> list[int | None]:
-        """LOOKUP (leased) sub-batches ahead; read each one's hits; release its leases."""
+        """LOOKUP (leased) sub-batches ahead; read each one's hits; release its leases.
+
+        A sub-batch's read is collected only after the next sub-batch's
+        LOOKUP answer was decoded and its read queued, so that Python work
+        overlaps the transfer. Ops the transport reports as failed
+        (:class:`OpsFailed`) are misses for exactly their keys (their slab
+        blocks may have been partly overwritten); every lease is released.
+        """
         bs = self._need_slab().block_size
         subs = self._sub_batches(len(keys))
         out: list[int | None] = [None] * len(keys)
         lookups: deque[tuple[int, int, Reply]] = deque()
+        reading: deque[tuple[IoFuture, list[tuple[int, int]], list[int]]] = deque()
+        refused: RemoteError | None = None
         nxt = 0
 
         def submit_lookup() -> None:
@@ -425,35 +478,52 @@ class KVClient:
             payload = encode_keys(keys[s:e])
             lookups.append((s, e, ch.submit(Op.LOOKUP, payload, "LOOKUP", flags=LOOKUP_FLAG_LEASE)))
 
-        while nxt < len(subs) and len(lookups) < PIPELINE_WINDOW:
-            submit_lookup()
-        refused: RemoteError | None = None
-        while lookups:
-            s, e, reply = lookups.popleft()
-            found = decode_lookup_results(ch.wait(reply)[1], e - s)
-            if nxt < len(subs):
-                submit_lookup()
-            ops: list[IoOp] = []
-            hits: list[tuple[int, int]] = []
-            leases: list[int] = []
-            for i, res in enumerate(found, s):
-                if res is None:
-                    continue
-                leases.append(res.lease_id)
-                length = res.extent.length
-                if res.digest != digests[i] or not (0 < length <= bs):
-                    continue  # collision or foreign value: a miss, never wrong KV
-                ops.append(IoOp(handles[i] * bs, res.extent.addr, length))
-                hits.append((i, length))
+        def finish(fut: IoFuture, hits: list[tuple[int, int]], leases: list[int]) -> None:
+            nonlocal refused
+            failed: set[int] = set()
             try:
-                if ops:
-                    tp.read(ops, self.timeout).result(self.timeout)
-                for i, length in hits:
-                    out[i] = length
+                fut.result(self.timeout)
             except RemoteError as exc:  # node refused a read; the stream is in sync
                 refused = refused or exc
+                failed = set(range(len(hits)))
+            except OpsFailed as exc:  # the device failed these ops only; the rest moved
+                log.warning("get: %d of %d reads failed; those keys are misses: %s",
+                            len(exc.failed), len(hits), exc)
+                failed = set(exc.failed)
+            for j, (i, length) in enumerate(hits):
+                if j not in failed:
+                    out[i] = length
             if leases:  # hits of one LOOKUP share a lease id
                 ch.send_nowait(Op.RELEASE, encode_u64_list(sorted(set(leases))))
+
+        try:
+            while nxt < len(subs) and len(lookups) < PIPELINE_WINDOW:
+                submit_lookup()
+            while lookups:
+                s, e, reply = lookups.popleft()
+                found = decode_lookup_results(ch.wait(reply)[1], e - s)
+                if nxt < len(subs):
+                    submit_lookup()
+                ops: list[IoOp] = []
+                hits: list[tuple[int, int]] = []
+                leases: list[int] = []
+                for i, res in enumerate(found, s):
+                    if res is None:
+                        continue
+                    leases.append(res.lease_id)
+                    length = res.extent.length
+                    if res.digest != digests[i] or not (0 < length <= bs):
+                        continue  # collision or foreign value: a miss, never wrong KV
+                    ops.append(IoOp(handles[i] * bs, res.extent.addr, length))
+                    hits.append((i, length))
+                reading.append((tp.read(ops, self.timeout), hits, leases))
+                while len(reading) > READS_IN_FLIGHT:
+                    finish(*reading.popleft())
+            while reading:
+                finish(*reading.popleft())
+        except BaseException:
+            _drain(fut for fut, _, _ in reading)  # no read may still write the slab
+            raise
         if refused is not None:
             raise refused
         return out
@@ -543,3 +613,28 @@ def _check_digests(digests: Sequence[bytes]) -> None:
     for i, d in enumerate(digests):
         if not isinstance(d, bytes | bytearray) or len(d) != DIGEST_LEN:
             raise ConfigError(f"digest #{i} must be {DIGEST_LEN} bytes, got {d!r:.40}")
+
+
+@dataclasses.dataclass
+class _PutStage:
+    """One put sub-batch: its write, and the control requests that follow it.
+
+    ``keys`` / ``idx`` are the written keys and their positions in the put;
+    ``commit_idx`` indexes ``keys`` and says which keys ``commit`` carries.
+    """
+
+    fut: IoFuture
+    idx: list[int]
+    keys: list[bytes]
+    commit: Reply | None = None
+    commit_idx: list[int] = dataclasses.field(default_factory=list)
+    abort: Reply | None = None
+    refused: RemoteError | None = None
+
+
+def _drain(futures: Iterable[IoFuture]) -> None:
+    """After a failure mid-batch: wait (each bounded by its own timeout) until
+    no transfer of ``futures`` still touches the slab; their errors are moot."""
+    for fut in futures:
+        with contextlib.suppress(RdmakvError, OSError):
+            fut.result()

@@ -52,6 +52,16 @@ class ConnectionLost(TransportError, ConnectionError):
     """The connection to the peer broke (peer died, reset, closed)."""
 
 
+class OpsFailed(TransportError):
+    """Only some ops of one data batch failed; ``failed`` are their indexes in
+    the batch. Every other op's bytes moved and the connection stays usable, so
+    a caller turns exactly those ops into misses / unstored keys."""
+
+    def __init__(self, msg: str, failed: list[int]) -> None:
+        super().__init__(msg)
+        self.failed = failed
+
+
 class RemoteError(RdmakvError):
     """The node refused a request; the message is the node's reason."""
 

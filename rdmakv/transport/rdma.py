@@ -45,6 +45,7 @@ from typing import Any
 from rdmakv.errors import (
     ConfigError,
     ConnectionLost,
+    OpsFailed,
     RdmaError,
     RdmakvError,
     RdmaUnavailable,
@@ -88,13 +89,14 @@ class DataPathTotals:
         return DataPathTotals(self.batches, self.wrs, self.sges, self.busy_s)
 
 
-class RdmaOpsFailed(RdmaError):
+class RdmaOpsFailed(RdmaError, OpsFailed):
     """Some ops of a batch failed on the device; ``failed`` are their indexes
-    in the batch (the other ops' bytes moved). ``statuses`` maps index -> code."""
+    in the batch (the other ops' bytes moved, the QP was already reset and
+    reconnected or will be before the next batch). ``statuses`` maps index ->
+    completion code."""
 
     def __init__(self, msg: str, failed: list[int], statuses: dict[int, int]) -> None:
-        super().__init__(msg)
-        self.failed = failed
+        OpsFailed.__init__(self, msg, failed)
         self.statuses = statuses
 
 

@@ -251,3 +251,97 @@ def test_batch_past_its_deadline_times_out_then_recovers(node: Node, slab: Slab)
         assert c.get(keys, dst, digests(NBLOCKS)) == [True] * NBLOCKS
         for s, d in zip(src, dst, strict=True):
             assert bytes(slab.view(d)) == bytes(slab.view(s))
+
+
+class _MisaimOneOp:
+    """Fault injection: the real QP, with op ``index`` of the first batch of
+    ``opcode`` redirected just past the node's registered pool, so the device
+    really fails exactly that op with a remote access error (the other ops,
+    flushed behind it, are retried by the transport). A wrong address inside
+    the pool cannot be produced otherwise: the node's MR covers all of it, and
+    the client refuses addresses outside it before posting."""
+
+    def __init__(self, opcode: int, index: int, pool_end: int) -> None:
+        self.opcode = opcode
+        self.index = index
+        self.pool_end = pool_end
+        self.real_run = verbs.QueuePair.run
+        self.done = False
+
+    def run(self, qp: verbs.QueuePair, opcode: int, mr: verbs.MemoryRegion, rkey: int,
+            ops: list[IoOp], timeout: float, **kw: int) -> tuple[list[int], verbs.JobStats]:
+        if opcode == self.opcode and not self.done and len(ops) > self.index:
+            self.done = True
+            ops = list(ops)
+            ops[self.index] = ops[self.index]._replace(remote_addr=self.pool_end)
+        return self.real_run(qp, opcode, mr, rkey, ops, timeout, **kw)
+
+
+def _misaim(
+    monkeypatch: pytest.MonkeyPatch, c: KVClient, opcode: int, index: int
+) -> _MisaimOneOp:
+    assert c.info is not None
+    inj = _MisaimOneOp(opcode, index, c.info.pool_base + c.info.pool_len)
+
+    def run(qp: verbs.QueuePair, *args: object, **kw: int) -> tuple[list[int], verbs.JobStats]:
+        return inj.run(qp, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verbs.QueuePair, "run", run)
+    return inj
+
+
+def test_failed_read_ops_are_misses_for_exactly_those_keys(
+    node: Node, slab: Slab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 12
+    bad = 5  # every key hits, so read op #5 of the (single) batch is key #5
+    src = slab.alloc_many(n)
+    dst = slab.alloc_many(n)
+    fill(slab, src)
+    keys = [b"g%d" % i for i in range(n)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.put(keys, src, BLOCK, digests(n)) == [True] * n
+        tp = rdma_of(c)
+        reconnects = tp.reconnects
+        inj = _misaim(monkeypatch, c, verbs.OP_READ, bad)
+        hits = c.get(keys, dst, digests(n))
+        assert inj.done  # the device really saw the bad op
+        assert hits == [i != bad for i in range(n)]
+        assert tp.reconnects > reconnects  # the QP was reset after the error
+        for i in range(n):
+            if i != bad:
+                assert bytes(slab.view(dst[i])) == bytes(slab.view(src[i])), f"key {i}"
+        assert c.stats()["leases_active"] == 0  # every lease released, the failed op's too
+        monkeypatch.undo()
+        assert c.get(keys[bad : bad + 1], dst[bad : bad + 1], digests(n)[bad : bad + 1]) == [True]
+        assert bytes(slab.view(dst[bad])) == bytes(slab.view(src[bad]))
+
+
+def test_failed_write_ops_are_false_and_aborted_for_exactly_those_keys(
+    node: Node, slab: Slab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 12
+    bad = 3  # every key is new, so write op #3 of the (single) batch is key #3
+    src = slab.alloc_many(n)
+    dst = slab.alloc_many(n)
+    fill(slab, src)
+    keys = [b"w%d" % i for i in range(n)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        inj = _misaim(monkeypatch, c, verbs.OP_WRITE, bad)
+        ok = c.put(keys, src, BLOCK, digests(n))
+        assert inj.done  # the device really saw the bad op
+        assert ok == [i != bad for i in range(n)]
+        monkeypatch.undo()
+        st = c.stats()
+        assert st["pending"] == 0  # the failed op's extent was aborted, not left dangling
+        assert st["entries"] == n - 1
+        assert c.exists(keys) == [i != bad for i in range(n)]
+        assert c.get(keys, dst, digests(n)) == [i != bad for i in range(n)]
+        for i in range(n):
+            if i != bad:
+                assert bytes(slab.view(dst[i])) == bytes(slab.view(src[i])), f"key {i}"
+        # the key can be stored again once the fault is gone
+        one = slice(bad, bad + 1)
+        assert c.put(keys[one], src[one], BLOCK, digests(n)[one]) == [True]
+        assert c.get(keys[one], dst[one], digests(n)[one]) == [True]
+        assert bytes(slab.view(dst[bad])) == bytes(slab.view(src[bad]))
