@@ -287,11 +287,14 @@ class KVClient:
             return self._retrying(run)
 
     def _sub_batches(self, n: int) -> list[tuple[int, int]]:
-        """Split a batch so each sub-batch's control round trip overlaps the
-        previous sub-batch's data transfer (and respects the node's key limit)."""
+        """(start, end) of each sub-batch; see :func:`sub_batch_sizes`."""
         max_keys = self.info.max_keys if self.info else MIN_SUB_BATCH
-        size = min(max_keys, max(MIN_SUB_BATCH, -(-n // PIPELINE_WINDOW)))
-        return [(s, min(n, s + size)) for s in range(0, n, size)]
+        out = []
+        start = 0
+        for size in sub_batch_sizes(n, max_keys):
+            out.append((start, start + size))
+            start += size
+        return out
 
     def _put_pipelined(
         self,
@@ -613,6 +616,30 @@ def _check_digests(digests: Sequence[bytes]) -> None:
     for i, d in enumerate(digests):
         if not isinstance(d, bytes | bytearray) or len(d) != DIGEST_LEN:
             raise ConfigError(f"digest #{i} must be {DIGEST_LEN} bytes, got {d!r:.40}")
+
+
+def sub_batch_sizes(n: int, max_keys: int) -> list[int]:
+    """Split ``n`` keys so each sub-batch's control round trip overlaps the
+    previous sub-batch's data transfer.
+
+    Sub-batches are about ``n / PIPELINE_WINDOW`` keys (at least
+    ``MIN_SUB_BATCH``, at most the node's ``max_keys``), but the first and
+    last ones ramp (64, 128, ... keys): the first ALLOC/LOOKUP and the last
+    COMMIT are the round trips nothing overlaps, so they should be short.
+    Sizes sum to ``n`` and none exceeds ``max_keys``.
+    """
+    if n <= 0:
+        return []
+    full = min(max_keys, max(MIN_SUB_BATCH, -(-n // PIPELINE_WINDOW)))
+    ramp: list[int] = []
+    step = MIN_SUB_BATCH
+    while step < full and 2 * (sum(ramp) + step) + full <= n:
+        ramp.append(step)
+        step *= 2
+    middle = n - 2 * sum(ramp)
+    pieces = -(-middle // full)
+    even = [middle // pieces + (1 if i < middle % pieces else 0) for i in range(pieces)]
+    return [*ramp, *even, *reversed(ramp)]
 
 
 @dataclasses.dataclass

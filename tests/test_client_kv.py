@@ -13,8 +13,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 from conftest import NodeProcess
+from hypothesis import given
+from hypothesis import strategies as st
 
-from rdmakv.client import KVClient
+from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient, sub_batch_sizes
 from rdmakv.errors import AuthError, ConfigError, RdmakvError, RemoteError, TransportError
 from rdmakv.protocol import (
     LOOKUP_FLAG_LEASE,
@@ -445,3 +447,13 @@ def test_auto_transport_falls_back_to_tcp_without_rdma(
     with KVClient(*node.address, client_slab, transport="auto") as c:
         assert c.transport_name == "tcp"
         assert c.exists([b"x"]) == [False]
+
+
+@given(n=st.integers(0, 200_000), max_keys=st.integers(1, 8192))
+def test_sub_batches_cover_the_batch_within_the_node_limit(n: int, max_keys: int) -> None:
+    sizes = sub_batch_sizes(n, max_keys)
+    assert sum(sizes) == n
+    assert all(0 < s <= max(max_keys, 1) for s in sizes)
+    if n >= 4 * MIN_SUB_BATCH * PIPELINE_WINDOW and max_keys >= 2 * MIN_SUB_BATCH:
+        # the round trips nothing overlaps (first ALLOC/LOOKUP, last COMMIT) stay short
+        assert sizes[0] == sizes[-1] == MIN_SUB_BATCH

@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from rdmakv.errors import (
     ConfigError,
     ConnectionLost,
@@ -142,11 +144,14 @@ def rdma_usable() -> tuple[bool, str]:
 class _Job:
     """One batch handed to the QP worker."""
 
-    __slots__ = ("done", "opcode", "ops", "stats", "status", "timeout")
+    __slots__ = ("done", "opcode", "ops", "stats", "status", "table", "timeout")
 
     def __init__(self, opcode: int, ops: list[IoOp], timeout: float) -> None:
         self.opcode = opcode
         self.ops = ops
+        # Built on the submitting thread, while the QP still runs the previous
+        # batch: converting on the worker would leave the QP idle meanwhile.
+        self.table = verbs.op_table(ops)
         self.timeout = timeout
         self.status: list[int] | None = None  # None: skipped (QP was broken)
         self.stats: verbs.JobStats | None = None
@@ -331,7 +336,9 @@ class RdmaTransport(Transport):
             try:
                 with self._qp_lock:
                     if not (self._broken or self._closing or self._remote is None):
-                        job.status, job.stats = self._execute(job.opcode, job.ops, job.timeout)
+                        job.status, job.stats = self._execute(
+                            job.opcode, job.table, job.timeout
+                        )
             except BaseException as e:  # never leave a future hanging
                 log.error("rdmakv rdma: QP worker failed: %s", e)
                 self._broken = True
@@ -340,9 +347,9 @@ class RdmaTransport(Transport):
                 job.done.set()
 
     def _execute(
-        self, opcode: int, ops: Sequence[IoOp], timeout: float
+        self, opcode: int, ops: Sequence[IoOp] | np.ndarray, timeout: float
     ) -> tuple[list[int], verbs.JobStats]:
-        """Run ops on the QP (caller holds _qp_lock)."""
+        """Run ops (or their :func:`verbs.op_table`) on the QP (caller holds _qp_lock)."""
         assert self._mr is not None and self._remote is not None
         t0 = time.perf_counter()
         status, stats = self._qp.run(

@@ -93,6 +93,18 @@ OP_READ = 1
 OP_FIELDS = 3  # rk_op: local_offset, remote_addr, length (uint64 each)
 _EMPTY_OPS = np.zeros((0, OP_FIELDS), dtype=np.uint64)
 
+
+def op_table(ops: Any) -> np.ndarray:
+    """``ops`` ((local_offset, remote_addr, length) rows) as the contiguous
+    uint64 table the native loop reads; a table passes through uncopied.
+
+    One C-level conversion instead of 3 cffi attribute sets per op: the rows
+    are laid out exactly as rk_op (three uint64, no padding).
+    """
+    if not len(ops):
+        return _EMPTY_OPS
+    return np.ascontiguousarray(np.asarray(ops, dtype=np.uint64).reshape(len(ops), OP_FIELDS))
+
 # QP transport settings (RTS). timeout is 4.096 us * 2**QP_TIMEOUT: 14 ~ 67 ms,
 # large enough for soft-RoCE under emulation, small enough that a dead peer is
 # detected in well under a second with QP_RETRY_CNT retries.
@@ -624,10 +636,7 @@ class QueuePair:
         if n > self._cap:
             self._cap = max(n, 2 * self._cap)
             self._status_buf = _ffi.new("int32_t[]", self._cap)
-        # One C-level conversion instead of 3 cffi attribute sets per op: the
-        # rows are laid out exactly as rk_op (three uint64, no padding).
-        table = np.asarray(ops, dtype=np.uint64).reshape(n, OP_FIELDS) if n else _EMPTY_OPS
-        table = np.ascontiguousarray(table)
+        table = op_table(ops)
         buf = _ffi.from_buffer("rk_op[]", table)
         st = _ffi.new("rk_stats*")
         if max_inflight_bytes is not None:

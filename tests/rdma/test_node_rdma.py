@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from rdmakv.client import KVClient
@@ -269,11 +270,11 @@ class _MisaimOneOp:
         self.done = False
 
     def run(self, qp: verbs.QueuePair, opcode: int, mr: verbs.MemoryRegion, rkey: int,
-            ops: list[IoOp], timeout: float, **kw: int) -> tuple[list[int], verbs.JobStats]:
+            ops: object, timeout: float, **kw: int) -> tuple[list[int], verbs.JobStats]:
         if opcode == self.opcode and not self.done and len(ops) > self.index:
             self.done = True
-            ops = list(ops)
-            ops[self.index] = ops[self.index]._replace(remote_addr=self.pool_end)
+            ops = np.array(ops, dtype=np.uint64)  # a copy, IoOps or a table alike
+            ops[self.index, 1] = self.pool_end
         return self.real_run(qp, opcode, mr, rkey, ops, timeout, **kw)
 
 
