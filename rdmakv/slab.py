@@ -32,6 +32,7 @@ import mmap
 import resource
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -239,6 +240,20 @@ class Slab:
 
     def is_live(self, h: int) -> bool:
         return 0 <= h < self.num_blocks and self._refs[h] > 0
+
+    def check_handles(self, handles: Sequence[int]) -> None:
+        """Raise :class:`InvalidHandle` for the first handle that is out of
+        range or not allocated. One C-level pass in the common (valid) case:
+        batches check thousands of handles before anything is sent."""
+        try:
+            if not handles or (min(handles) >= 0 and all(map(self._refs.__getitem__, handles))):
+                return
+        except (IndexError, TypeError):
+            pass  # the per-handle check below names the bad one
+        for h in handles:
+            if not isinstance(h, int | np.integer):
+                raise InvalidHandle(f"block handle {h!r} is not an integer")
+            self._check(h)
 
     # -- addressing and views -------------------------------------------------
     def offset(self, h: int) -> int:

@@ -308,3 +308,21 @@ def test_kv_client_moves_bytes_straight_between_foreign_buffers_and_a_node(node:
     for got, sent in ((1, 5), (2, 0), (3, 7)):
         assert bytes(dst[got * bs : (got + 1) * bs]) == bytes(src[sent * bs : (sent + 1) * bs])
     assert not dst[: bs].any() and not dst[4 * bs :].any()  # nothing else was touched
+
+
+def test_check_handles_names_the_first_bad_handle() -> None:
+    with Slab(8 * 4096, 4096) as slab:
+        hs = slab.alloc_many(4)
+        slab.check_handles(hs)
+        slab.check_handles([])
+        freed = hs.pop()
+        slab.free(freed)
+        for bad, words in (
+            ([*hs, freed], f"handle {freed} is not allocated"),
+            ([*hs, -1], "out of range"),
+            ([*hs, 8], "out of range"),
+            ([*hs, 1.0], "not an integer"),
+            ([*hs, "x"], "not an integer"),
+        ):
+            with pytest.raises(InvalidHandle, match=words):
+                slab.check_handles(bad)  # type: ignore[arg-type]

@@ -326,6 +326,9 @@ class RdmaTransport(Transport):
             self._worker = threading.Thread(target=self._work, name="rdmakv-rdma-qp", daemon=True)
             self._worker.start()
         self._jobs.put(job)
+        # Hand the GIL over now: an idle worker would otherwise wait up to a
+        # switch interval (5 ms) for it while this thread goes on in Python.
+        time.sleep(0)
         return RdmaFuture(self, job)
 
     def _work(self) -> None:
