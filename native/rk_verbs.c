@@ -2,6 +2,7 @@
 #include "rk_verbs.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <infiniband/verbs.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -533,7 +534,15 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
             rk_qp_force_error(q);
             break;
         }
-        if (got > 0) st->polls++;
+        if (got > 0) {
+            st->polls++;
+        } else if (got == 0) {
+            /* Nothing completed: let other runnable threads have the CPU.
+             * Free when nothing else wants it (a real NIC host); under
+             * contention (soft-RoCE, whose kernel work shares these CPUs,
+             * or the engine's own threads) a spinning poller would steal it. */
+            sched_yield();
+        }
         int last_seen = 0;
         for (int j = 0; j < got; j++) {
             uint32_t id = (uint32_t)wc[j].wr_id;

@@ -144,7 +144,7 @@ def rdma_usable() -> tuple[bool, str]:
 class _Job:
     """One batch handed to the QP worker."""
 
-    __slots__ = ("done", "opcode", "ops", "stats", "status", "table", "timeout")
+    __slots__ = ("done", "opcode", "ops", "started", "stats", "status", "table", "timeout")
 
     def __init__(self, opcode: int, ops: list[IoOp], timeout: float) -> None:
         self.opcode = opcode
@@ -155,6 +155,7 @@ class _Job:
         self.timeout = timeout
         self.status: list[int] | None = None  # None: skipped (QP was broken)
         self.stats: verbs.JobStats | None = None
+        self.started = threading.Event()  # the worker has it (set before the native call)
         self.done = threading.Event()
 
 
@@ -195,6 +196,8 @@ class RdmaFuture(IoFuture):
             raise self._error
 
 
+WORKER_HANDOFF_S = 0.05
+"""Longest a submit waits for an idle QP worker to take its batch."""
 DRAIN_WAIT_S = 5.0
 """Extra wait for the worker after forcing the QP to ERROR (the native loop's
 own drain is bounded at 2 s; this only guards against a stuck device)."""
@@ -226,6 +229,7 @@ class RdmaTransport(Transport):
         self._qp_lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
+        self._worker_idle = True  # no job taken and unfinished
         self.last_stats: verbs.JobStats | None = None
         self.last_run_s = 0.0  # seconds the last batch spent in the native loop (bench)
         self.totals = DataPathTotals()
@@ -325,10 +329,13 @@ class RdmaTransport(Transport):
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="rdmakv-rdma-qp", daemon=True)
             self._worker.start()
+        idle = self._worker_idle
         self._jobs.put(job)
-        # Hand the GIL over now: an idle worker would otherwise wait up to a
-        # switch interval (5 ms) for it while this thread goes on in Python.
-        time.sleep(0)
+        if idle:
+            # Wait (GIL released) until the worker took the job: otherwise it
+            # would wait for the GIL up to a switch interval (5 ms) or more
+            # while this thread goes on in Python, with the QP idle.
+            job.started.wait(WORKER_HANDOFF_S)
         return RdmaFuture(self, job)
 
     def _work(self) -> None:
@@ -336,8 +343,10 @@ class RdmaTransport(Transport):
             job = self._jobs.get()
             if job is None:
                 return
+            self._worker_idle = False
             try:
                 with self._qp_lock:
+                    job.started.set()
                     if not (self._broken or self._closing or self._remote is None):
                         job.status, job.stats = self._execute(
                             job.opcode, job.table, job.timeout
@@ -347,6 +356,8 @@ class RdmaTransport(Transport):
                 self._broken = True
                 job.status = None
             finally:
+                job.started.set()
+                self._worker_idle = True
                 job.done.set()
 
     def _execute(
