@@ -127,7 +127,8 @@ def run(cfg: DemoConfig, *, quiet: bool = False) -> dict[str, object]:
             mgr.flush()
             off = mgr.offloader
             say(
-                f"[demo] offload ({cfg.offload}): {mgr.l1.stats.offloads} blocks offered, "
+                f"[demo] offload ({cfg.offload}): {mgr.l1.stats.offloads} blocks queued "
+                "for the node, "
                 f"{mgr.l1.stats.offloads_dropped} dropped by back-pressure, "
                 f"{off.sent_blocks if off else 0} stored on the node "
                 f"({(off.sent_bytes if off else 0) / 2**20:.1f} MiB), "
