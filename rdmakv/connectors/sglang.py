@@ -67,11 +67,12 @@ return False / 0, never raise into SGLang's threads.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
@@ -417,24 +418,13 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     self._node_keys(keys), self._pool_handles(spans), self._digests(keys)
                 )
                 return self._per_page([n == self.part_bytes for n in sizes])
-            slab, client = self._staging_pair()
             out: list[bool] = []
-            for s, e in self._chunks(slab, len(keys)):
-                handles = self._alloc(slab, (e - s) * self.parts)
-                try:
-                    sizes = client.get_sizes(
-                        self._node_keys(keys[s:e]), handles, self._digests(keys[s:e])
-                    )
-                    hit = self._per_page([n == self.part_bytes for n in sizes])
-                    for i, page in enumerate(spans[s:e]):
-                        if not hit[i]:
-                            continue  # a miss leaves the page untouched
-                        mine = handles[i * self.parts : (i + 1) * self.parts]
-                        for h, part in zip(mine, self._part_spans(page), strict=True):
-                            self._scatter(slab.addr(h), part)
-                    out += hit
-                finally:
-                    self._free(slab, handles)
+            with contextlib.closing(self._staged_get(keys)) as staged:
+                for page, (hit, addrs) in zip(spans, staged, strict=True):
+                    if hit:  # a miss leaves the page untouched
+                        for addr, part in zip(addrs, self._part_spans(page), strict=True):
+                            self._scatter(addr, part)
+                    out.append(hit)
             return out
         except RdmakvError as e:
             log.warning("HiCache get of %d pages failed, all misses: %s", len(keys), e)
@@ -458,6 +448,27 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
+
+    def _staged_get(self, keys: Sequence[str]) -> Generator[tuple[bool, list[int]], None, None]:
+        """Read ``keys`` through the staging slab, a chunk at a time; yield
+        (hit, the staging addresses of the page's parts) per key, in order.
+
+        A chunk's staging blocks are freed when the caller asks for the next
+        page after it (or closes the generator): copy a page out before that.
+        """
+        slab, client = self._staging_pair()
+        for s, e in self._chunks(slab, len(keys)):
+            handles = self._alloc(slab, (e - s) * self.parts)
+            try:
+                sizes = client.get_sizes(
+                    self._node_keys(keys[s:e]), handles, self._digests(keys[s:e])
+                )
+                hit = self._per_page([n == self.part_bytes for n in sizes])
+                for i in range(e - s):
+                    mine = handles[i * self.parts : (i + 1) * self.parts]
+                    yield hit[i], [slab.addr(h) for h in mine]
+            finally:
+                self._free(slab, handles)
 
     def _gather(self, dst: int, spans: Sequence[tuple[int, int]]) -> None:
         off = 0
@@ -492,30 +503,16 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         out: list[torch.Tensor | None] = []
         try:
-            slab, client = self._staging_pair()
-            for s, e in self._chunks(slab, len(keys)):
-                handles = self._alloc(slab, (e - s) * self.parts)
-                try:
-                    sizes = client.get_sizes(
-                        self._node_keys(keys[s:e]), handles, self._digests(keys[s:e])
-                    )
-                    hit = self._per_page([n == self.part_bytes for n in sizes])
-                    for i, t in enumerate(targets[s:e]):
-                        if not hit[i]:
-                            out.append(None)
-                            continue
-                        dst = (
-                            t if t is not None else torch.empty(self.value_bytes, dtype=torch.uint8)
-                        )
-                        _check_tensor(dst, self.value_bytes)
-                        for j in range(self.parts):
-                            h = handles[i * self.parts + j]
-                            ctypes.memmove(
-                                dst.data_ptr() + j * self.part_bytes, slab.addr(h), self.part_bytes
-                            )
-                        out.append(dst)
-                finally:
-                    self._free(slab, handles)
+            with contextlib.closing(self._staged_get(keys)) as staged:
+                for t, (hit, addrs) in zip(targets, staged, strict=True):
+                    if not hit:
+                        out.append(None)
+                        continue
+                    dst = t if t is not None else torch.empty(self.value_bytes, dtype=torch.uint8)
+                    _check_tensor(dst, self.value_bytes)
+                    for j, addr in enumerate(addrs):
+                        ctypes.memmove(dst.data_ptr() + j * self.part_bytes, addr, self.part_bytes)
+                    out.append(dst)
         except RdmakvError as e:
             log.warning("HiCache get of %d values failed: %s", len(keys), e)
             return [None] * len(keys)
