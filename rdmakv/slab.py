@@ -246,9 +246,11 @@ class Slab:
         range or not allocated. One C-level pass in the common (valid) case:
         batches check thousands of handles before anything is sent."""
         try:
-            if not handles or (min(handles) >= 0 and all(map(self._refs.__getitem__, handles))):
+            if len(handles) == 0 or (
+                min(handles) >= 0 and all(map(self._refs.__getitem__, handles))
+            ):
                 return
-        except (IndexError, TypeError):
+        except (IndexError, TypeError, ValueError):
             pass  # the per-handle check below names the bad one
         for h in handles:
             if not isinstance(h, int | np.integer):

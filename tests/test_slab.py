@@ -315,6 +315,7 @@ def test_check_handles_names_the_first_bad_handle() -> None:
         hs = slab.alloc_many(4)
         slab.check_handles(hs)
         slab.check_handles([])
+        slab.check_handles(np.array(hs))  # engines hand over index arrays
         freed = hs.pop()
         slab.free(freed)
         for bad, words in (
