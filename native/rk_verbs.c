@@ -384,6 +384,7 @@ static void mark(int32_t *status, const uint32_t *first, uint32_t wr_lo, uint32_
  * outstanding, completions are polled CQ_POLL_BATCH at a time. Posting again
  * as soon as room frees up keeps the device fed (and, on soft-RoCE, drives
  * the requester from this thread, which is much faster than its tasklets).
+ * A poll that finds nothing yields the CPU (sched_yield) instead of spinning.
  *
  * Returns the number of failed ops (0: all done); status[i] says why op i
  * failed. Never waits past timeout_s (plus a bounded drain): on timeout the QP
