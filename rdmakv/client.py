@@ -506,8 +506,6 @@ class KVClient:
             while lookups:
                 s, e, reply = lookups.popleft()
                 found = decode_lookup_results(ch.wait(reply)[1], e - s)
-                if nxt < len(subs):
-                    submit_lookup()
                 ops: list[IoOp] = []
                 hits: list[tuple[int, int]] = []
                 leases: list[int] = []
@@ -521,6 +519,8 @@ class KVClient:
                     ops.append(IoOp(handles[i] * bs, res.extent.addr, length))
                     hits.append((i, length))
                 reading.append((tp.read(ops, self.timeout), hits, leases))
+                if nxt < len(subs):
+                    submit_lookup()  # the node looks it up while this read moves
                 while len(reading) > READS_IN_FLIGHT:
                     finish(*reading.popleft())
             while reading:
