@@ -105,6 +105,7 @@ def op_table(ops: Any) -> np.ndarray:
         return _EMPTY_OPS
     return np.ascontiguousarray(np.asarray(ops, dtype=np.uint64).reshape(len(ops), OP_FIELDS))
 
+
 # QP transport settings (RTS). timeout is 4.096 us * 2**QP_TIMEOUT: 14 ~ 67 ms,
 # large enough for soft-RoCE under emulation, small enough that a dead peer is
 # detected in well under a second with QP_RETRY_CNT retries.
