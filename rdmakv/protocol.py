@@ -461,13 +461,20 @@ def encode_extents(results: Sequence[AllocResult]) -> bytes:
 _ALLOC_STATUSES = {int(v): v for v in AllocStatus}
 
 
-def decode_extents(payload: Buffer, expected: int) -> list[AllocResult]:
-    r = Reader(payload, "ALLOC response")
-    n = r.count(MAX_KEYS_PER_REQUEST, EXTENT.size, "extents")
+def _per_key_entries(payload: Buffer, what: str, size: int, expected: int, name: str) -> bytes:
+    """The body of a reply with one ``size``-byte entry per key asked: its
+    count must be ``expected`` and nothing may follow the entries."""
+    r = Reader(payload, what)
+    n = r.count(MAX_KEYS_PER_REQUEST, size, name)
     if n != expected:
-        raise ProtocolError(f"ALLOC response has {n} entries for {expected} keys")
-    raw = r.raw(n * EXTENT.size)
+        raise ProtocolError(f"{what}: {n} entries for {expected} keys")
+    raw = r.raw(n * size)
     r.done()
+    return raw
+
+
+def decode_extents(payload: Buffer, expected: int) -> list[AllocResult]:
+    raw = _per_key_entries(payload, "ALLOC response", EXTENT.size, expected, "extents")
     out = []
     for st, addr, length, rkey in EXTENT.iter_unpack(raw):
         status = _ALLOC_STATUSES.get(st)
@@ -482,13 +489,7 @@ def encode_flags(values: Sequence[bool]) -> bytes:
 
 
 def decode_flags(payload: Buffer, expected: int, what: str) -> list[bool]:
-    r = Reader(payload, what)
-    n = r.count(MAX_KEYS_PER_REQUEST, 1, "flags")
-    if n != expected:
-        raise ProtocolError(f"{what}: {n} entries for {expected} keys")
-    out = [b != 0 for b in r.raw(n)]
-    r.done()
-    return out
+    return [b != 0 for b in _per_key_entries(payload, what, 1, expected, "flags")]
 
 
 _NO_DIGEST = bytes(DIGEST_LEN)
@@ -506,12 +507,7 @@ def encode_lookup_results(results: Sequence[LookupResult | None]) -> bytes:
 
 
 def decode_lookup_results(payload: Buffer, expected: int) -> list[LookupResult | None]:
-    r = Reader(payload, "LOOKUP response")
-    n = r.count(MAX_KEYS_PER_REQUEST, LOOKUP_ENTRY.size, "entries")
-    if n != expected:
-        raise ProtocolError(f"LOOKUP response has {n} entries for {expected} keys")
-    raw = r.raw(n * LOOKUP_ENTRY.size)
-    r.done()
+    raw = _per_key_entries(payload, "LOOKUP response", LOOKUP_ENTRY.size, expected, "entries")
     return [
         LookupResult(Extent(addr, length, rkey), lease, digest) if found else None
         for found, addr, length, rkey, lease, digest in LOOKUP_ENTRY.iter_unpack(raw)
