@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from rdmakv.errors import ConfigError, RdmakvError
+from rdmakv.l1.offload_policies import OFFLOAD_MODES
 
 _SIZE_UNITS = {
     "": 1,
@@ -162,7 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=64, help="requests in the workload")
     p.add_argument("--l1-mib", type=int, default=32, help="L1 capacity in MiB")
     p.add_argument("--policy", choices=["lru", "fifo", "s3fifo"], default="s3fifo")
-    p.add_argument("--offload", choices=["all", "hot", "cold", "none"], default="all")
+    p.add_argument(
+        "--offload",
+        choices=OFFLOAD_MODES,
+        default="all",
+        help="which computed blocks go to the node (docs/offload.md); default all",
+    )
+    p.add_argument(
+        "--offload-budget",
+        type=float,
+        help="with --offload reuse: share of the bytes 'all' would send, in (0, 1] "
+        "(default 0.5)",
+    )
     p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="auto")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
     p.set_defaults(func=_cmd_demo)

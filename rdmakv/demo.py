@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from rdmakv.keys import BlockKey, KeyNamespace
+from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.synthetic_kv import fill_kv, kv_matches
 
 Say = Callable[[str], None]
 
@@ -56,6 +57,7 @@ class DemoConfig:
     suffix_blocks: int = 8
     policy: str = "s3fifo"
     offload: str = "all"
+    offload_budget: float | None = None
     transport: str = "auto"
     seed: int = 0
 
@@ -75,18 +77,6 @@ def make_requests(cfg: DemoConfig) -> list[np.ndarray]:
         suffix = rng.integers(0, VOCAB, cfg.suffix_blocks * bt, dtype=np.int32)
         out.append(np.concatenate([p, suffix]))
     return out
-
-
-def fill_kv(block: np.ndarray, key: BlockKey) -> None:
-    """Stand-in for the attention layers: KV bytes that are a function of the key."""
-    block.view(np.uint64)[:] = int.from_bytes(key[:8], "little")
-    block[:16] = np.frombuffer(key, dtype=np.uint8)
-
-
-def kv_matches(block: np.ndarray, key: BlockKey) -> bool:
-    return bytes(block[:16]) == key and bool(
-        (block[16:].view(np.uint64)[1:] == int.from_bytes(key[:8], "little")).all()
-    )
 
 
 def run(cfg: DemoConfig, *, quiet: bool = False) -> dict[str, object]:
@@ -117,6 +107,7 @@ def run(cfg: DemoConfig, *, quiet: bool = False) -> dict[str, object]:
             transport=cfg.transport,
             policy=cfg.policy,
             offload=cfg.offload,
+            offload_budget=cfg.offload_budget,
             # The demo "computes" KV far faster than a GPU would; let a whole L1's
             # worth be in flight so back-pressure does not drop most offloads.
             max_pending_offload_bytes=cfg.l1_bytes,
@@ -202,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
         l1_bytes=args.l1_mib << 20,
         policy=args.policy,
         offload=args.offload,
+        offload_budget=args.offload_budget,
         transport=args.transport,
     )
     summary = run(cfg)

@@ -105,7 +105,8 @@ class HybridKVCacheManager:
         node: str | None = None,
         transport: str = "auto",
         policy: str = "lru",
-        offload: OffloadMode | str = OffloadMode.HOT,
+        offload: OffloadMode | str = OffloadMode.ALL,
+        offload_budget: float | None = None,
         token: bytes | str | None = None,
         timeout: float = 5.0,
         lock_slab: bool = True,
@@ -133,6 +134,7 @@ class HybridKVCacheManager:
                         transport=transport,
                         policy=policy,
                         offload=offload,
+                        offload_budget=offload_budget,
                         token=token,
                         timeout=timeout,
                         lock_slab=lock_slab,
@@ -167,11 +169,19 @@ class HybridKVCacheManager:
         *,
         extra: bytes | None = None,
         first_block: int = 0,
+        keep: bool | None = None,
     ) -> int:
-        """Cache blocks ``first_block..`` of group ``group_id`` (takes over the handles)."""
+        """Cache blocks ``first_block..`` of group ``group_id`` (takes over the handles).
+
+        ``keep``: the request's reuse hint, as in :meth:`KVCacheManager.put`.
+        """
         k = self._index(group_id)
         return self.managers[k].put(
-            tokens, handles, extra=self.groups[k].key_extra(extra), first_block=first_block
+            tokens,
+            handles,
+            extra=self.groups[k].key_extra(extra),
+            first_block=first_block,
+            keep=keep,
         )
 
     # -- reading -----------------------------------------------------------------------

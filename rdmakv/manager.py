@@ -58,7 +58,14 @@ import numpy as np
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey, BlockKeyer, KeyNamespace
-from rdmakv.l1 import L1Cache, OffloadItem, OffloadMode, OffloadQueue
+from rdmakv.l1 import (
+    L1Cache,
+    OffloadItem,
+    OffloadMode,
+    OffloadPolicy,
+    OffloadQueue,
+    make_offload_policy,
+)
 from rdmakv.slab import Slab
 
 log = logging.getLogger("rdmakv.manager")
@@ -198,6 +205,10 @@ class KVCacheManager:
 
     ``block_tokens`` tokens make one block of ``block_bytes`` bytes of KV.
     ``node`` is ``"host:port"`` of a KV node, or None for an L1-only cache.
+    ``offload`` picks which computed blocks are sent to the node: a mode name
+    (``all``, the default; ``reuse`` with ``offload_budget``; ``cold``, ``hot``,
+    ``none``) or an :class:`~rdmakv.l1.OffloadPolicy` object for this manager
+    alone. docs/offload.md says which to pick and why ``all`` is the default.
     """
 
     def __init__(
@@ -210,7 +221,8 @@ class KVCacheManager:
         node: str | None = None,
         transport: str = "auto",
         policy: str = "lru",
-        offload: OffloadMode | str = OffloadMode.HOT,
+        offload: OffloadMode | str | OffloadPolicy = OffloadMode.ALL,
+        offload_budget: float | None = None,
         max_pending_offload_bytes: int | None = None,
         token: bytes | str | None = None,
         timeout: float = 5.0,
@@ -221,15 +233,19 @@ class KVCacheManager:
         self.keyer = BlockKeyer(namespace, block_tokens)
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
-        mode = OffloadMode.parse(offload) if node is not None else OffloadMode.NONE
+        offload_policy = make_offload_policy(
+            offload if node is not None else OffloadMode.NONE,
+            l1_bytes // block_bytes,
+            budget=offload_budget if node is not None else None,
+        )
         pending = max_pending_offload_bytes or max(
             block_bytes, l1_bytes // DEFAULT_PENDING_FRACTION
         )
         # The slab holds the L1 capacity plus what may be pending offload or in
         # flight from the node, so neither can starve the other.
         self.slab = Slab(l1_bytes + pending, block_bytes, lock=lock_slab)
-        self.queue = OffloadQueue(pending) if mode is not OffloadMode.NONE else None
-        self.l1 = L1Cache(self.slab, l1_bytes, policy, mode, self.queue)
+        self.queue = OffloadQueue(pending) if offload_policy.needs_queue else None
+        self.l1 = L1Cache(self.slab, l1_bytes, policy, offload_policy, self.queue)
         self.stats = ManagerStats()
         self.client: KVClient | None = None
         self.offloader: Offloader | None = None
@@ -289,12 +305,19 @@ class KVCacheManager:
         *,
         extra: bytes | None = None,
         first_block: int = 0,
+        keep: bool | None = None,
     ) -> int:
         """Cache blocks ``first_block..`` of ``tokens`` held in ``handles``; return the new count.
 
         Takes over the caller's reference on every handle (from
         :meth:`allocate_for`). Handles beyond the full blocks of ``tokens`` are
         an error (partial blocks are not cached).
+
+        ``keep`` is the request's reuse hint for the offload policy: True when
+        the application says this prefix will be asked for again (e.g. a chat
+        session that stays open), False when it will not, None when unknown.
+        ``reuse`` sends ``keep=True`` blocks at once and holds ``keep=False``
+        ones back until they prove reuse; the other modes ignore it.
         """
         chain = self.keyer.chain(tokens, extra)
         last = first_block + len(handles)
@@ -305,8 +328,10 @@ class KVCacheManager:
             )
         self.poll()
         new = 0
-        for (_, key, digest), h in zip(chain[first_block:last], handles, strict=True):
-            new += self.l1.insert(key, h, self.block_bytes, digest)
+        for depth, ((_, key, digest), h) in enumerate(
+            zip(chain[first_block:last], handles, strict=True), start=first_block
+        ):
+            new += self.l1.insert(key, h, self.block_bytes, digest, depth=depth, keep=keep)
         return new
 
     # -- reading -----------------------------------------------------------------------

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from rdmakv.errors import ConfigError
-from rdmakv.l1.offload import OffloadItem, OffloadMode, OffloadQueue
+from rdmakv.l1.offload import OffloadItem, OffloadQueue
+from rdmakv.l1.offload_policies import OffloadMode
 
 
 def item(i: int, nbytes: int = 100) -> OffloadItem:

@@ -56,6 +56,7 @@ class StoreOptions:
     l1_bytes: int = DEFAULT_L1_BYTES
     policy: str = "lru"
     offload: str = "all"
+    offload_budget: float | None = None
     token: str | None = None
     token_file: str | None = None
     timeout: float = 5.0
@@ -168,6 +169,7 @@ class GroupStores:
                         transport=options.transport,
                         policy=options.policy,
                         offload="none" if scheduler else options.offload,
+                        offload_budget=None if scheduler else options.offload_budget,
                         token=options.secret(),
                         timeout=options.timeout,
                         lock_slab=options.lock_slab and not scheduler,

@@ -44,7 +44,8 @@ import numpy as np
 
 from rdmakv.errors import ConfigError, InvalidHandle, SlabExhausted
 from rdmakv.keys import BlockKey, check_digest, check_key
-from rdmakv.l1.offload import OffloadItem, OffloadMode, OffloadQueue
+from rdmakv.l1.offload import OffloadItem, OffloadQueue
+from rdmakv.l1.offload_policies import OffloadMode, OffloadPolicy, make_offload_policy
 from rdmakv.l1.policies import (
     S3FIFO_GHOST_FRACTION,
     S3FIFO_SMALL_FRACTION,
@@ -83,6 +84,8 @@ class _Entry:
     # Accepted by the offload queue while resident, or fetched from the remote
     # tier in the first place: either way the remote tier has (or will have) it.
     offered: bool = False
+    depth: int = 0  # index of the block in its request's chain (for the offload policy)
+    keep: bool | None = None  # the request's reuse hint (for the offload policy)
 
 
 class L1Cache:
@@ -95,7 +98,10 @@ class L1Cache:
 
     ``policy`` is ``"lru"``, ``"fifo"`` or ``"s3fifo"`` (``small_fraction`` and
     ``ghost_fraction`` size S3FIFO's small and ghost queues relative to the
-    capacity in blocks). ``offload`` other than NONE needs ``offload_queue``.
+    capacity in blocks). ``offload`` is a mode name (``none``, ``all``, ``hot``,
+    ``cold``, ``reuse``; ``offload_budget`` sets ``reuse``'s byte budget) or an
+    :class:`~rdmakv.l1.offload_policies.OffloadPolicy` object owned by this
+    cache from now on; any policy that offloads needs ``offload_queue``.
     """
 
     def __init__(
@@ -103,9 +109,10 @@ class L1Cache:
         slab: Slab,
         capacity_bytes: int | None = None,
         policy: str = "lru",
-        offload: OffloadMode | str = OffloadMode.NONE,
+        offload: OffloadMode | str | OffloadPolicy = OffloadMode.NONE,
         offload_queue: OffloadQueue | None = None,
         *,
+        offload_budget: float | None = None,
         small_fraction: float = S3FIFO_SMALL_FRACTION,
         ghost_fraction: float = S3FIFO_GHOST_FRACTION,
     ) -> None:
@@ -122,14 +129,17 @@ class L1Cache:
                 f"capacity_bytes {capacity_bytes} must be between one block ({bs}) "
                 f"and the slab size ({slab.nbytes})"
             )
-        mode = OffloadMode.parse(offload)
-        if mode is not OffloadMode.NONE and offload_queue is None:
-            raise ConfigError(f"offload mode {mode.value!r} needs an offload_queue")
         self.slab = slab
         self.block_size = bs
         self.capacity_blocks = capacity_bytes // bs
         self.capacity_bytes = self.capacity_blocks * bs
-        self.offload_mode = mode
+        self.offload_policy: OffloadPolicy = make_offload_policy(
+            offload, self.capacity_blocks, budget=offload_budget
+        )
+        if self.offload_policy.needs_queue and offload_queue is None:
+            raise ConfigError(
+                f"offload mode {self.offload_policy.name!r} needs an offload_queue"
+            )
         self.offload_queue = offload_queue
         self.policy: EvictionPolicy = make_policy(
             policy,
@@ -152,6 +162,11 @@ class L1Cache:
     # -- introspection -------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def offload_mode(self) -> str:
+        """The offload policy's name (``"all"``, ``"reuse"``, ...)."""
+        return self.offload_policy.name
 
     @property
     def used_bytes(self) -> int:
@@ -220,6 +235,8 @@ class L1Cache:
         digest: bytes,
         *,
         from_remote: bool = False,
+        depth: int = 0,
+        keep: bool | None = None,
     ) -> bool:
         """Make ``handle`` (filled with ``nbytes`` valid bytes) the value of ``key``.
 
@@ -230,10 +247,13 @@ class L1Cache:
 
         ``from_remote=True`` marks a block fetched from the remote tier: it is
         never offered for offload (no mode), since the remote tier has it.
+        ``depth`` (the block's index in its request's chain) and ``keep`` (the
+        request's reuse hint) are what the offload policy decides on.
         """
         check_key(key)
         check_digest(digest)
         self._check_nbytes(nbytes)
+        _check_offload_context(depth, keep)
         if not self.slab.is_live(handle):
             raise InvalidHandle(f"cannot insert block handle {handle!r}: it is not allocated")
         if handle in self._by_handle:
@@ -248,10 +268,17 @@ class L1Cache:
                 f"cannot insert block handle {handle}: it is held as a read lease from "
                 "this cache; insert blocks from allocate()"
             )
-        return self._insert(key, handle, nbytes, digest, from_remote)
+        return self._insert(key, handle, nbytes, digest, from_remote, depth, keep)
 
     def _insert(
-        self, key: BlockKey, handle: int, nbytes: int, digest: bytes, from_remote: bool
+        self,
+        key: BlockKey,
+        handle: int,
+        nbytes: int,
+        digest: bytes,
+        from_remote: bool,
+        depth: int = 0,
+        keep: bool | None = None,
     ) -> bool:
         """insert() after validation: owns the caller's reference from here on."""
         self.poll_offload()
@@ -262,12 +289,12 @@ class L1Cache:
             if not self._evict_one():
                 self.slab.decref(handle)
                 raise SlabExhausted(self._no_room("insert a block"))
-        e = _Entry(key, handle, nbytes, digest, offered=from_remote)
+        e = _Entry(key, handle, nbytes, digest, offered=from_remote, depth=depth, keep=keep)
         self._entries[key] = e
         self._by_handle[handle] = e
         self.policy.insert(key)
         self._stats.inserts += 1
-        if self.offload_mode is OffloadMode.ALL and not e.offered:
+        if not from_remote and self.offload_policy.on_insert(key, depth, keep):
             self._offer(e)
         return True
 
@@ -278,10 +305,13 @@ class L1Cache:
         digest: bytes,
         *,
         from_remote: bool = False,
+        depth: int = 0,
+        keep: bool | None = None,
     ) -> bool:
         """Copy ``data`` into a fresh block and insert it; False if ``key`` is present."""
         check_key(key)
         check_digest(digest)
+        _check_offload_context(depth, keep)
         src = _as_bytes_view(data)
         self._check_nbytes(src.nbytes)
         if key in self._entries:
@@ -292,7 +322,7 @@ class L1Cache:
         except BaseException:
             self.slab.decref(h)
             raise
-        return self._insert(key, h, src.nbytes, digest, from_remote)
+        return self._insert(key, h, src.nbytes, digest, from_remote, depth, keep)
 
     def drop(self, key: BlockKey) -> bool:
         """Remove ``key`` if resident (holders keep their blocks until release)."""
@@ -407,12 +437,10 @@ class L1Cache:
             self._stats.offloads_dropped += 1
 
     def _on_hot(self, key: BlockKey) -> None:
-        if self.offload_mode is not OffloadMode.HOT:
-            return
         e = self._entries.get(key)
         # Once per resident entry; a refused (dropped) offer may be retried on a
         # later hot signal, when the queue may have room.
-        if e is not None and not e.offered:
+        if e is not None and not e.offered and self.offload_policy.on_hot(key):
             self._offer(e)
 
     # -- internals -----------------------------------------------------------
@@ -449,11 +477,23 @@ class L1Cache:
         e = self._entries.pop(key)
         del self._by_handle[e.handle]
         self._stats.evictions += 1
-        if self.offload_mode is OffloadMode.COLD and not e.offered:
+        if not e.offered and self.offload_policy.on_evict(key, e.depth, e.keep):
             self._offer(e, transfer=True)
         else:
             self.slab.decref(e.handle)
         return True
+
+    def evict_all(self) -> int:
+        """Evict every entry no reader holds, through the offload policy; returns how many.
+
+        Unlike :meth:`clear`, each entry leaves as an eviction would, so a
+        policy that sends blocks at eviction (``cold``) sends them now: call it
+        before a planned shutdown to hand L1's unsent blocks to the remote tier.
+        """
+        n = 0
+        while self._evict_one():
+            n += 1
+        return n
 
     def _drop(self, e: _Entry) -> None:
         del self._entries[e.key]
@@ -483,8 +523,15 @@ class L1Cache:
     def __repr__(self) -> str:
         return (
             f"L1Cache(policy={self.policy.name}, entries={len(self)}, "
-            f"used={self.used_bytes}/{self.capacity_bytes}, offload={self.offload_mode.value})"
+            f"used={self.used_bytes}/{self.capacity_bytes}, offload={self.offload_mode})"
         )
+
+
+def _check_offload_context(depth: int, keep: bool | None) -> None:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ConfigError(f"depth must be a block index >= 0, got {depth!r}")
+    if keep is not None and not isinstance(keep, bool):
+        raise ConfigError(f"keep must be True, False or None, got {keep!r}")
 
 
 def _as_bytes_view(data: bytes | bytearray | memoryview | np.ndarray[Any, Any]) -> memoryview:

@@ -1,7 +1,9 @@
-"""Offload: which L1 blocks go to the remote tier, and the bounded hand-off queue.
+"""Offload: the bounded hand-off queue between the L1 cache and the remote tier.
 
-The L1 cache (engine thread) *offers* blocks; a transport thread *takes* them,
-sends their bytes, and says it is *done*. The queue is bounded by pending bytes:
+Which blocks are offered, and when, is the offload policy's business
+(:mod:`rdmakv.l1.offload_policies`). The L1 cache (engine thread) *offers*
+blocks; a transport thread *takes* them, sends their bytes, and says it is
+*done*. The queue is bounded by pending bytes:
 past the bound an offer is refused at once and counted, so a slow network never
 stalls the engine -- the block simply is not offloaded.
 
@@ -16,7 +18,6 @@ references. One producer per queue.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import deque
@@ -25,28 +26,6 @@ from dataclasses import dataclass
 
 from rdmakv.errors import ConfigError
 from rdmakv.keys import BlockKey
-
-
-class OffloadMode(enum.Enum):
-    """Which blocks the L1 cache offers for offload."""
-
-    NONE = "none"
-    ALL = "all"  # every insert
-    HOT = "hot"  # when the eviction policy first sees a resident block as hot
-    COLD = "cold"  # the victim, at eviction time
-
-    @classmethod
-    def parse(cls, value: str | OffloadMode) -> OffloadMode:
-        """``"all"``/``"hot"``/``"cold"``/``"none"`` (any case), or a member as is."""
-        if isinstance(value, OffloadMode):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
-        allowed = ", ".join(m.value for m in cls)
-        raise ConfigError(f"unknown offload mode {value!r}; expected one of: {allowed}")
 
 
 @dataclass

@@ -246,8 +246,13 @@ class KVStore:
         return out
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: committed. A present key becomes most recently used: an engine
+        asks ``exists`` right before it fetches what was found (vLLM's scheduler
+        counts hit tokens, its worker loads them a step later), so those blocks
+        must not be the next eviction victims."""
         with self._lock:
-            return [self._index.get(k) is not None for k in keys]
+            touch = self._index.touch
+            return [touch(k) is not None for k in keys]
 
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""

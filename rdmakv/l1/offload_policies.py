@@ -1,0 +1,320 @@
+"""Offload policies: which L1 blocks are sent to the remote tier, and when.
+
+The L1 cache consults its offload policy at three moments of a locally
+computed block's life, and offers the block to the offload queue when the
+policy says yes (see :mod:`rdmakv.l1.offload` for the queue):
+
+* ``on_insert(key, depth, keep)``: the block was just computed and inserted;
+* ``on_hot(key)``: the eviction policy reports the resident block as hot (LRU,
+  FIFO: any re-access; S3FIFO: promotion to main or a hit there);
+* ``on_evict(key, depth, keep)``: the block leaves L1 (it is gone afterwards).
+
+Invariants the cache guarantees to every policy: it asks only about blocks
+computed locally (a block fetched from the remote tier is never sent back),
+and never about a block it already offered successfully; a block whose offer
+was refused by back-pressure may be asked about again. ``depth`` is the
+block's index in its request's chain (0 = first block), ``keep`` the request's
+hint: True (the engine or API says this prefix will be asked for again), False
+(it will not), None (no hint). Every call is O(1) (amortised): it runs on the
+engine thread for every block.
+
+A prefix hit stops at the first block the remote tier lacks, so a block sent
+without its parents is wasted bytes. Policies here keep chains closed: they
+decide by depth (a parent is never deeper than its child) or by proven reuse
+(a prefix lookup touches the parent before the child).
+
+Modes: ``none``, ``all``, ``hot``, ``cold`` and ``reuse``. Which one to pick,
+and the figures from a real trace behind that advice: ``docs/offload.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from typing import Protocol
+
+from rdmakv.errors import ConfigError
+from rdmakv.keys import BlockKey
+
+DEFAULT_REUSE_BUDGET = 0.5
+"""``reuse`` sends about this share of the bytes ``all`` would (see docs/offload.md)."""
+REUSE_GHOST_FACTOR = 4.0
+"""Ghost keys remembered, as a multiple of the L1 capacity in blocks.
+
+On the Mooncake conversation trace a ghost of 4x the L1 keeps 98% of an
+unbounded ghost's extra hits; 1x keeps 60%.
+"""
+REUSE_WINDOW_DIVISOR = 8
+"""The depth limit is recomputed every (L1 capacity / this) computed blocks..."""
+REUSE_MIN_WINDOW = 64
+"""...but not more often than every this many blocks."""
+REUSE_MAX_DEPTH = 4096
+"""Depths at or beyond this share one histogram bucket (bounds the window's work)."""
+REUSE_DECAY = 0.5
+"""Weight of the past at each window: the budget tracks the last few windows."""
+
+
+class OffloadMode(enum.Enum):
+    """The built-in offload policies, by the name configs use."""
+
+    NONE = "none"
+    ALL = "all"  # every insert
+    HOT = "hot"  # when the eviction policy first sees a resident block as hot
+    COLD = "cold"  # the victim, at eviction time
+    REUSE = "reuse"  # proven reuse + the chain prefix that fits a byte budget
+
+    @classmethod
+    def parse(cls, value: str | OffloadMode) -> OffloadMode:
+        """``"all"``/``"hot"``/``"cold"``/``"reuse"``/``"none"`` (any case), or a member."""
+        if isinstance(value, OffloadMode):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        allowed = ", ".join(m.value for m in cls)
+        raise ConfigError(f"unknown offload mode {value!r}; expected one of: {allowed}")
+
+
+OFFLOAD_MODES = tuple(m.value for m in OffloadMode)
+
+
+class OffloadPolicy(Protocol):
+    """What the L1 cache asks an offload policy (see the module docstring)."""
+
+    name: str
+    needs_queue: bool
+    """False only for a policy that never offloads (no queue, no node needed)."""
+
+    def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        """Offer the freshly computed block now?"""
+
+    def on_hot(self, key: BlockKey) -> bool:
+        """Offer the resident block the eviction policy just reported hot?"""
+
+    def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        """Offer the block leaving L1 (its last chance)?"""
+
+
+class NoOffload:
+    """Never offload: an L1-only cache."""
+
+    name = OffloadMode.NONE.value
+    needs_queue = False
+
+    def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        return False
+
+    def on_hot(self, key: BlockKey) -> bool:
+        return False
+
+    def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        return False
+
+
+class AllOffload(NoOffload):
+    """Every computed block, at insert: the most bytes, every possible remote hit.
+
+    A block whose offer back-pressure refused is not retried.
+    """
+
+    name = OffloadMode.ALL.value
+    needs_queue = True
+
+    def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        return True
+
+
+class HotOffload(NoOffload):
+    """A block when the eviction policy first reports it hot (reuse seen while resident).
+
+    Loses every reuse that comes after the block left L1 without being hot.
+    """
+
+    name = OffloadMode.HOT.value
+    needs_queue = True
+
+    def on_hot(self, key: BlockKey) -> bool:
+        return True
+
+
+class ColdOffload(NoOffload):
+    """Every computed block, at eviction: as many bytes as ``all`` in steady state.
+
+    Sends later than ``all``, so other engines (and this one after a crash) see
+    a block only once it left this L1.
+    """
+
+    name = OffloadMode.COLD.value
+    needs_queue = True
+
+    def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        return True
+
+
+class ReuseOffload:
+    """Proven reuse, hints, and the chain prefix that fits a byte budget.
+
+    A block is offered at insert (so other engines can use it at once) when
+
+    1. the request said ``keep=True``; or
+    2. its key is in the *ghost*: it was evicted unsent and has now been
+       computed again -- its reuse is proven, and the next one will hit; or
+    3. no hint said ``keep=False`` and ``depth < depth_limit``.
+
+    A resident block is also offered when it turns hot (reuse proven while in
+    L1). Rule 3 spends the budget: ``depth_limit`` is recomputed every window
+    so that the blocks offered are about ``budget`` of the blocks computed,
+    from a decayed histogram of the candidates' depths. Depth is the signal
+    because a chain's reuse probability never grows with depth (a later
+    request that reuses block ``d`` reuses every block before it), and a block
+    is useful only with all its parents: for a given number of bytes per
+    chain, its first blocks are the best ones to send.
+
+    ``budget >= 1`` sends every block at insert, like ``all``.
+
+    Memory: the ghost holds at most ``ghost_limit`` keys (FIFO); the histogram
+    :data:`REUSE_MAX_DEPTH` + 1 floats. Single-threaded, like the L1 cache.
+    """
+
+    name = OffloadMode.REUSE.value
+    needs_queue = True
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        budget: float = DEFAULT_REUSE_BUDGET,
+        *,
+        ghost_factor: float = REUSE_GHOST_FACTOR,
+        window: int | None = None,
+    ) -> None:
+        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int):
+            raise ConfigError(f"capacity_blocks must be an int, got {capacity_blocks!r}")
+        if capacity_blocks <= 0:
+            raise ConfigError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        if isinstance(budget, bool) or not isinstance(budget, int | float):
+            raise ConfigError(f"offload budget must be a number in (0, 1], got {budget!r}")
+        if not 0.0 < budget <= 1.0:
+            raise ConfigError(
+                f"offload budget must be in (0, 1] (the share of the bytes 'all' would "
+                f"send), got {budget!r}"
+            )
+        if not ghost_factor >= 0.0:
+            raise ConfigError(f"ghost_factor must be >= 0, got {ghost_factor!r}")
+        if window is not None and (isinstance(window, bool) or window <= 0):
+            raise ConfigError(f"window must be a positive number of blocks, got {window!r}")
+        self.budget = float(budget)
+        self.ghost_limit = int(ghost_factor * capacity_blocks)
+        self.window = window or max(REUSE_MIN_WINDOW, capacity_blocks // REUSE_WINDOW_DIVISOR)
+        self.depth_limit: float = math.inf
+        """Unproven, unhinted blocks shallower than this are offered at insert."""
+        self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
+        self._hist = [0.0] * (REUSE_MAX_DEPTH + 1)
+        self._deepest = 0  # highest histogram bucket ever used: bounds the window's scans
+        self._computed = 0.0  # decayed: blocks computed (asked about at insert)
+        self._forced = 0.0  # decayed: offered without rule 3 (hints, ghost, hot)
+        self._until_update = self.window
+        # Why blocks were offered (cumulative, for stats and tests).
+        self.offered_hint = 0
+        self.offered_ghost = 0
+        self.offered_hot = 0
+        self.offered_prefix = 0
+
+    # -- the policy ---------------------------------------------------------------
+    def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        self._computed += 1.0
+        self._until_update -= 1
+        if self._until_update <= 0:
+            self._update_limit()
+        if keep is True:
+            self.offered_hint += 1
+            self._forced += 1.0
+            return True
+        if key in self._ghost:
+            del self._ghost[key]
+            self.offered_ghost += 1
+            self._forced += 1.0
+            return True
+        if keep is False:
+            return False
+        bucket = depth if depth < REUSE_MAX_DEPTH else REUSE_MAX_DEPTH
+        self._hist[bucket] += 1.0
+        if bucket > self._deepest:
+            self._deepest = bucket
+        if depth < self.depth_limit or self.budget >= 1.0:
+            self.offered_prefix += 1
+            return True
+        return False
+
+    def on_hot(self, key: BlockKey) -> bool:
+        self.offered_hot += 1
+        self._forced += 1.0
+        return True
+
+    def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        if self.ghost_limit:
+            self._ghost[key] = None
+            if len(self._ghost) > self.ghost_limit:
+                self._ghost.popitem(last=False)
+        return False
+
+    # -- budget ---------------------------------------------------------------------
+    def _update_limit(self) -> None:
+        """Deepest limit whose candidates fit what the budget leaves after forced offers."""
+        self._until_update = self.window
+        allowance = self.budget * self._computed - self._forced
+        hist = self._hist
+        taken = 0.0
+        limit: float = math.inf
+        for d in range(self._deepest + 1):
+            if taken + hist[d] > allowance:
+                limit = d
+                break
+            taken += hist[d]
+        self.depth_limit = limit
+        self._computed *= REUSE_DECAY
+        self._forced *= REUSE_DECAY
+        for d in range(self._deepest + 1):
+            hist[d] *= REUSE_DECAY
+
+    @property
+    def ghost_size(self) -> int:
+        return len(self._ghost)
+
+    def in_ghost(self, key: BlockKey) -> bool:
+        return key in self._ghost
+
+
+def make_offload_policy(
+    spec: OffloadMode | str | OffloadPolicy,
+    capacity_blocks: int,
+    *,
+    budget: float | None = None,
+) -> OffloadPolicy:
+    """The policy for ``spec``: a mode (name or member), or a policy object used as is.
+
+    ``budget`` is ``reuse``'s byte budget (default :data:`DEFAULT_REUSE_BUDGET`);
+    giving it with any other mode is an error, not silently ignored.
+    """
+    if not isinstance(spec, OffloadMode | str):
+        if budget is not None:
+            raise ConfigError("offload budget applies to the 'reuse' mode, not a policy object")
+        return spec
+    mode = OffloadMode.parse(spec)
+    if budget is not None and mode is not OffloadMode.REUSE:
+        raise ConfigError(
+            f"offload budget {budget!r} applies only to offload mode 'reuse', not {mode.value!r}"
+        )
+    if mode is OffloadMode.REUSE:
+        return ReuseOffload(
+            capacity_blocks, DEFAULT_REUSE_BUDGET if budget is None else budget
+        )
+    policies: dict[OffloadMode, type[NoOffload]] = {
+        OffloadMode.NONE: NoOffload,
+        OffloadMode.ALL: AllOffload,
+        OffloadMode.HOT: HotOffload,
+        OffloadMode.COLD: ColdOffload,
+    }
+    return policies[mode]()
