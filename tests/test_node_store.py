@@ -77,6 +77,19 @@ def test_leased_and_uncommitted_extents_are_never_evicted(pool: Slab) -> None:
     assert s.exists([b"a"]) == [False]
 
 
+def test_exists_and_lookup_make_keys_recent_alloc_does_not(pool: Slab) -> None:
+    s = KVStore(pool)
+    for k in (b"a", b"b", b"c", b"d"):
+        assert put(s, 1, k)
+    assert s.exists([b"a", b"zz"]) == [True, False]  # a: asked by a scheduler, keep it
+    assert s.alloc(1, [(b"b", 10, D)])[0].status == AllocStatus.EXISTS  # no touch
+    assert put(s, 1, b"e")  # full: evicts b, now the least recent
+    assert s.exists([b"a", b"b", b"c"]) == [True, False, True]
+    assert s.lookup(2, [b"d"], lease=False)[0] is not None  # d recent too
+    assert put(s, 1, b"f")  # evicts e, the least recent after the touches
+    assert s.exists([b"e"]) == [False]
+
+
 def test_lease_expiry_and_session_end_release_pins(pool: Slab) -> None:
     clock = Clock()
     s = KVStore(pool, lease_timeout=5.0, clock=clock)

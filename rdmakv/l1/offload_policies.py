@@ -52,7 +52,9 @@ REUSE_MIN_WINDOW = 64
 REUSE_MAX_DEPTH = 4096
 """Depths at or beyond this share one histogram bucket (bounds the window's work)."""
 REUSE_DECAY = 0.5
-"""Weight of the past at each window: the budget tracks the last few windows."""
+"""Weight of the past at each window: the depth histogram tracks the last few windows."""
+REUSE_DEBT_DECAY = 0.9
+"""Weight of past over- or under-spending at each window (about the last ten count)."""
 
 
 class OffloadMode(enum.Enum):
@@ -162,16 +164,20 @@ class ReuseOffload:
     1. the request said ``keep=True``; or
     2. its key is in the *ghost*: it was evicted unsent and has now been
        computed again -- its reuse is proven, and the next one will hit; or
-    3. no hint said ``keep=False`` and ``depth < depth_limit``.
+    3. no hint said ``keep=False`` and ``depth < depth_limit``, or
+       ``depth == depth_limit`` and the key falls in the ``edge_share`` of
+       keys (keys are uniform hashes, so that is a share of the blocks).
 
     A resident block is also offered when it turns hot (reuse proven while in
-    L1). Rule 3 spends the budget: ``depth_limit`` is recomputed every window
-    so that the blocks offered are about ``budget`` of the blocks computed,
-    from a decayed histogram of the candidates' depths. Depth is the signal
-    because a chain's reuse probability never grows with depth (a later
-    request that reuses block ``d`` reuses every block before it), and a block
-    is useful only with all its parents: for a given number of bytes per
-    chain, its first blocks are the best ones to send.
+    L1). Rule 3 spends the budget: every ``window`` computed blocks,
+    ``depth_limit`` and ``edge_share`` are recomputed from a decayed histogram
+    of the candidates' depths, so that the blocks offered are ``budget`` of
+    those ``all`` would send. Depth is the signal because a chain's reuse
+    probability never grows with depth (a later request that reuses block
+    ``d`` reuses every block before it), and a block is useful only with all
+    its parents: for a given number of bytes per chain, its first blocks are
+    the best ones to send. Only the edge level is split, so every chain sent
+    stays closed up to one block short.
 
     ``budget >= 1`` sends every block at insert, like ``all``.
 
@@ -208,13 +214,27 @@ class ReuseOffload:
         self.budget = float(budget)
         self.ghost_limit = int(ghost_factor * capacity_blocks)
         self.window = window or max(REUSE_MIN_WINDOW, capacity_blocks // REUSE_WINDOW_DIVISOR)
-        self.depth_limit: float = math.inf
-        """Unproven, unhinted blocks shallower than this are offered at insert."""
+        # Before the first window has been measured: the first blocks of chains
+        # only, at the budget's share (never more than the budget).
+        self.depth_limit: float = 0
+        """Unproven, unhinted blocks shallower than this are offered at insert..."""
+        self.edge_share = self.budget
+        """...and this share of those exactly at the limit."""
         self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
         self._hist = [0.0] * (REUSE_MAX_DEPTH + 1)
         self._deepest = 0  # highest histogram bucket ever used: bounds the window's scans
-        self._computed = 0.0  # decayed: blocks computed (asked about at insert)
+        # Decayed: blocks computed that 'all' would have computed too. A ghost
+        # hit is a block computed again because this policy did not send it,
+        # which 'all' would not have paid: the budget is a share of all's bytes.
+        self._computed = 0.0
         self._forced = 0.0  # decayed: offered without rule 3 (hints, ghost, hot)
+        # Integral term: offers beyond the budget so far (negative: below it),
+        # slowly forgotten. The histogram answers with a window's lag and hot
+        # sends come late, which left the long-run share ~1% over the budget.
+        self._debt = 0.0
+        self._measured = False
+        self._window_base = 0.0
+        self._window_offered = 0
         self._until_update = self.window
         # Why blocks were offered (cumulative, for stats and tests).
         self.offered_hint = 0
@@ -225,9 +245,15 @@ class ReuseOffload:
     # -- the policy ---------------------------------------------------------------
     def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         self._computed += 1.0
+        self._window_base += 1.0
+        offer = self._decide(key, depth, keep)
+        self._window_offered += offer
         self._until_update -= 1
         if self._until_update <= 0:
             self._update_limit()
+        return offer
+
+    def _decide(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         if keep is True:
             self.offered_hint += 1
             self._forced += 1.0
@@ -236,6 +262,8 @@ class ReuseOffload:
             del self._ghost[key]
             self.offered_ghost += 1
             self._forced += 1.0
+            self._computed -= 1.0
+            self._window_base -= 1.0
             return True
         if keep is False:
             return False
@@ -243,7 +271,11 @@ class ReuseOffload:
         self._hist[bucket] += 1.0
         if bucket > self._deepest:
             self._deepest = bucket
-        if depth < self.depth_limit or self.budget >= 1.0:
+        if (
+            depth < self.depth_limit
+            or (depth == self.depth_limit and _key_fraction(key) < self.edge_share)
+            or self.budget >= 1.0
+        ):
             self.offered_prefix += 1
             return True
         return False
@@ -251,6 +283,7 @@ class ReuseOffload:
     def on_hot(self, key: BlockKey) -> bool:
         self.offered_hot += 1
         self._forced += 1.0
+        self._window_offered += 1
         return True
 
     def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
@@ -264,16 +297,26 @@ class ReuseOffload:
     def _update_limit(self) -> None:
         """Deepest limit whose candidates fit what the budget leaves after forced offers."""
         self._until_update = self.window
-        allowance = self.budget * self._computed - self._forced
+        if self._measured:  # the first window ran on a guess: neither debt nor credit
+            self._debt = REUSE_DEBT_DECAY * self._debt + (
+                self._window_offered - self.budget * self._window_base
+            )
+        self._measured = True
+        self._window_offered = 0
+        self._window_base = 0.0
+        allowance = self.budget * self._computed - self._forced - self._debt
         hist = self._hist
         taken = 0.0
         limit: float = math.inf
+        edge = 0.0
         for d in range(self._deepest + 1):
             if taken + hist[d] > allowance:
                 limit = d
+                edge = max(0.0, allowance - taken) / hist[d] if hist[d] else 0.0
                 break
             taken += hist[d]
         self.depth_limit = limit
+        self.edge_share = edge
         self._computed *= REUSE_DECAY
         self._forced *= REUSE_DECAY
         for d in range(self._deepest + 1):
@@ -285,6 +328,11 @@ class ReuseOffload:
 
     def in_ghost(self, key: BlockKey) -> bool:
         return key in self._ghost
+
+
+def _key_fraction(key: BlockKey) -> float:
+    """A key's first 8 bytes as a number in [0, 1): uniform, since keys are hashes."""
+    return int.from_bytes(key[:8], "little") / 2.0**64
 
 
 def make_offload_policy(

@@ -17,7 +17,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from rdmakv.errors import ConfigError, RdmakvError
+from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey
 from rdmakv.l1 import L1Cache, OffloadPolicy, OffloadQueue, make_offload_policy
 from rdmakv.replay.result import AFFINITY_BLOCK, ROUTINGS, ReplayResult, ReplaySetup
@@ -138,9 +138,13 @@ class ModelEngine:
             if stop:
                 self.slab.decref(h)
                 continue
-            k = want[i]
-            l1.insert(k, h, MODEL_BLOCK_BYTES, digests[l1_hits + i], from_remote=True)
-            got = l1.get(k, digests[l1_hits + i])
+            k, d = want[i], digests[l1_hits + i]
+            try:
+                l1.insert(k, h, MODEL_BLOCK_BYTES, d, from_remote=True)
+            except SlabExhausted:  # every entry held; insert dropped the block
+                stop = True
+                continue
+            got = l1.get(k, d)
             assert got is not None
             held.append(got)
             node_hits += 1

@@ -1,0 +1,509 @@
+"""Offload policies on a real trace: hit rate against bytes sent to the node.
+
+Replays a Mooncake-format trace (default: ``../shared/traces/``'s conversation
+trace) through the real L1 cache and offload policies (``rdmakv.replay``):
+
+``--model`` (the default)
+    The fast model for the whole trace: L1 = 5% and 10% of the trace's unique
+    blocks (``--l1``), an unbounded node (``--node``), every mode: ``all``,
+    ``hot``, ``cold``, the ``oracle`` (offloads exactly the blocks used again;
+    not online), ``reuse`` at budgets 0.25 / 0.5 / 0.75, and ``reuse`` with the
+    perfect request hint. Prints ONE JSON object::
+
+        {"0.05": {"all": {"hit_rate": .., "bytes_vs_all": ..}, "hot": .., "cold": ..,
+                  "oracle": .., "reuse": .., "best": "reuse"}, "0.1": {..}}
+
+    ``bytes_vs_all`` is the steady-state cost: blocks sent during the replay
+    plus those a policy still owes when L1 empties at the end (``cold`` sends at
+    eviction), over what ``all`` sends. ``reuse`` is the default budget (0.5);
+    every budget, the hint and the undrained figures are in the results file.
+
+``--full``
+    Also L1 = 2% and 20%, the node at 25% and 50% of the unique blocks, a finer
+    ``reuse`` frontier, and a fleet of 4 engines behind a prefix-affine or a
+    random router; writes the plots (``--plots`` is implied).
+
+``--stack``
+    The real stack on a slice (``--start``, ``--requests``): a real
+    ``rdmakv serve`` and ``KVCacheManager`` over ``--transport``, real bytes
+    (``--block-bytes``), timestamps compressed by ``--speedup``, every hit
+    checked byte for byte; the model on the same slice beside it. Prints
+    ``{"<mode>": {"model": {..}, "stack": {..}, "agree": bool}}``; exits 1 if a
+    block came back wrong or (with ``--sync``, the default) the two disagree.
+
+Results go to ``bench/results/trace_<kind>.json`` (and ``.png`` plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from rdmakv.l1.offload_policies import DEFAULT_REUSE_BUDGET
+from rdmakv.replay import ReplayResult, ReplaySetup, TraceKeys, load_trace, replay_model
+from rdmakv.replay.stack import DEFAULT_STACK_BLOCK_BYTES, replay_stack
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+RESULTS = ROOT / "bench" / "results"
+BASE_MODES = ("all", "hot", "cold", "oracle")
+BUDGETS = (0.25, 0.5, 0.75)
+FRONTIER_BUDGETS = (0.15, 0.35, 0.6, 0.9)
+FULL_L1 = (0.02, 0.05, 0.1, 0.2)
+FULL_NODE: tuple[float | None, ...] = (None, 0.5, 0.25)
+FLEET_ENGINES = 4
+FLEET_L1 = 0.1
+"""The fleet's L1, as a share of unique blocks, split across its engines."""
+BYTES_TARGET = 0.5
+"""The issue's bar for a selective mode: at most this share of all's bytes..."""
+HIT_LOSS_TARGET = 0.01
+"""...losing at most this much hit rate (absolute)."""
+RECOMMENDED = "reuse"
+"""The selective mode docs/offload.md recommends when bandwidth must be saved."""
+
+_KEYS: TraceKeys | None = None  # set before the pool forks: workers inherit it
+
+
+def _run(setup: ReplaySetup) -> ReplayResult:
+    assert _KEYS is not None
+    return replay_model(_KEYS, setup)
+
+
+def run_grid(keys: TraceKeys, setups: list[ReplaySetup], jobs: int) -> list[ReplayResult]:
+    """Every setup through the model, ``jobs`` at a time, with a progress bar."""
+    global _KEYS
+    _KEYS = keys
+    bar = tqdm(total=len(setups), desc="replays", unit="run", file=sys.stderr)
+    out: list[ReplayResult] = []
+    try:
+        if jobs <= 1:
+            for s in setups:
+                out.append(_run(s))
+                bar.update()
+        else:
+            with mp.get_context("fork").Pool(jobs) as pool:
+                for res in pool.imap(_run, setups):
+                    out.append(res)
+                    bar.update()
+    finally:
+        bar.close()
+    return out
+
+
+def model_setups(
+    keys: TraceKeys, l1_shares: Iterable[float], node_shares: Iterable[float | None], full: bool
+) -> list[ReplaySetup]:
+    u = keys.unique_blocks
+    setups = []
+    for share in l1_shares:
+        l1 = max(1, round(share * u))
+        for ns in node_shares:
+            nb = None if ns is None else max(1, round(ns * u))
+            for mode in BASE_MODES:
+                setups.append(ReplaySetup(l1, nb, mode))
+            budgets = BUDGETS + (FRONTIER_BUDGETS if full and ns is None else ())
+            for b in sorted(budgets):
+                setups.append(ReplaySetup(l1, nb, "reuse", b))
+            setups.append(ReplaySetup(l1, nb, "reuse", DEFAULT_REUSE_BUDGET, hints=True))
+    if full:
+        per_engine = max(1, round(FLEET_L1 * u / FLEET_ENGINES))
+        for routing in ("prefix", "random"):
+            for mode, budget, hints in (
+                ("all", None, False),
+                ("cold", None, False),
+                ("hot", None, False),
+                ("reuse", DEFAULT_REUSE_BUDGET, False),
+                ("reuse", DEFAULT_REUSE_BUDGET, True),
+            ):
+                setups.append(
+                    ReplaySetup(
+                        per_engine, None, mode, budget, hints, engines=FLEET_ENGINES,
+                        routing=routing,
+                    )
+                )
+    return setups
+
+
+def _share(n: int | None, unique: int) -> float | None:
+    return None if n is None else round(n / unique, 4)
+
+
+def summarize(keys: TraceKeys, results: list[ReplayResult]) -> list[dict[str, Any]]:
+    """One flat row per replay, with ratios to ``all`` of the same L1, node and fleet."""
+    u = keys.unique_blocks
+    base: dict[tuple[Any, ...], ReplayResult] = {}
+    for r in results:
+        s = r.setup
+        if s.offload == "all":
+            base[(s.l1_blocks, s.node_blocks, s.engines, s.routing)] = r
+    rows = []
+    for r in results:
+        s = r.setup
+        ref = base[(s.l1_blocks, s.node_blocks, s.engines, s.routing)]
+        rows.append(
+            {
+                "label": s.label,
+                "offload": s.offload,
+                "budget": s.offload_budget,
+                "hints": s.hints,
+                "l1_share": round(s.l1_blocks * s.engines / u, 4),
+                "node_share": _share(s.node_blocks, u),
+                "engines": s.engines,
+                "routing": s.routing,
+                "hit_rate": r.hit_rate,
+                "hit_rate_minus_all": r.hit_rate - ref.hit_rate,
+                "bytes_vs_all": r.steady_sent_blocks / ref.steady_sent_blocks,
+                "bytes_vs_all_undrained": r.sent_blocks / ref.sent_blocks,
+                "l1_hits": r.l1_hits,
+                "node_hits": r.node_hits,
+                "sent_blocks": r.sent_blocks,
+                "drained_blocks": r.drained_blocks,
+                "dropped_offloads": r.dropped_offloads,
+                "timeline": r.timeline,
+                **r.extra,
+            }
+        )
+    return rows
+
+
+def headline(rows: list[dict[str, Any]], l1_shares: Iterable[float]) -> dict[str, Any]:
+    """The printed object: per L1 share, each mode's hit rate and bytes; unbounded node."""
+    out: dict[str, Any] = {}
+    for share in l1_shares:
+        mine = [
+            r
+            for r in rows
+            if r["engines"] == 1 and r["node_share"] is None and abs(r["l1_share"] - share) < 1e-3
+        ]
+        entry: dict[str, Any] = {}
+        for r in mine:
+            name = r["offload"]
+            if r["hints"] or (name == "reuse" and r["budget"] != DEFAULT_REUSE_BUDGET):
+                continue
+            entry[name] = {
+                "hit_rate": round(r["hit_rate"], 5),
+                "bytes_vs_all": round(r["bytes_vs_all"], 4),
+            }
+        entry["best"] = RECOMMENDED
+        out[f"{share:g}"] = entry
+    return out
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For every L1 / node setting: the best online hit rate within the bytes target."""
+    out = []
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["engines"] == 1:
+            groups.setdefault((r["l1_share"], r["node_share"]), []).append(r)
+    for (l1, node), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 9)):
+        ref = next(r for r in rs if r["offload"] == "all")
+        online = [
+            r
+            for r in rs
+            if r["offload"] != "oracle" and not r["hints"] and r["bytes_vs_all"] <= BYTES_TARGET
+        ]
+        best = max(online, key=lambda r: r["hit_rate"])
+        out.append(
+            {
+                "l1_share": l1,
+                "node_share": node,
+                "all_hit_rate": ref["hit_rate"],
+                "best_online_within_target": best["label"],
+                "its_hit_rate": best["hit_rate"],
+                "its_bytes_vs_all": best["bytes_vs_all"],
+                "meets_target": ref["hit_rate"] - best["hit_rate"] <= HIT_LOSS_TARGET,
+            }
+        )
+    return out
+
+
+def meta(path: Path, keys: TraceKeys, seconds: float, **more: Any) -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "trace": str(path),
+        "requests": len(keys.trace),
+        "unique_blocks": keys.unique_blocks,
+        "total_blocks": keys.total_blocks,
+        "block_tokens": keys.trace.block_tokens,
+        "trace_seconds": keys.trace.duration_s,
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}",
+        "commit": commit,
+        "seconds": round(seconds, 1),
+        **more,
+    }
+
+
+def write_json(name: str, obj: Any) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+    return path
+
+
+# -- plots ---------------------------------------------------------------------------------
+
+MODE_STYLE = {
+    "all": ("tab:blue", "s"),
+    "cold": ("tab:cyan", "v"),
+    "hot": ("tab:red", "^"),
+    "oracle": ("black", "*"),
+    "reuse": ("tab:green", "o"),
+    "hint": ("tab:purple", "P"),
+}
+
+
+def plot_pareto(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = sorted({r["l1_share"] for r in rows if r["engines"] == 1})
+    nodes = sorted({r["node_share"] or 9 for r in rows if r["engines"] == 1}, reverse=True)
+    fig, axes = plt.subplots(
+        len(nodes), len(shares), figsize=(4.2 * len(shares), 3.6 * len(nodes)), squeeze=False
+    )
+    for i, node in enumerate(nodes):
+        for j, share in enumerate(shares):
+            ax = axes[i][j]
+            rs = [
+                r
+                for r in rows
+                if r["engines"] == 1 and r["l1_share"] == share and (r["node_share"] or 9) == node
+            ]
+            frontier = sorted(
+                (r for r in rs if r["offload"] == "reuse" and not r["hints"]),
+                key=lambda r: r["bytes_vs_all"],
+            )
+            ax.plot(
+                [r["bytes_vs_all"] for r in frontier],
+                [100 * r["hit_rate"] for r in frontier],
+                "-o", color=MODE_STYLE["reuse"][0], label="reuse (budget 0.15-0.9)", ms=4,
+            )
+            for r in rs:
+                name = "hint" if r["hints"] else r["offload"]
+                if name == "reuse":
+                    continue
+                color, marker = MODE_STYLE[name]
+                ax.plot(
+                    r["bytes_vs_all"], 100 * r["hit_rate"], marker, color=color,
+                    ms=12 if name == "oracle" else 8,
+                    label="reuse + perfect hint" if name == "hint" else name,
+                )
+            node_txt = "unbounded node" if node == 9 else f"node {node:.0%} of unique"
+            ax.set_title(f"L1 {share:.0%} of unique, {node_txt}", fontsize=9)
+            ax.set_xlabel("bytes sent / bytes sent by all (steady state)")
+            ax.set_ylabel("hit rate, % of blocks")
+            ax.set_xlim(0, 1.1)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Offload policies on the Mooncake conversation trace (model replay)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(rows: list[dict[str, Any]], path: Path, share: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for r in rows:
+        if r["engines"] != 1 or r["node_share"] is not None or abs(r["l1_share"] - share) > 1e-3:
+            continue
+        if r["offload"] == "reuse" and (r["budget"] != DEFAULT_REUSE_BUDGET and not r["hints"]):
+            continue
+        name = "hint" if r["hints"] else r["offload"]
+        t = [p[0] / 60 for p in r["timeline"]]
+        rate = [100 * p[2] / p[1] if p[1] else 0.0 for p in r["timeline"]]
+        ax.plot(t, rate, color=MODE_STYLE[name][0], lw=1.2, label=r["label"])
+    ax.set_xlabel("trace time, minutes")
+    ax.set_ylabel("hit rate in that minute, %")
+    ax.set_title(f"Hit rate over the trace, L1 = {share:.0%} of unique blocks, unbounded node")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    trace = load_trace(args.trace, start=args.start, limit=args.requests)
+    print(f"[trace] {len(trace)} requests; computing keys", file=sys.stderr)
+    keys = TraceKeys(trace)
+    l1 = FULL_L1 if args.full else args.l1
+    node = FULL_NODE if args.full else args.node
+    results = run_grid(keys, model_setups(keys, l1, node, args.full), args.jobs)
+    rows = summarize(keys, results)
+    head = headline(rows, args.l1)
+    out = {
+        "meta": meta(args.trace, keys, time.monotonic() - t0, kind="model"),
+        "headline": head,
+        "verdicts": verdicts(rows),
+        "runs": rows,
+    }
+    name = "trace_model_full" if args.full else "trace_model"
+    path = write_json(name, out)
+    print(f"[trace] wrote {path.relative_to(ROOT)}", file=sys.stderr)
+    if args.full or args.plots:
+        plot_pareto(rows, RESULTS / f"{name}_pareto.png")
+        for share in (0.05, 0.1):
+            if any(abs(r["l1_share"] - share) < 1e-3 for r in rows):
+                plot_timeline(rows, RESULTS / f"{name}_timeline_l1_{share:g}.png", share)
+        print(f"[trace] plots in {RESULTS.relative_to(ROOT)}/{name}_*.png", file=sys.stderr)
+    print(json.dumps(head, indent=1))
+    return 0
+
+
+STACK_MODES: tuple[tuple[str, float | None, bool], ...] = (
+    ("all", None, False),
+    ("hot", None, False),
+    ("cold", None, False),
+    ("oracle", None, False),
+    ("reuse", DEFAULT_REUSE_BUDGET, False),
+    ("reuse", DEFAULT_REUSE_BUDGET, True),
+)
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    trace = load_trace(args.trace, start=args.start, limit=args.requests)
+    keys = TraceKeys(trace)
+    l1 = max(1, round(args.l1[0] * keys.unique_blocks))
+    nshare = args.node[0]
+    nb = None if nshare is None else max(1, round(nshare * keys.unique_blocks))
+    out: dict[str, Any] = {}
+    bad = False
+    modes = [m for m in STACK_MODES if args.modes is None or m[0] in args.modes]
+    for mode, budget, hints in tqdm(modes, desc="stack replays", unit="run", file=sys.stderr):
+        setup = ReplaySetup(l1, nb, mode, budget, hints)
+        model = replay_model(keys, setup)
+        stack = replay_stack(
+            keys,
+            setup,
+            block_bytes=args.block_bytes,
+            transport=args.transport,
+            speedup=args.speedup,
+            sync=args.sync,
+        )
+        agree = (model.l1_hits, model.node_hits, model.sent_blocks) == (
+            stack.l1_hits,
+            stack.node_hits,
+            stack.sent_blocks,
+        )
+        bad |= stack.wrong_blocks > 0 or (args.sync and not agree)
+        out[setup.label] = {
+            "model": _counts(model),
+            "stack": {**_counts(stack), **stack.extra},
+            "agree": agree,
+        }
+    path = write_json(
+        "trace_stack",
+        {
+            "meta": meta(
+                args.trace, keys, time.monotonic() - t0, kind="stack", start=args.start,
+                l1_share=args.l1[0], node_share=nshare, transport=args.transport,
+                speedup=args.speedup, sync=args.sync,
+            ),
+            "results": out,
+        },
+    )
+    print(f"[trace] wrote {path.relative_to(ROOT)}", file=sys.stderr)
+    print(json.dumps(out, indent=1))
+    return 1 if bad else 0
+
+
+def _counts(r: ReplayResult) -> dict[str, Any]:
+    return {
+        "requests": r.requests,
+        "blocks": r.blocks,
+        "l1_hits": r.l1_hits,
+        "node_hits": r.node_hits,
+        "hit_rate": round(r.hit_rate, 5),
+        "sent_blocks": r.sent_blocks,
+        "dropped_offloads": r.dropped_offloads,
+        "wrong_blocks": r.wrong_blocks,
+    }
+
+
+def _shares(text: str) -> list[float | None]:
+    out: list[float | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("inf", "none", "unbounded"):
+            out.append(None)
+            continue
+        v = float(part)
+        if not 0.0 < v <= 1.0:
+            raise argparse.ArgumentTypeError(f"a share must be in (0, 1] or 'inf', got {part}")
+        out.append(v)
+    return out
+
+
+def _l1_shares(text: str) -> list[float]:
+    out = [s for s in _shares(text) if s is not None]
+    if len(out) != len(text.split(",")):
+        raise argparse.ArgumentTypeError("L1 shares must be numbers in (0, 1]")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--model", action="store_true", help="the fast model (default)")
+    kind.add_argument("--stack", action="store_true", help="the real stack on a slice")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="a Mooncake-format trace")
+    p.add_argument("--start", type=int, default=0, help="first request replayed")
+    p.add_argument("--requests", type=int, help="requests replayed (default: all; stack: 1000)")
+    p.add_argument("--l1", type=_l1_shares, default=[0.05, 0.1],
+                   help="L1 sizes, as shares of the trace's unique blocks (default 0.05,0.1)")
+    p.add_argument("--node", type=_shares, default=[None],
+                   help="node sizes, shares of the unique blocks or inf (default inf)")
+    p.add_argument("--full", action="store_true", help="every figure of docs/offload.md")
+    p.add_argument("--plots", action="store_true", help="write the PNG plots")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="model replays at once")
+    p.add_argument("--block-bytes", type=int, default=DEFAULT_STACK_BLOCK_BYTES)
+    p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="tcp")
+    p.add_argument("--speedup", type=float, default=None,
+                   help="stack: trace time / replay time (default: back to back)")
+    p.add_argument("--no-sync", dest="sync", action="store_false",
+                   help="stack: let offloads overlap later requests (drops possible)")
+    p.add_argument("--modes", type=lambda t: t.split(","), default=None,
+                   help="stack: only these modes (comma-separated)")
+    args = p.parse_args(argv)
+    if args.stack:
+        if args.requests is None:
+            args.requests = 1000
+        return cmd_stack(args)
+    return cmd_model(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
