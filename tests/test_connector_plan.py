@@ -81,6 +81,18 @@ def test_chunked_prefill_saves_each_block_once_as_it_completes() -> None:
     assert [s.groups for s in second.saves] == [(GroupBlocks(2, (3, 4)),)]
 
 
+@pytest.mark.parametrize("keep", [True, False, None])
+def test_the_request_hint_rides_on_every_save(keep: bool | None) -> None:
+    book = RequestBook([FULL], Cached(set()))
+    book.num_new_matched_tokens("r", PROMPT, 0, None)
+    book.after_alloc("r", PROMPT, len(PROMPT), None, [[1, 2]], 0, keep=keep)
+    book.scheduled("r", 0, block_ids=[[1, 2]])
+    first = book.build({"r": 40})
+    book.scheduled("r", 40, new_block_ids=[[3, 4, 5]])
+    second = book.build({"r": 30})
+    assert [s.keep for s in (*first.saves, *second.saves)] == [keep, keep]
+
+
 def test_failed_sync_load_is_never_offered_again_and_gets_saved_when_recomputed() -> None:
     book = RequestBook([FULL], Cached({0, 1, 2, 3}))
     assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (64, False)

@@ -66,12 +66,15 @@ class Transfer:
     ``tokens`` is the prefix the blocks belong to (the key chain input); it
     covers at least every listed block. ``extra`` is the request's key extra
     (LoRA, multimodal hashes, cache salt; :func:`rdmakv.keys.extra_bytes`).
+    ``keep`` is the request's reuse hint for the offload policy of a save
+    (:meth:`rdmakv.manager.KVCacheManager.put`).
     """
 
     req_id: str
     tokens: tuple[int, ...]
     extra: bytes | None
     groups: tuple[GroupBlocks, ...]
+    keep: bool | None = None
 
     def engine_block_ids(self, null_block: int | None) -> set[int]:
         return {b for g in self.groups for b in g.block_ids if b != null_block}
@@ -93,6 +96,7 @@ class _Request:
     extra: bytes | None
     block_ids: list[list[int]]
     saved_blocks: list[int]
+    keep: bool | None = None
     num_computed: int = 0
     load_start: int = 0
     load_end: int = 0
@@ -151,11 +155,13 @@ class RequestBook:
         block_ids: Sequence[Sequence[int]],
         num_external: int,
         num_computed: int | None = None,
+        keep: bool | None = None,
     ) -> None:
         """The engine allocated ``block_ids`` (per group) and will load ``num_external`` tokens.
 
         ``num_computed`` defaults to the value of the last
-        :meth:`num_new_matched_tokens` call for this request.
+        :meth:`num_new_matched_tokens` call for this request. ``keep`` is the
+        request's reuse hint, carried into its saves.
         """
         self._check_groups(block_ids)
         start = self._asked.get(req_id, 0) if num_computed is None else num_computed
@@ -168,6 +174,7 @@ class RequestBook:
                 extra=extra,
                 block_ids=[list(b) for b in block_ids],
                 saved_blocks=[computed // g.block_size for g in self.groups],
+                keep=keep,
                 num_computed=computed,
             )
             self._reqs[req_id] = req
@@ -241,7 +248,9 @@ class RequestBook:
                 furthest = max(furthest, last * g.block_size)
             if furthest:
                 saves.append(
-                    Transfer(req_id, tuple(req.tokens[:furthest]), req.extra, tuple(parts))
+                    Transfer(
+                        req_id, tuple(req.tokens[:furthest]), req.extra, tuple(parts), req.keep
+                    )
                 )
         loads = tuple(self._pending_loads)
         self._pending_loads = []

@@ -249,7 +249,7 @@ class GroupStores:
                     )
                     continue
                 try:
-                    mgr.put(tokens, handles, extra=extra, first_block=first)
+                    mgr.put(tokens, handles, extra=extra, first_block=first, keep=transfer.keep)
                 except RdmakvError as e:  # put takes the handles over even when it fails
                     self.stats.failed_save_blocks += len(ids)
                     log.warning(

@@ -167,6 +167,7 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             _extra(request),
             blocks.get_block_ids(),
             num_external_tokens,
+            keep=_keep(request),
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> RdmakvConnectorMetadata:
@@ -352,6 +353,26 @@ def _namespace(
     # Names the rank's head slice, so TP sizes holding the same heads share blocks
     # and MLA (one latent "head" on every rank) shares across all ranks.
     return tp_namespace(base, tp_rank=rank, tp_size=tp_size, num_kv_heads=int(total_heads))
+
+
+KEEP_PARAM = "rdmakv_keep"
+"""Request hint, in ``kv_transfer_params``: true (this prefix will be asked for
+again, e.g. the conversation goes on), false (it will not), absent (unknown).
+The ``reuse`` offload mode acts on it; see docs/offload.md."""
+
+
+def _keep(request: Any) -> bool | None:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    value = params.get(KEEP_PARAM) if isinstance(params, dict) else None
+    if value is None or isinstance(value, bool):
+        return value
+    log.warning(
+        "request %s: kv_transfer_params[%r] must be true or false, got %r; ignored",
+        request.request_id,
+        KEEP_PARAM,
+        value,
+    )
+    return None
 
 
 def _extra(request: Any) -> bytes | None:

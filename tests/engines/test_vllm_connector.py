@@ -121,7 +121,13 @@ class Engine:
     """One vLLM instance's scheduler + worker connector over real vLLM objects (CPU)."""
 
     def __init__(
-        self, model_dir: Path, node: str, *, hybrid: bool, layout_name: str = "NHD"
+        self,
+        model_dir: Path,
+        node: str,
+        *,
+        hybrid: bool,
+        layout_name: str = "NHD",
+        options: dict[str, Any] | None = None,
     ) -> None:
         ktc = KVTransferConfig(
             kv_connector="RdmakvConnector",
@@ -134,6 +140,7 @@ class Engine:
                 "l1_bytes": "4MiB",
                 "lock_slab": False,
                 "timeout": 5,
+                **(options or {}),
             },
         )
         mc = ModelConfig(
@@ -206,8 +213,12 @@ class Engine:
         assert isinstance(c, RdmakvConnector)
         return c
 
-    def add(self, req_id: str, prompt: list[int]) -> Request:
-        req = Request(req_id, prompt, SamplingParams(max_tokens=2, ignore_eos=True), None)
+    def add(
+        self, req_id: str, prompt: list[int], kv_transfer_params: dict[str, Any] | None = None
+    ) -> Request:
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        params = SamplingParams(max_tokens=2, ignore_eos=True, extra_args=extra)
+        req = Request(req_id, prompt, params, None)
         self.requests[req_id] = req
         self.sched.add_request(req)
         return req
@@ -282,8 +293,14 @@ class Engine:
 def engines(model_dir: Path) -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
-    def make(node: str, *, hybrid: bool = False, layout: str = "NHD") -> Engine:
-        e = Engine(model_dir, node, hybrid=hybrid, layout_name=layout)
+    def make(
+        node: str,
+        *,
+        hybrid: bool = False,
+        layout: str = "NHD",
+        options: dict[str, Any] | None = None,
+    ) -> Engine:
+        e = Engine(model_dir, node, hybrid=hybrid, layout_name=layout, options=options)
         made.append(e)
         return e
 
@@ -478,3 +495,25 @@ def test_mamba_groups_are_refused_at_start_up(node_factory: Any) -> None:
     )
     with pytest.raises(ConfigError, match="group 1 has a MambaSpec"):
         KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_keep_hint_in_kv_transfer_params_drives_the_reuse_offload(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    # A tiny budget: without a hint (or proven reuse) nothing is worth the bytes.
+    a = engines(node.endpoint, options={"offload": "reuse", "offload_budget": 0.01})
+    kept = [*range(300, 364), 1, 2]
+    dropped = [*range(400, 464), 1, 2]
+    ra = a.add("kept", kept, {"rdmakv_keep": True})
+    rb = a.add("dropped", dropped, {"rdmakv_keep": False})
+    rc = a.add("odd", [*range(600, 664), 1, 2], {"rdmakv_keep": "yes"})  # ignored, warned
+    for r in (ra, rb, rc):
+        a.run(r)
+    assert a.worker.stores.flush(10.0)
+    assert a.worker.stores.stats.saved_blocks == 12  # every request saved into its L1
+    b = engines(node.endpoint)
+    book = b.connector.book
+    # The kept prompt's 4 blocks reached the node; the dropped one's did not.
+    assert book.num_new_matched_tokens("x", kept, 0, None) == (64, False)
+    assert book.num_new_matched_tokens("y", dropped, 0, None) == (0, False)
