@@ -8,15 +8,19 @@ trace) through the real L1 cache and offload policies (``rdmakv.replay``):
     blocks (``--l1``), an unbounded node (``--node``), every mode: ``all``,
     ``hot``, ``cold``, the ``oracle`` (offloads exactly the blocks used again;
     not online), ``reuse`` at budgets 0.25 / 0.5 / 0.75, and ``reuse`` with the
-    perfect request hint. Prints ONE JSON object::
+    request hint (perfect, and wrong for 10% / 25% of requests). Prints ONE
+    JSON object::
 
         {"0.05": {"all": {"hit_rate": .., "bytes_vs_all": ..}, "hot": .., "cold": ..,
-                  "oracle": .., "reuse": .., "best": "reuse"}, "0.1": {..}}
+                  "oracle": .., "reuse": {.., "budget": 0.5}, "reuse+hint": ..,
+                  "best": "reuse"}, "0.1": {..}}
 
     ``bytes_vs_all`` is the steady-state cost: blocks sent during the replay
     plus those a policy still owes when L1 empties at the end (``cold`` sends at
-    eviction), over what ``all`` sends. ``reuse`` is the default budget (0.5);
-    every budget, the hint and the undrained figures are in the results file.
+    eviction), over what ``all`` sends. The ``reuse`` row is budget 0.5 (its
+    default, 1, sends what ``all`` sends unless hints say otherwise; that is
+    the ``reuse+hint`` row); every budget, hint and the undrained figures are
+    in the results file.
 
 ``--full``
     Also L1 = 2% and 20%, the node at 25% and 50% of the unique blocks, a finer
@@ -51,7 +55,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rdmakv.l1.offload_policies import DEFAULT_REUSE_BUDGET
+from rdmakv.errors import RdmakvError
 from rdmakv.replay import ReplayResult, ReplaySetup, TraceKeys, load_trace, replay_model
 from rdmakv.replay.stack import DEFAULT_STACK_BLOCK_BYTES, replay_stack
 
@@ -60,6 +64,9 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace
 RESULTS = ROOT / "bench" / "results"
 BASE_MODES = ("all", "hot", "cold", "oracle")
 BUDGETS = (0.25, 0.5, 0.75)
+HEADLINE_BUDGET = 0.5
+"""The ``reuse`` budget of the printed object's ``reuse`` row."""
+HINT_NOISE = (0.0, 0.1, 0.25)
 FRONTIER_BUDGETS = (0.15, 0.35, 0.6, 0.9)
 FULL_L1 = (0.02, 0.05, 0.1, 0.2)
 FULL_NODE: tuple[float | None, ...] = (None, 0.5, 0.25)
@@ -116,7 +123,8 @@ def model_setups(
             budgets = BUDGETS + (FRONTIER_BUDGETS if full and ns is None else ())
             for b in sorted(budgets):
                 setups.append(ReplaySetup(l1, nb, "reuse", b))
-            setups.append(ReplaySetup(l1, nb, "reuse", DEFAULT_REUSE_BUDGET, hints=True))
+            for noise in HINT_NOISE if ns is None else (0.0,):
+                setups.append(ReplaySetup(l1, nb, "reuse", hints=True, hint_noise=noise))
     if full:
         per_engine = max(1, round(FLEET_L1 * u / FLEET_ENGINES))
         for routing in ("prefix", "random"):
@@ -124,8 +132,8 @@ def model_setups(
                 ("all", None, False),
                 ("cold", None, False),
                 ("hot", None, False),
-                ("reuse", DEFAULT_REUSE_BUDGET, False),
-                ("reuse", DEFAULT_REUSE_BUDGET, True),
+                ("reuse", HEADLINE_BUDGET, False),
+                ("reuse", None, True),
             ):
                 setups.append(
                     ReplaySetup(
@@ -158,6 +166,7 @@ def summarize(keys: TraceKeys, results: list[ReplayResult]) -> list[dict[str, An
                 "offload": s.offload,
                 "budget": s.offload_budget,
                 "hints": s.hints,
+                "hint_noise": s.hint_noise,
                 "l1_share": round(s.l1_blocks * s.engines / u, 4),
                 "node_share": _share(s.node_blocks, u),
                 "engines": s.engines,
@@ -189,13 +198,17 @@ def headline(rows: list[dict[str, Any]], l1_shares: Iterable[float]) -> dict[str
         ]
         entry: dict[str, Any] = {}
         for r in mine:
-            name = r["offload"]
-            if r["hints"] or (name == "reuse" and r["budget"] != DEFAULT_REUSE_BUDGET):
+            name = r["label"]
+            if name == f"reuse@{HEADLINE_BUDGET:g}":
+                name = "reuse"
+            elif name not in (*BASE_MODES, "reuse+hint"):
                 continue
             entry[name] = {
                 "hit_rate": round(r["hit_rate"], 5),
                 "bytes_vs_all": round(r["bytes_vs_all"], 4),
             }
+            if name == "reuse":
+                entry[name]["budget"] = HEADLINE_BUDGET
         entry["best"] = RECOMMENDED
         out[f"{share:g}"] = entry
     return out
@@ -254,9 +267,9 @@ def meta(path: Path, keys: TraceKeys, seconds: float, **more: Any) -> dict[str, 
     }
 
 
-def write_json(name: str, obj: Any) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(out: Path, name: str, obj: Any) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     path.write_text(json.dumps(obj, indent=1) + "\n")
     return path
 
@@ -296,6 +309,15 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> None:
                 (r for r in rs if r["offload"] == "reuse" and not r["hints"]),
                 key=lambda r: r["bytes_vs_all"],
             )
+            hinted = sorted(
+                (r for r in rs if r["hints"]), key=lambda r: r["hint_noise"]
+            )
+            if len(hinted) > 1:
+                ax.plot(
+                    [r["bytes_vs_all"] for r in hinted],
+                    [100 * r["hit_rate"] for r in hinted],
+                    ":", color=MODE_STYLE["hint"][0], label="hint wrong for 0/10/25%",
+                )
             ax.plot(
                 [r["bytes_vs_all"] for r in frontier],
                 [100 * r["hit_rate"] for r in frontier],
@@ -303,7 +325,7 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> None:
             )
             for r in rs:
                 name = "hint" if r["hints"] else r["offload"]
-                if name == "reuse":
+                if name == "reuse" or r["hint_noise"]:
                     continue
                 color, marker = MODE_STYLE[name]
                 ax.plot(
@@ -334,7 +356,9 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, share: float) -> None:
     for r in rows:
         if r["engines"] != 1 or r["node_share"] is not None or abs(r["l1_share"] - share) > 1e-3:
             continue
-        if r["offload"] == "reuse" and (r["budget"] != DEFAULT_REUSE_BUDGET and not r["hints"]):
+        if r["hint_noise"] or (
+            r["offload"] == "reuse" and not r["hints"] and r["budget"] != HEADLINE_BUDGET
+        ):
             continue
         name = "hint" if r["hints"] else r["offload"]
         t = [p[0] / 60 for p in r["timeline"]]
@@ -370,14 +394,14 @@ def cmd_model(args: argparse.Namespace) -> int:
         "runs": rows,
     }
     name = "trace_model_full" if args.full else "trace_model"
-    path = write_json(name, out)
-    print(f"[trace] wrote {path.relative_to(ROOT)}", file=sys.stderr)
+    path = write_json(args.out, name, out)
+    print(f"[trace] wrote {path}", file=sys.stderr)
     if args.full or args.plots:
-        plot_pareto(rows, RESULTS / f"{name}_pareto.png")
+        plot_pareto(rows, args.out / f"{name}_pareto.png")
         for share in (0.05, 0.1):
             if any(abs(r["l1_share"] - share) < 1e-3 for r in rows):
-                plot_timeline(rows, RESULTS / f"{name}_timeline_l1_{share:g}.png", share)
-        print(f"[trace] plots in {RESULTS.relative_to(ROOT)}/{name}_*.png", file=sys.stderr)
+                plot_timeline(rows, args.out / f"{name}_timeline_l1_{share:g}.png", share)
+        print(f"[trace] plots in {args.out}/{name}_*.png", file=sys.stderr)
     print(json.dumps(head, indent=1))
     return 0
 
@@ -387,8 +411,8 @@ STACK_MODES: tuple[tuple[str, float | None, bool], ...] = (
     ("hot", None, False),
     ("cold", None, False),
     ("oracle", None, False),
-    ("reuse", DEFAULT_REUSE_BUDGET, False),
-    ("reuse", DEFAULT_REUSE_BUDGET, True),
+    ("reuse", HEADLINE_BUDGET, False),
+    ("reuse", None, True),
 )
 
 
@@ -425,6 +449,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
             "agree": agree,
         }
     path = write_json(
+        args.out,
         "trace_stack",
         {
             "meta": meta(
@@ -435,7 +460,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
             "results": out,
         },
     )
-    print(f"[trace] wrote {path.relative_to(ROOT)}", file=sys.stderr)
+    print(f"[trace] wrote {path}", file=sys.stderr)
     print(json.dumps(out, indent=1))
     return 1 if bad else 0
 
@@ -489,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="every figure of docs/offload.md")
     p.add_argument("--plots", action="store_true", help="write the PNG plots")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="model replays at once")
+    p.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and plots go")
     p.add_argument("--block-bytes", type=int, default=DEFAULT_STACK_BLOCK_BYTES)
     p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="tcp")
     p.add_argument("--speedup", type=float, default=None,
@@ -498,11 +524,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", type=lambda t: t.split(","), default=None,
                    help="stack: only these modes (comma-separated)")
     args = p.parse_args(argv)
-    if args.stack:
-        if args.requests is None:
-            args.requests = 1000
-        return cmd_stack(args)
-    return cmd_model(args)
+    try:
+        if args.stack:
+            if args.requests is None:
+                args.requests = 1000
+            return cmd_stack(args)
+        return cmd_model(args)
+    except RdmakvError as e:  # a bad trace or setting: say what, no traceback
+        print(f"bench/trace.py: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

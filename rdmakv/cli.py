@@ -166,14 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offload",
         choices=OFFLOAD_MODES,
-        default="all",
-        help="which computed blocks go to the node (docs/offload.md); default all",
+        default="reuse",
+        help="which computed blocks go to the node (docs/offload.md); default reuse",
     )
     p.add_argument(
         "--offload-budget",
         type=float,
         help="with --offload reuse: share of the bytes 'all' would send, in (0, 1] "
-        "(default 0.5)",
+        "(default 1: everything)",
     )
     p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="auto")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")

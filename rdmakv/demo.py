@@ -56,7 +56,7 @@ class DemoConfig:
     requests: int = 64
     suffix_blocks: int = 8
     policy: str = "s3fifo"
-    offload: str = "all"
+    offload: str = "reuse"
     offload_budget: float | None = None
     transport: str = "auto"
     seed: int = 0

@@ -105,7 +105,7 @@ class HybridKVCacheManager:
         node: str | None = None,
         transport: str = "auto",
         policy: str = "lru",
-        offload: OffloadMode | str = OffloadMode.ALL,
+        offload: OffloadMode | str = OffloadMode.REUSE,
         offload_budget: float | None = None,
         token: bytes | str | None = None,
         timeout: float = 5.0,

@@ -206,9 +206,10 @@ class KVCacheManager:
     ``block_tokens`` tokens make one block of ``block_bytes`` bytes of KV.
     ``node`` is ``"host:port"`` of a KV node, or None for an L1-only cache.
     ``offload`` picks which computed blocks are sent to the node: a mode name
-    (``all``, the default; ``reuse`` with ``offload_budget``; ``cold``, ``hot``,
-    ``none``) or an :class:`~rdmakv.l1.OffloadPolicy` object for this manager
-    alone. docs/offload.md says which to pick and why ``all`` is the default.
+    (``reuse``, the default: every block unless the request's ``keep`` hint
+    says otherwise, or only ``offload_budget`` of the bytes; ``all``, ``cold``,
+    ``hot``, ``none``) or an :class:`~rdmakv.l1.OffloadPolicy` object for this
+    manager alone. docs/offload.md says which to pick, with figures.
     """
 
     def __init__(
@@ -221,7 +222,7 @@ class KVCacheManager:
         node: str | None = None,
         transport: str = "auto",
         policy: str = "lru",
-        offload: OffloadMode | str | OffloadPolicy = OffloadMode.ALL,
+        offload: OffloadMode | str | OffloadPolicy = OffloadMode.REUSE,
         offload_budget: float | None = None,
         max_pending_offload_bytes: int | None = None,
         token: bytes | str | None = None,

@@ -85,11 +85,17 @@ def make_manager(node: NodeProcess | None, **kw: Any) -> KVCacheManager:
         "lock_slab": False,
     }
     opts.update(kw)
+    if opts["offload"] is None:  # the manager's own default
+        del opts["offload"]
     return KVCacheManager(**opts)
 
 
 def compute_and_put(
-    mgr: KVCacheManager, tokens: np.ndarray, first: int = 0, count: int | None = None
+    mgr: KVCacheManager,
+    tokens: np.ndarray,
+    first: int = 0,
+    count: int | None = None,
+    keep: bool | None = None,
 ) -> list[BlockKey]:
     """Compute (fill) blocks ``first..first+count`` of ``tokens`` and put them; their keys."""
     keys = mgr.keyer.keys(tokens)
@@ -97,7 +103,7 @@ def compute_and_put(
     handles = mgr.allocate_for(count)
     for h, key in zip(handles, keys[first : first + count], strict=True):
         mgr.block_view(h)[:] = kv_bytes(key, BLOCK_BYTES)
-    mgr.put(tokens, handles, first_block=first)
+    mgr.put(tokens, handles, first_block=first, keep=keep)
     return keys[first : first + count]
 
 
@@ -144,6 +150,40 @@ def test_offload_all_puts_every_block_on_the_node(
     assert probe.exists(keys) == [True] * 12
     assert m.offloader is not None and m.offloader.sent_blocks == 12
     assert probe.stats()["commits"] == 12
+
+
+def test_default_offload_sends_everything_but_what_a_hint_excludes(
+    managers: ManagerFactory, probe: KVClient
+) -> None:
+    m = managers(offload=None)  # the default: reuse, budget 1
+    assert m.l1.offload_mode == "reuse"
+    plain = compute_and_put(m, tokens_of(11, 4))
+    kept = compute_and_put(m, tokens_of(12, 4), keep=True)
+    one_shot = compute_and_put(m, tokens_of(13, 4), keep=False)
+    assert m.flush(FLUSH_TIMEOUT)
+    assert probe.exists(plain + kept) == [True] * 8
+    assert probe.exists(one_shot) == [False] * 4
+    # A one-shot request's blocks that turn out to be reused are sent on that reuse.
+    got = m.acquire(tokens_of(13, 4)[: 2 * BLOCK_TOKENS])
+    assert got.l1_blocks == 2
+    m.release(got)
+    assert m.flush(FLUSH_TIMEOUT)
+    assert probe.exists(one_shot) == [True] * 2 + [False] * 2
+
+
+def test_offload_budget_sends_less_and_is_checked(
+    managers: ManagerFactory, probe: KVClient, node: NodeProcess
+) -> None:
+    m = managers(offload="reuse", offload_budget=0.25)
+    keys = [k for i in range(30) for k in compute_and_put(m, tokens_of(20 + i, 4))]
+    assert m.flush(FLUSH_TIMEOUT)
+    sent = probe.exists(keys)
+    assert 0 < sum(sent) < len(keys) // 2  # about a quarter...
+    assert not any(sent[i] and not sent[i - 1] for i in range(len(keys)) if i % 4)  # ...closed
+    with pytest.raises(ConfigError, match="offload budget must be in \\(0, 1\\]"):
+        make_manager(node, offload="reuse", offload_budget=2.0)
+    with pytest.raises(ConfigError, match="applies only to offload mode 'reuse', not 'all'"):
+        make_manager(node, offload="all", offload_budget=0.5)
 
 
 def test_offload_hot_puts_only_reaccessed_blocks(managers: ManagerFactory, probe: KVClient) -> None:

@@ -147,6 +147,16 @@ def test_future_knowledge_of_a_hand_built_trace(known: TraceKeys) -> None:
     assert reused_at_insert == {k[0][0], k[0][1], k[0][2], k[1][0]}  # blocks 1, 2, 3, 4
 
 
+def test_noisy_hints_flip_a_fixed_share_of_requests(known: TraceKeys) -> None:
+    perfect = [known.hint(r) for r in range(5)]
+    assert perfect == [known.continued(r) for r in range(5)]
+    assert [known.hint(r, 1.0) for r in range(5)] == [not h for h in perfect]
+    many = TraceKeys(load_trace(SLICE))
+    wrong = sum(many.hint(r, 0.25) != many.continued(r) for r in range(len(many.trace)))
+    assert 45 <= wrong <= 105  # a quarter of 300, by a fixed hash of the request index
+    assert many.hint(7, 0.25) == many.hint(7, 0.25)
+
+
 def test_oracle_sends_exactly_the_blocks_used_again(known: TraceKeys) -> None:
     # A three-block L1 holds no block until its next use: every hit is the node's.
     oracle = replay_model(known, ReplaySetup(l1_blocks=3, offload="oracle"))

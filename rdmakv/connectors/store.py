@@ -55,7 +55,7 @@ class StoreOptions:
     transport: str = "auto"
     l1_bytes: int = DEFAULT_L1_BYTES
     policy: str = "lru"
-    offload: str = "all"
+    offload: str = "reuse"
     offload_budget: float | None = None
     token: str | None = None
     token_file: str | None = None

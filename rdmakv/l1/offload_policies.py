@@ -37,8 +37,9 @@ from typing import Protocol
 from rdmakv.errors import ConfigError
 from rdmakv.keys import BlockKey
 
-DEFAULT_REUSE_BUDGET = 0.5
-"""``reuse`` sends about this share of the bytes ``all`` would (see docs/offload.md)."""
+DEFAULT_REUSE_BUDGET = 1.0
+"""``reuse``'s default byte budget, as a share of what ``all`` sends: everything
+that no hint excludes (docs/offload.md says why, and when to lower it)."""
 REUSE_GHOST_FACTOR = 4.0
 """Ghost keys remembered, as a multiple of the L1 capacity in blocks.
 

@@ -196,6 +196,8 @@ def check_setup(setup: ReplaySetup) -> None:
         raise ConfigError(f"engines must be positive, got {setup.engines}")
     if setup.routing not in ROUTINGS:
         raise ConfigError(f"routing must be one of {ROUTINGS}, got {setup.routing!r}")
+    if not 0.0 <= setup.hint_noise <= 1.0:
+        raise ConfigError(f"hint_noise must be in [0, 1], got {setup.hint_noise}")
     if setup.timeline_s <= 0:
         raise ConfigError(f"timeline_s must be positive, got {setup.timeline_s}")
 
@@ -222,7 +224,7 @@ def replay_model(
     try:
         for r, req in enumerate(trace):
             ks, ds = keys.keys[r], keys.digests[r]
-            keep = keys.continued(r) if setup.hints else None
+            keep = keys.hint(r, setup.hint_noise) if setup.hints else None
             engine = engines[route(setup, ks, r)]
             l1_hits, node_hits = engine.request(r, ks, ds, keep)
             result.count_request(req.timestamp_ms, len(ks), l1_hits, node_hits)

@@ -19,8 +19,9 @@ class ReplaySetup:
 
     ``l1_blocks`` is each engine's L1 capacity in blocks, ``node_blocks`` the
     node's (None: unbounded). ``offload`` is an offload mode name or
-    ``"oracle"``; ``hints`` passes each request's perfect ``keep`` hint
-    (:meth:`~rdmakv.replay.trace.TraceKeys.continued`) to the manager.
+    ``"oracle"``; ``hints`` passes each request's ``keep`` hint to the manager:
+    whether the trace continues it (:meth:`~rdmakv.replay.trace.TraceKeys.hint`),
+    wrong for a ``hint_noise`` share of the requests.
     ``engines`` > 1 replays a fleet sharing one node, each request routed by
     ``routing`` (:data:`ROUTINGS`).
     """
@@ -30,6 +31,7 @@ class ReplaySetup:
     offload: str = "all"
     offload_budget: float | None = None
     hints: bool = False
+    hint_noise: float = 0.0
     policy: str = "lru"
     engines: int = 1
     routing: str = "prefix"
@@ -37,11 +39,13 @@ class ReplaySetup:
 
     @property
     def label(self) -> str:
-        """Short name of the offload choice: ``all``, ``reuse@0.5``, ``reuse+hint``."""
+        """Short name: ``all``, ``reuse@0.5``, ``reuse+hint``, ``reuse+hint~0.2`` (noisy)."""
         name = self.offload
         if self.offload_budget is not None:
             name += f"@{self.offload_budget:g}"
-        return name + ("+hint" if self.hints else "")
+        if self.hints:
+            name += "+hint" + (f"~{self.hint_noise:g}" if self.hint_noise else "")
+        return name
 
 
 @dataclass

@@ -101,7 +101,7 @@ def replay_stack(
             if oracle is not None:
                 oracle.now = r
             block_keys = keys.keys[r]
-            keep = keys.continued(r) if setup.hints else None
+            keep = keys.hint(r, setup.hint_noise) if setup.hints else None
             tokens = trace.prompt_tokens(req)
             got = mgr.acquire(tokens, max_tokens=mgr.exists(tokens))
             try:

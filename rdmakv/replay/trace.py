@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,6 +245,15 @@ class TraceKeys:
         """
         ks = self.keys[r]
         return bool(ks) and self.last_use[ks[-1]] > r
+
+    def hint(self, r: int, noise: float = 0.0) -> bool:
+        """Request ``r``'s ``keep`` hint: :meth:`continued`, wrong for a ``noise`` share.
+
+        Which requests get the wrong answer is a fixed function of ``r`` (the
+        same in every replay), so replays with the same noise compare.
+        """
+        wrong = noise > 0.0 and zlib.crc32(r.to_bytes(8, "little")) < noise * 2**32
+        return self.continued(r) != wrong
 
     def reused_later(self, key: BlockKey, r: int) -> bool:
         """Whether a request after ``r`` asks for ``key``: the oracle's knowledge."""
