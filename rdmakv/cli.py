@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
@@ -112,13 +113,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from rdmakv.client import KVClient
+    from rdmakv.remote import open_remote
 
-    host, _, port = args.address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"address must be HOST:PORT, got {args.address!r}")
-    with KVClient(
-        host, int(port), None, token=_read_token(args.token_file), timeout=args.timeout
+    # A control-only client (no slab): one node's stats, or per node and in
+    # total over a cluster (a node that does not answer shows its error).
+    with contextlib.closing(
+        open_remote(
+            args.address,
+            None,
+            token=_read_token(args.token_file),
+            transport="tcp",
+            timeout=args.timeout,
+        )
     ) as c:
         print(json.dumps(c.stats(), indent=2, sort_keys=True))
     return 0
@@ -127,6 +133,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rdmakv import demo
 
+    args.token = _read_token(args.token_file)
     return demo.main(args)
 
 
@@ -151,8 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lock", action="store_true", help="do not mlock the pool")
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("stats", help="print a node's statistics as JSON")
-    p.add_argument("address", metavar="HOST:PORT")
+    p = sub.add_parser(
+        "stats", help="print a node's or a cluster's statistics as JSON (per node and total)"
+    )
+    p.add_argument(
+        "address", metavar="NODES", help="HOST:PORT, a list a:7480,b:7480, or dns://NAME:PORT"
+    )
     p.add_argument("--token-file")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=_cmd_stats)
@@ -176,6 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1: everything)",
     )
     p.add_argument("--transport", choices=["tcp", "rdma", "auto"], default="auto")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--local-nodes",
+        type=int,
+        default=1,
+        help="start this many local nodes and shard over them (default 1)",
+    )
+    where.add_argument(
+        "--nodes",
+        metavar="NODES",
+        help="use running nodes instead: HOST:PORT, a list a:7480,b:7480, or dns://NAME:PORT",
+    )
+    p.add_argument("--token-file", help="with --nodes: the nodes' shared-secret token")
+    p.add_argument(
+        "--replication", type=int, default=1, help="copies of each block in a cluster (default 1)"
+    )
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
     p.set_defaults(func=_cmd_demo)
 

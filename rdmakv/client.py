@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rdmakv.errors import (
     AuthError,
@@ -97,6 +97,43 @@ MIN_SUB_BATCH = 64
 """Keys per sub-batch at least: smaller batches are not worth splitting."""
 RETRY_BACKOFF = 0.1
 """First pause between connection attempts (seconds); doubles each attempt."""
+
+
+@runtime_checkable
+class NodeClient(Protocol):
+    """What the manager needs from its remote tier: one node, a cluster, another store.
+
+:class:`KVClient` is the reference; every implementation keeps its contract:
+lists in the caller's order, a digest mismatch is a miss, every wait bounded
+by the client's timeout, bad arguments raise :class:`ConfigError` first.
+"""
+
+    @property
+    def transport_name(self) -> str | None: ...
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        nbytes: int | Sequence[int],
+        digests: Sequence[bytes],
+    ) -> list[bool]: ...
+
+    def get(
+        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    ) -> list[bool]: ...
+
+    def get_sizes(
+        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    ) -> list[int | None]: ...
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 class KVClient:
@@ -264,13 +301,13 @@ class KVClient:
         """
         slab = self._need_slab()
         sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
-        _same_len(keys, handles=handles, nbytes=sizes, digests=digests)
-        _check_keys(keys)
+        same_len(keys, handles=handles, nbytes=sizes, digests=digests)
+        check_keys(keys)
         slab.check_handles(handles)
         if sizes and not (min(sizes) > 0 and max(sizes) <= slab.block_size):
             bad = next(n for n in sizes if not (0 < n <= slab.block_size))
             raise ConfigError(f"nbytes {bad} outside (0, slab block size {slab.block_size}]")
-        _check_digests(digests)
+        check_digests(digests)
 
         def run() -> list[bool]:
             ch, tp = self._conn()
@@ -432,10 +469,10 @@ class KVClient:
     ) -> list[int | None]:
         """Like :meth:`get` but returns the value length per hit (None per miss)."""
         slab = self._need_slab()
-        _same_len(keys, handles=handles, digests=digests)
-        _check_keys(keys)
+        same_len(keys, handles=handles, digests=digests)
+        check_keys(keys)
         slab.check_handles(handles)
-        _check_digests(digests)
+        check_digests(digests)
 
         def run() -> list[int | None]:
             ch, tp = self._conn()
@@ -534,12 +571,12 @@ class KVClient:
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed on the node (one round trip per batch)."""
-        _check_keys(keys)
+        check_keys(keys)
         return self._flags_op(Op.EXISTS, keys, "EXISTS")
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Remove keys; True per key that was present."""
-        _check_keys(keys)
+        check_keys(keys)
         return self._flags_op(Op.DELETE, keys, "DELETE")
 
     def _flags_op(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool]:
@@ -601,13 +638,15 @@ def _sane_node_info(info: NodeInfo) -> NodeInfo:
     )
 
 
-def _same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:
+def same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:
+    """ConfigError unless every sequence of ``others`` is as long as ``keys``."""
     for name, seq in others.items():
         if len(seq) != len(keys):
             raise ConfigError(f"{len(keys)} keys but {len(seq)} {name}")
 
 
-def _check_keys(keys: Sequence[bytes]) -> None:
+def check_keys(keys: Sequence[bytes]) -> None:
+    """ConfigError naming the first key that is not 1..MAX_KEY_LEN bytes."""
     # C-level passes first: batches hold thousands of keys, all valid as a rule
     if set(map(type, keys)) <= {bytes} and (
         not keys or (min(map(len, keys)) >= 1 and max(map(len, keys)) <= MAX_KEY_LEN)
@@ -618,7 +657,8 @@ def _check_keys(keys: Sequence[bytes]) -> None:
             raise ConfigError(f"key #{i} must be 1..{MAX_KEY_LEN} bytes, got {k!r:.60}")
 
 
-def _check_digests(digests: Sequence[bytes]) -> None:
+def check_digests(digests: Sequence[bytes]) -> None:
+    """ConfigError naming the first digest that is not DIGEST_LEN bytes."""
     if set(map(type, digests)) <= {bytes} and set(map(len, digests)) <= {DIGEST_LEN}:
         return
     for i, d in enumerate(digests):

@@ -1,7 +1,9 @@
 """``rdmakv demo``: a generated KV workload through L1 and a local KV node.
 
-Starts a real ``rdmakv serve`` child on 127.0.0.1 (default transport), then
-plays an inference-shaped workload against a :class:`KVCacheManager`:
+Starts a real ``rdmakv serve`` child on 127.0.0.1 (default transport; with
+``--local-nodes N``, N of them as a cluster; with ``--nodes``, uses running
+nodes instead), then plays an inference-shaped workload against a
+:class:`KVCacheManager`:
 
 * *prefill*: requests share a few long "system prompt" prefixes and each adds
   a unique suffix; each request acquires its cached prefix and "computes" the
@@ -18,6 +20,7 @@ exits non-zero if any block came back wrong.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from rdmakv.errors import ConfigError
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
 from rdmakv.node.process import LocalNodeProcess
@@ -60,6 +64,11 @@ class DemoConfig:
     offload_budget: float | None = None
     transport: str = "auto"
     seed: int = 0
+    local_nodes: int = 1
+    nodes: str | None = None
+    """Running nodes to use (``rdmakv.remote`` address) instead of local ones."""
+    token: bytes | None = None
+    replication: int = 1
 
 
 def make_requests(cfg: DemoConfig) -> list[np.ndarray]:
@@ -89,22 +98,17 @@ def run(cfg: DemoConfig, *, quiet: bool = False) -> dict[str, object]:
         f"block = {cfg.block_tokens} tokens / {cfg.block_bytes // 1024} KiB; "
         f"L1 = {cfg.l1_bytes >> 20} MiB ({cfg.policy}, offload {cfg.offload})"
     )
-    with LocalNodeProcess(
-        {
-            "pool-size": str(cfg.pool_bytes),
-            "block-size": str(cfg.block_bytes),
-            "transport": cfg.transport,
-        },
-        extra_args=["--no-lock"],
-    ) as node:
-        say(f"[demo] {node.ready_line}")
+    with contextlib.ExitStack() as stack:
+        remote = cfg.nodes or _start_local_nodes(cfg, stack, say)
         with KVCacheManager(
             namespace=DEMO_NAMESPACE,
             block_tokens=cfg.block_tokens,
             block_bytes=cfg.block_bytes,
             l1_bytes=cfg.l1_bytes,
-            node=node.endpoint,
+            node=remote,
             transport=cfg.transport,
+            token=cfg.token,
+            replication=cfg.replication,
             policy=cfg.policy,
             offload=cfg.offload,
             offload_budget=cfg.offload_budget,
@@ -137,6 +141,25 @@ def run(cfg: DemoConfig, *, quiet: bool = False) -> dict[str, object]:
                 "offload_failed_blocks": off.failed_blocks if off else 0,
             }
     return summary
+
+
+def _start_local_nodes(cfg: DemoConfig, stack: contextlib.ExitStack, say: Say) -> str:
+    """Start ``cfg.local_nodes`` nodes sharing ``cfg.pool_bytes``; their address list."""
+    if cfg.local_nodes < 1:
+        raise ConfigError(f"local nodes must be >= 1, got {cfg.local_nodes}")
+    pool = max(cfg.block_bytes, cfg.pool_bytes // cfg.local_nodes)
+    endpoints = []
+    for _ in range(cfg.local_nodes):
+        node = stack.enter_context(
+            LocalNodeProcess(
+                {"pool-size": str(pool), "block-size": str(cfg.block_bytes),
+                 "transport": cfg.transport},
+                extra_args=["--no-lock"],
+            )
+        )
+        say(f"[demo] {node.ready_line}")
+        endpoints.append(node.endpoint)
+    return ",".join(endpoints)
 
 
 def _prefill(mgr: KVCacheManager, requests: list[np.ndarray], say: Say) -> dict[str, float]:
@@ -195,6 +218,10 @@ def main(args: argparse.Namespace) -> int:
         offload=args.offload,
         offload_budget=args.offload_budget,
         transport=args.transport,
+        local_nodes=args.local_nodes,
+        nodes=args.nodes,
+        token=args.token,
+        replication=args.replication,
     )
     summary = run(cfg)
     r = summary["replay"]

@@ -110,6 +110,7 @@ class HybridKVCacheManager:
         token: bytes | str | None = None,
         timeout: float = 5.0,
         lock_slab: bool = True,
+        replication: int = 1,
     ) -> None:
         for gl in groups:
             if not isinstance(gl, GroupLayout):
@@ -138,6 +139,7 @@ class HybridKVCacheManager:
                         token=token,
                         timeout=timeout,
                         lock_slab=lock_slab,
+                        replication=replication,
                     )
                 )
         except BaseException:

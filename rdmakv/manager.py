@@ -55,7 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.client import KVClient
+from rdmakv.client import NodeClient
+from rdmakv.cluster import parse_members
 from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey, BlockKeyer, KeyNamespace
 from rdmakv.l1 import (
@@ -66,6 +67,7 @@ from rdmakv.l1 import (
     OffloadQueue,
     make_offload_policy,
 )
+from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 
 log = logging.getLogger("rdmakv.manager")
@@ -129,14 +131,14 @@ class _Prefetch:
 class Offloader:
     """Background thread: drains an :class:`OffloadQueue` into batched node puts.
 
-    Owns its own :class:`KVClient` (its own connection) so a long put never
+    Owns its own :class:`~rdmakv.client.NodeClient` (its own connections) so a long put never
     delays the engine's lookups. Items are always marked done -- sent or not --
     so the L1 gets its references back; failures are counted, never retried
     (the block stays in L1, and a later offer may send it).
     """
 
     def __init__(
-        self, queue: OffloadQueue, client: KVClient, batch_blocks: int = DEFAULT_OFFLOAD_BATCH
+        self, queue: OffloadQueue, client: NodeClient, batch_blocks: int = DEFAULT_OFFLOAD_BATCH
     ) -> None:
         if batch_blocks <= 0:
             raise ConfigError(f"offload batch must be positive, got {batch_blocks}")
@@ -204,7 +206,10 @@ class KVCacheManager:
     """Prefix cache over an L1 slab and an optional remote KV node.
 
     ``block_tokens`` tokens make one block of ``block_bytes`` bytes of KV.
-    ``node`` is ``"host:port"`` of a KV node, or None for an L1-only cache.
+    ``node`` names the remote tier (:mod:`rdmakv.remote`): ``"host:port"`` of a
+    KV node, ``"a:7480,b:7480"`` or ``"dns://name:7480"`` for a cluster whose
+    members each hold a rendezvous share of the keys (``replication`` copies
+    of each), or None for an L1-only cache.
     ``offload`` picks which computed blocks are sent to the node: a mode name
     (``reuse``, the default: every block unless the request's ``keep`` hint
     says otherwise, or only ``offload_budget`` of the bytes; ``all``, ``cold``,
@@ -228,6 +233,7 @@ class KVCacheManager:
         token: bytes | str | None = None,
         timeout: float = 5.0,
         lock_slab: bool = True,
+        replication: int = 1,
     ) -> None:
         if l1_bytes < block_bytes:
             raise ConfigError(f"l1_bytes {l1_bytes} is smaller than one block ({block_bytes})")
@@ -248,18 +254,23 @@ class KVCacheManager:
         self.queue = OffloadQueue(pending) if offload_policy.needs_queue else None
         self.l1 = L1Cache(self.slab, l1_bytes, policy, offload_policy, self.queue)
         self.stats = ManagerStats()
-        self.client: KVClient | None = None
+        self.client: NodeClient | None = None
         self.offloader: Offloader | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._prefetches: list[_Prefetch] = []
-        self._prefetch_client: KVClient | None = None
-        self._new_client: Callable[[], KVClient] | None = None
+        self._prefetch_client: NodeClient | None = None
+        self._new_client: Callable[[], NodeClient] | None = None
         if node is not None:
-            host, port = _split_address(node)
+            parse_members(node)  # a malformed address fails here, before any connect
 
-            def new_client() -> KVClient:
-                return KVClient(
-                    host, port, self.slab, token=token, transport=transport, timeout=timeout
+            def new_client() -> NodeClient:
+                return open_remote(
+                    node,
+                    self.slab,
+                    token=token,
+                    transport=transport,
+                    timeout=timeout,
+                    replication=replication,
                 )
 
             self._new_client = new_client
@@ -668,13 +679,6 @@ class KVCacheManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"node address must be HOST:PORT, got {address!r}")
-    return host, int(port)
 
 
 def agree_min(value: int, group: Any) -> int:

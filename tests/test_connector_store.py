@@ -172,6 +172,11 @@ def test_options_are_validated_by_name() -> None:
     with pytest.raises(ConfigError, match="timeout"):
         StoreOptions.from_mapping({"node": "h:1", "timeout": 0})
     assert StoreOptions.from_mapping({"node": "h:1", "l1_bytes": "2MiB"}).l1_bytes == 2 << 20
-    assert StoreOptions.from_mapping({"node": "[::1]:7070"}).address() == ("::1", 7070)
-    with pytest.raises(ConfigError, match="HOST:PORT"):
-        StoreOptions.from_mapping({"node": "nohost"}).address()
+    assert StoreOptions.from_mapping({"node": "[::1]:7070"}).node == "[::1]:7070"
+    cluster = StoreOptions.from_mapping({"node": "a:1,b:2", "replication": 2})
+    assert cluster.replication == 2
+    assert StoreOptions.from_mapping({"node": "dns://kv.default.svc:7480"}).replication == 1
+    with pytest.raises(ConfigError, match="no port"):
+        StoreOptions.from_mapping({"node": "nohost"})
+    with pytest.raises(ConfigError, match="replication must be an int >= 1"):
+        StoreOptions.from_mapping({"node": "a:1,b:2", "replication": 0})

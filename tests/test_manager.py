@@ -71,13 +71,14 @@ def tokens_of(seed: int, num_blocks: int, tail: int = 0) -> np.ndarray:
     return rng.integers(0, VOCAB, num_blocks * BLOCK_TOKENS + tail, dtype=np.int32)
 
 
-def make_manager(node: NodeProcess | None, **kw: Any) -> KVCacheManager:
+def make_manager(node: NodeProcess | str | None, **kw: Any) -> KVCacheManager:
+    """A test manager on ``node`` (a node, an address string: a cluster too, or None)."""
     opts: dict[str, Any] = {
         "namespace": KeyNamespace(model="test-model", dtype="float16", kv_layout="NHD"),
         "block_tokens": BLOCK_TOKENS,
         "block_bytes": BLOCK_BYTES,
         "l1_bytes": 64 * BLOCK_BYTES,
-        "node": None if node is None else node.endpoint,
+        "node": node if node is None or isinstance(node, str) else node.endpoint,
         "transport": "tcp",
         "offload": "all",
         "max_pending_offload_bytes": 64 * BLOCK_BYTES,

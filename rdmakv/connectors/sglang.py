@@ -83,10 +83,11 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorageExtraInfo,
 )
 
-from rdmakv.client import KVClient
+from rdmakv.client import NodeClient
 from rdmakv.connectors.store import StoreOptions
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.keys import DIGEST_BYTES, KeyNamespace
+from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 
 log = logging.getLogger("rdmakv.connectors.sglang")
@@ -137,13 +138,13 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.mem_pool_host: Any = None
         self.slab: Slab | None = None
-        self.client: KVClient | None = None
+        self.client: NodeClient | None = None
         self.zero_copy = False
         self.value_bytes = 0
         self.parts = 1
         self.part_bytes = 0
         self.copied_spans = 0
-        self._staging: tuple[Slab, KVClient] | None = None
+        self._staging: tuple[Slab, NodeClient] | None = None
         self._seed = b""
         self._lock = threading.Lock()
         self._pool_range = (0, 0)
@@ -217,18 +218,17 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 return "the page spans do not lie on a span-sized grid of the host KV buffer"
         return None
 
-    def _connect(self, slab: Slab) -> KVClient:
-        host, port = self.options.address()
-        return KVClient(
-            host,
-            port,
+    def _connect(self, slab: Slab) -> NodeClient:
+        return open_remote(
+            self.options.node,
             slab,
             token=self.options.secret(),
             transport=self.options.transport,
             timeout=self.options.timeout,
+            replication=self.options.replication,
         )
 
-    def _open_staging(self) -> tuple[Slab, KVClient]:
+    def _open_staging(self) -> tuple[Slab, NodeClient]:
         """A staging slab of part-sized blocks and a client over it."""
         staging = self.options.l1_bytes
         if "l1_bytes" not in (self.config.extra_config or {}):
@@ -244,12 +244,12 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             slab.close()
             raise
 
-    def _ready(self) -> KVClient:
+    def _ready(self) -> NodeClient:
         if self.client is None:
             raise ConfigError("register_mem_pool_host was not called before the first transfer")
         return self.client
 
-    def _staging_pair(self) -> tuple[Slab, KVClient]:
+    def _staging_pair(self) -> tuple[Slab, NodeClient]:
         """The staging slab and its client; on the zero-copy path made on first use
         (only the tensor interface needs one there)."""
         self._ready()

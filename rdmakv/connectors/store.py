@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from rdmakv.cluster import parse_members
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
 from rdmakv.errors import ConfigError, RdmakvError
@@ -46,9 +47,11 @@ SCHEDULER_L1_BLOCKS = 1
 class StoreOptions:
     """Connector settings, as given in an engine's connector config dict.
 
-    ``node`` is ``HOST:PORT`` of an ``rdmakv serve`` node (required: the
-    scheduler side sees only what reached the node). Sizes accept ints or
-    strings like ``"4GiB"``.
+    ``node`` names the remote tier (required: the scheduler side sees only
+    what reached it): ``HOST:PORT`` of an ``rdmakv serve`` node, a
+    comma-separated list of them or ``dns://NAME:PORT`` for a cluster
+    (:mod:`rdmakv.remote`), with ``replication`` copies of each block. Sizes
+    accept ints or strings like ``"4GiB"``.
     """
 
     node: str
@@ -62,6 +65,7 @@ class StoreOptions:
     timeout: float = 5.0
     lock_slab: bool = True
     model: str | None = None
+    replication: int = 1
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], *, ignore: Sequence[str] = ()) -> StoreOptions:
@@ -74,7 +78,8 @@ class StoreOptions:
             )
         if not raw.get("node"):
             raise ConfigError(
-                'rdmakv connector option "node" (HOST:PORT of rdmakv serve) is required'
+                'rdmakv connector option "node" (HOST:PORT of rdmakv serve, a list of them, '
+                'or dns://NAME:PORT) is required'
             )
         values = {k: v for k, v in raw.items() if k in known}
         if "l1_bytes" in values:
@@ -83,14 +88,12 @@ class StoreOptions:
             values["timeout"] = float(values["timeout"])
             if values["timeout"] <= 0:
                 raise ConfigError(f"timeout must be > 0 seconds, got {values['timeout']}")
+        if "replication" in values:
+            r = values["replication"]
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ConfigError(f"replication must be an int >= 1, got {r!r}")
+        parse_members(values["node"])  # a malformed address fails at start-up
         return cls(**values)
-
-    def address(self) -> tuple[str, int]:
-        """``node`` as ``(host, port)``."""
-        host, _, port = self.node.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"node must be HOST:PORT, got {self.node!r}")
-        return host.strip("[]"), int(port)
 
     def secret(self) -> str | None:
         """The node token: ``token``, or the contents of ``token_file``."""
@@ -173,6 +176,7 @@ class GroupStores:
                         token=options.secret(),
                         timeout=options.timeout,
                         lock_slab=options.lock_slab and not scheduler,
+                        replication=options.replication,
                     )
                 )
         except BaseException:

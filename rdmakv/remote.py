@@ -1,0 +1,72 @@
+"""The remote tier behind a manager, named by one address string.
+
+Engines and operators name where KV lives with one string, the same in
+``KVCacheManager(node=...)``, the connectors' ``node`` option and
+``rdmakv demo --nodes``:
+
+========================== ==========================================================
+``host:port``              one ``rdmakv serve`` (:class:`~rdmakv.client.KVClient`)
+``a:7480,b:7480``          a cluster of nodes, keys sharded by rendezvous hashing
+``dns://name:7480``        a cluster whose members are the A records of ``name``
+                           (a Kubernetes headless Service), re-resolved periodically
+========================== ==========================================================
+
+Every one of them is a :class:`~rdmakv.client.NodeClient`: the manager does
+not know which it holds.
+"""
+
+from __future__ import annotations
+
+from rdmakv.client import DEFAULT_TIMEOUT, KVClient, NodeClient
+from rdmakv.cluster import DnsMembership, StaticMembership, parse_members, split_node_id
+from rdmakv.cluster.client import DEFAULT_REPLICATION, ClusterClient
+from rdmakv.errors import ConfigError
+from rdmakv.slab import Slab
+
+REMOTE_FORMS = "HOST:PORT, a comma-separated list of HOST:PORT, or dns://NAME:PORT"
+
+
+def is_cluster(spec: str) -> bool:
+    """Whether ``spec`` names more than one node (or may: a DNS name)."""
+    membership = parse_members(spec)
+    return isinstance(membership, DnsMembership) or len(membership.resolve()) > 1
+
+
+def open_remote(
+    spec: str,
+    slab: Slab | None,
+    *,
+    token: bytes | str | None = None,
+    transport: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    replication: int = DEFAULT_REPLICATION,
+) -> NodeClient:
+    """Connect to the remote tier ``spec`` names (module docstring) over ``slab``.
+
+    One node is a plain :class:`KVClient` (it raises ConnectionLost when the
+    node is unreachable: a wrong address should be loud); several are a
+    :class:`ClusterClient`, which starts as long as one member answers.
+    ``replication`` > 1 needs a cluster.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"remote address must be {REMOTE_FORMS}, got {spec!r}")
+    membership = parse_members(spec)
+    if isinstance(membership, StaticMembership) and len(membership.resolve()) == 1:
+        if replication != DEFAULT_REPLICATION:
+            raise ConfigError(
+                f"replication {replication} needs a cluster of at least that many nodes, "
+                f"got one node {spec!r}"
+            )
+        host, port = split_node_id(membership.resolve()[0])
+        return KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
+    return ClusterClient(
+        membership,
+        slab,
+        token=token,
+        transport=transport,
+        timeout=timeout,
+        replication=replication,
+    )
+
+
+__all__ = ["REMOTE_FORMS", "is_cluster", "open_remote"]
