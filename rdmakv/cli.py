@@ -1,4 +1,5 @@
-"""The ``rdmakv`` command line: ``serve`` (a KV node), ``stats HOST:PORT``, ``demo``."""
+"""The ``rdmakv`` command line: ``serve`` (a KV node), ``stats NODES`` (a node or a cluster),
+``demo``, ``doctor``."""
 
 from __future__ import annotations
 

@@ -56,7 +56,6 @@ from typing import Any
 import numpy as np
 
 from rdmakv.client import NodeClient
-from rdmakv.cluster import parse_members
 from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey, BlockKeyer, KeyNamespace
 from rdmakv.l1 import (
@@ -67,7 +66,7 @@ from rdmakv.l1 import (
     OffloadQueue,
     make_offload_policy,
 )
-from rdmakv.remote import open_remote
+from rdmakv.remote import check_address, open_remote
 from rdmakv.slab import Slab
 
 log = logging.getLogger("rdmakv.manager")
@@ -261,7 +260,7 @@ class KVCacheManager:
         self._prefetch_client: NodeClient | None = None
         self._new_client: Callable[[], NodeClient] | None = None
         if node is not None:
-            parse_members(node)  # a malformed address fails here, before any connect
+            check_address(node)  # a malformed address fails here, before any connect
 
             def new_client() -> NodeClient:
                 return open_remote(

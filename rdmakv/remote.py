@@ -9,6 +9,7 @@ Engines and operators name where KV lives with one string, the same in
 ``a:7480,b:7480``          a cluster of nodes, keys sharded by rendezvous hashing
 ``dns://name:7480``        a cluster whose members are the A records of ``name``
                            (a Kubernetes headless Service), re-resolved periodically
+``infinistore://host:port`` an InfiniStore server (:mod:`rdmakv.tiers.infinistore`)
 ========================== ==========================================================
 
 Every one of them is a :class:`~rdmakv.client.NodeClient`: the manager does
@@ -18,18 +19,23 @@ not know which it holds.
 from __future__ import annotations
 
 from rdmakv.client import DEFAULT_TIMEOUT, KVClient, NodeClient
-from rdmakv.cluster import DnsMembership, StaticMembership, parse_members, split_node_id
+from rdmakv.cluster import StaticMembership, parse_members, split_node_id
 from rdmakv.cluster.client import DEFAULT_REPLICATION, ClusterClient
 from rdmakv.errors import ConfigError
 from rdmakv.slab import Slab
+from rdmakv.tiers import infinistore
 
-REMOTE_FORMS = "HOST:PORT, a comma-separated list of HOST:PORT, or dns://NAME:PORT"
+REMOTE_FORMS = (
+    "HOST:PORT, a comma-separated list of HOST:PORT, dns://NAME:PORT, or infinistore://HOST:PORT"
+)
 
 
-def is_cluster(spec: str) -> bool:
-    """Whether ``spec`` names more than one node (or may: a DNS name)."""
-    membership = parse_members(spec)
-    return isinstance(membership, DnsMembership) or len(membership.resolve()) > 1
+def check_address(spec: str) -> None:
+    """ConfigError naming what is wrong with ``spec``, before anything connects."""
+    if isinstance(spec, str) and spec.startswith(infinistore.SCHEME):
+        infinistore.parse_address(spec)
+    else:
+        parse_members(spec)
 
 
 def open_remote(
@@ -45,11 +51,17 @@ def open_remote(
 
     One node is a plain :class:`KVClient` (it raises ConnectionLost when the
     node is unreachable: a wrong address should be loud); several are a
-    :class:`ClusterClient`, which starts as long as one member answers.
-    ``replication`` > 1 needs a cluster.
+    :class:`ClusterClient`, which starts as long as one member answers; an
+    InfiniStore server is an :class:`~rdmakv.tiers.infinistore.InfiniStoreTier`
+    (its transport is always RDMA). ``replication`` > 1 needs a cluster.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"remote address must be {REMOTE_FORMS}, got {spec!r}")
+    if spec.startswith(infinistore.SCHEME):
+        if replication != DEFAULT_REPLICATION:
+            raise ConfigError(f"replication applies to clusters of rdmakv nodes, not {spec!r}")
+        host, port = infinistore.parse_address(spec)
+        return infinistore.InfiniStoreTier(host, port, slab, timeout=timeout)
     membership = parse_members(spec)
     if isinstance(membership, StaticMembership) and len(membership.resolve()) == 1:
         if replication != DEFAULT_REPLICATION:
@@ -69,4 +81,4 @@ def open_remote(
     )
 
 
-__all__ = ["REMOTE_FORMS", "is_cluster", "open_remote"]
+__all__ = ["REMOTE_FORMS", "check_address", "open_remote"]

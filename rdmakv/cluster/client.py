@@ -228,6 +228,7 @@ class ClusterClient:
             self._shutdown(nodes)
             raise
         ring = Rendezvous(ids)
+        self._warn_if_short(ring)
         by_id = {n.id: n for n in nodes}
         self._view = _View(ring, tuple(by_id[i] for i in ring.nodes))
         self._next_refresh = self._refresh_deadline()
@@ -292,6 +293,7 @@ class ClusterClient:
         for node, err in errors.items():
             log.warning("new rdmakv node %s unreachable; it starts down: %s", node.id, err)
         ring = Rendezvous(ids)
+        self._warn_if_short(ring)
         by_id = {**current, **{n.id: n for n in added}}
         removed = [n for n in current.values() if n.id not in set(ids)]
         with self._lock:
@@ -671,6 +673,13 @@ class ClusterClient:
         """The transports of the connected nodes, e.g. ``"tcp"`` or ``"rdma+tcp"``."""
         names = sorted({t for t in self.transports.values() if t is not None})
         return "+".join(names) or None
+
+    def _warn_if_short(self, ring: Rendezvous) -> None:
+        if len(ring) < self.replication:
+            log.warning(
+                "replication %d but only %d member(s): each key is stored %d time(s)",
+                self.replication, len(ring), len(ring),
+            )
 
     def owners(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
         """The member ids each key is placed on, best first (R of them at most)."""

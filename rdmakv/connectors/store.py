@@ -27,13 +27,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rdmakv.cluster import parse_members
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import KVCacheGroup
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
+from rdmakv.remote import check_address
 
 log = logging.getLogger("rdmakv.connectors")
 
@@ -92,7 +92,7 @@ class StoreOptions:
             r = values["replication"]
             if isinstance(r, bool) or not isinstance(r, int) or r < 1:
                 raise ConfigError(f"replication must be an int >= 1, got {r!r}")
-        parse_members(values["node"])  # a malformed address fails at start-up
+        check_address(values["node"])  # a malformed address fails at start-up
         return cls(**values)
 
     def secret(self) -> str | None:
