@@ -1,10 +1,13 @@
-"""Build hook: the optional native RDMA core (``rdmakv._native_verbs``).
+"""Build hook: the optional native RDMA core (``rdmakv._native_verbs``) and
+the native TCP loop (``rdmakv._native_tcp``, plain libc, built on every host).
 
-All metadata lives in pyproject.toml. The cffi module is built only when the
-libibverbs development headers are present (``apt-get install libibverbs-dev``)
-and ``RDMAKV_NO_NATIVE`` is unset; otherwise rdmakv installs TCP-only, and
-``rdmakv doctor`` / the ``auto`` transport say why RDMA is unavailable. A
-failing native compile is reported and skipped, never fatal.
+All metadata lives in pyproject.toml. The RDMA cffi module is built only when
+the libibverbs development headers are present (``apt-get install
+libibverbs-dev``) and ``RDMAKV_NO_NATIVE`` is unset; otherwise rdmakv installs
+TCP-only, and ``rdmakv doctor`` / the ``auto`` transport say why RDMA is
+unavailable. The TCP loop needs only a C compiler; without it (or with
+``RDMAKV_NO_NATIVE``) tcp moves bytes in Python. A failing native compile is
+reported and skipped, never fatal.
 """
 
 from __future__ import annotations
@@ -33,18 +36,21 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # compiler missing, link error, ...
-            print(f"rdmakv: native RDMA core not built ({exc}); TCP-only", file=sys.stderr)
+            print(f"rdmakv: native core not built ({exc})", file=sys.stderr)
 
     def build_extension(self, ext):  # type: ignore[no-untyped-def]
         try:
             super().build_extension(ext)
         except Exception as exc:
-            print(f"rdmakv: native RDMA core not built ({exc}); TCP-only", file=sys.stderr)
+            print(f"rdmakv: native module {ext.name} not built ({exc})", file=sys.stderr)
 
 
 kwargs: dict[str, object] = {"cmdclass": {"build_ext": OptionalBuildExt}}
+# The native TCP loop needs only libc: built on every host (else tcp runs in Python).
+cffi_modules = ["native/build_tcp.py:ffibuilder"]
 if os.environ.get("RDMAKV_NO_NATIVE"):
-    print("rdmakv: RDMAKV_NO_NATIVE set: installing TCP-only", file=sys.stderr)
+    print("rdmakv: RDMAKV_NO_NATIVE set: no native modules (TCP-only)", file=sys.stderr)
+    cffi_modules = []
 elif not _have_verbs_headers():
     print(
         "rdmakv: infiniband/verbs.h not found (apt-get install libibverbs-dev): "
@@ -52,6 +58,8 @@ elif not _have_verbs_headers():
         file=sys.stderr,
     )
 else:
-    kwargs["cffi_modules"] = ["native/build_verbs.py:ffibuilder"]
+    cffi_modules.append("native/build_verbs.py:ffibuilder")
+if cffi_modules:
+    kwargs["cffi_modules"] = cffi_modules
 
 setup(**kwargs)  # type: ignore[arg-type]

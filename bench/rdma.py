@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from rdmakv.bench.drivers.perftest import run_perftest
 from rdmakv.client import KVClient
 from rdmakv.slab import Slab
 from rdmakv.transport import verbs
@@ -45,11 +46,8 @@ BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024)
 DEFAULT_BYTES = 32 * 1024 * 1024
 DEFAULT_REPEATS = 3
 GB = 1e9
-GBIT = 1e9 / 8
 CLIENT_TIMEOUT_S = 120.0
 PERFTEST_TIMEOUT_S = 300.0
-SERVER_START_S = 2.0  # perftest's server must be listening before the client connects
-PERFTEST_PORT = 18515
 
 
 def perftest_gbps(tool: str, sel: verbs.Selection, size: int, iters: int) -> float:
@@ -57,20 +55,8 @@ def perftest_gbps(tool: str, sel: verbs.Selection, size: int, iters: int) -> flo
     ip = ipaddress.IPv6Address(sel.gid).ipv4_mapped
     if ip is None:
         raise RuntimeError(f"perftest needs an IPv4 GID; {sel.describe()} has none")
-    common = [tool, "-d", sel.device, "-i", str(sel.port), "-x", str(sel.gid_index),
-              "-s", str(size), "-n", str(iters), "-F", "--report_gbits", "-p", str(PERFTEST_PORT)]
-    server = subprocess.Popen(common, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(SERVER_START_S)
-        out = subprocess.run([*common, str(ip)], capture_output=True, text=True,
-                             timeout=PERFTEST_TIMEOUT_S, check=True).stdout
-    finally:
-        server.wait(PERFTEST_TIMEOUT_S)
-    for line in out.splitlines():
-        f = line.split()
-        if len(f) >= 4 and f[0] == str(size):
-            return float(f[3]) * GBIT / GB  # BW average [Gb/sec]
-    raise RuntimeError(f"{tool}: no result line in\n{out}")
+    return run_perftest(tool, size, iters, device=sel.device, ib_port=sel.port,
+                        gid_index=sel.gid_index, host=str(ip), timeout=PERFTEST_TIMEOUT_S)
 
 
 def _shape(before: DataPathTotals, after: DataPathTotals) -> dict[str, float]:

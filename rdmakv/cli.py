@@ -1,5 +1,5 @@
 """The ``rdmakv`` command line: ``serve`` (a KV node), ``stats NODES`` (a node or a cluster),
-``demo``, ``doctor``."""
+``demo``, ``doctor``, ``bench`` (rdmakv side by side with its peers)."""
 
 from __future__ import annotations
 
@@ -210,7 +210,55 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check this machine's RDMA set-up and say how to fix it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser(
+        "bench",
+        help="move the same blocks through rdmakv, its peers and a plain socket loop; "
+        "verify every byte; write JSON and plots (bench/README.md)",
+    )
+    p.add_argument("--transport", choices=["tcp", "rdma"], default="tcp")
+    p.add_argument("--quick", action="store_true", help="tiny run (CI): 64 blocks, 2 sizes")
+    p.add_argument("--json", action="store_true", help="print the JSON object on stdout")
+    p.add_argument(
+        "--systems",
+        help="comma-separated systems (default tcp: rdmakv,socket_loop,redis,mooncake_te; "
+        "rdma: rdmakv,perftest,infinistore,mooncake_te)",
+    )
+    p.add_argument("--sizes", help="comma-separated block sizes (default 16KiB,64KiB,256KiB,1MiB)")
+    p.add_argument("--repeats", type=int, help="best of this many runs (default 3; quick 1)")
+    p.add_argument("--blocks", type=int, help="blocks per size (default min(1000, 256MiB/size))")
+    p.add_argument("--name", help="output name (default peers_TRANSPORT)")
+    p.add_argument(
+        "--out", type=Path, help="output directory (default bench/results; --quick: none)"
+    )
+    p.add_argument("--no-latency", action="store_true", help="skip the latency section")
+    p.add_argument("--no-concurrency", action="store_true", help="skip the concurrency section")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rdmakv.bench import runner
+
+    def _list(text: str | None) -> list[str] | None:
+        return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+    sizes = _list(args.sizes)
+    cfg = runner.BenchConfig(
+        transport=args.transport,
+        quick=args.quick,
+        systems=_list(args.systems),
+        sizes=[parse_size(s) for s in sizes] if sizes else None,
+        repeats=args.repeats,
+        blocks=args.blocks,
+        name=args.name,
+        out=args.out,
+        progress=not args.no_progress,
+        latency=not args.no_latency,
+        concurrency=not args.no_concurrency,
+    )
+    return runner.main(cfg, as_json=args.json)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -14,14 +14,35 @@ the node sees every written byte, it marks an extent *written* only once the
 whole extent arrived; the client queues ``COMMIT`` (with
 ``COMMIT_FLAG_REQUIRE_WRITTEN``) right behind its WRITEs, and an extent whose
 write failed is never published.
+
+The per-block loop runs in the native core when it is built
+(``rdmakv._native_tcp``, plain libc, no libibverbs): one C call moves a whole
+request's bulk -- ``sendmsg`` / ``readv`` of up to 1024 blocks per system
+call, resuming after short transfers, waiting with ``poll`` on EAGAIN -- with
+the GIL released, so the client's and the node's Python threads keep running.
+Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
+raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
+mid-transfer raises ``ConnectionLost``). Without the native module, or with
+``RDMAKV_TCP_NATIVE=0``, the same bytes move through the pure-Python
+``sendmsg`` / ``recvmsg_into`` loop of :mod:`rdmakv.protocol`.
 """
 
 from __future__ import annotations
 
+import array
+import importlib
+import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from rdmakv.errors import ProtocolError, RdmakvError
+import numpy as np
+
+from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError
 from rdmakv.protocol import (
+    DATA_OP,
+    RESPONSE_BIT,
+    U32,
     Channel,
     Header,
     NodeInfo,
@@ -48,6 +69,124 @@ READ_PIPELINE_DEPTH = 2
 response is parsed; more only adds buffered request bytes (deadlock risk with
 READ replies filling the other direction). WRITE responses are 24 bytes, so
 every WRITE of a batch is sent before any response is read."""
+
+
+ENV_NATIVE = "RDMAKV_TCP_NATIVE"
+"""Set to 0 to move bulk bytes with the pure-Python loop even when the native
+core is built (for comparison and for testing the fallback)."""
+
+try:  # plain libc: built on every host, but the package must work without it
+    _native: Any = importlib.import_module("rdmakv._native_tcp")
+    _ffi: Any = _native.ffi
+    _lib: Any = _native.lib
+    NATIVE_ERROR: str | None = None
+except ImportError as _exc:
+    _ffi = _lib = None
+    NATIVE_ERROR = f"the native TCP core rdmakv._native_tcp is not built ({_exc})"
+
+use_native: bool = _lib is not None and os.environ.get(ENV_NATIVE, "1") != "0"
+"""Whether bulk bytes move through the native loop (tests may flip it)."""
+
+_RK_TCP_OK = 0
+_RK_TCP_TIMEOUT = 1
+_RK_TCP_CLOSED = 2
+_RK_TCP_ERRNO = 3
+_RK_TCP_EINTR = 4
+_WIRE_OP = np.dtype([("addr", "<u8"), ("len", "<u4")])  # DATA_OP as a numpy record
+assert _WIRE_OP.itemsize == DATA_OP.size
+
+
+def native_available() -> bool:
+    """True when the native TCP loop is built (see :data:`NATIVE_ERROR` otherwise)."""
+    return _lib is not None
+
+
+def _timeout_ms(sock: socket.socket) -> int:
+    t = sock.gettimeout()
+    return -1 if t is None else max(0, int(t * 1000 + 0.999))
+
+
+def _native_io(sock: socket.socket, iov: np.ndarray, sending: bool) -> None:
+    """Move every ``(addr, len)`` row of ``iov`` through ``sock`` in one native call.
+
+    The GIL is released for the call. A signal interrupting a wait returns
+    here so Python runs its handlers (which may raise), then the call resumes.
+    """
+    n = len(iov)
+    if not n:
+        return
+    fn = _lib.rk_tcp_sendv if sending else _lib.rk_tcp_recvv
+    ptr = _ffi.cast("const uint64_t *", iov.ctypes.data)
+    done = _ffi.new("uint64_t *")
+    err = _ffi.new("int *")
+    skip = 0
+    while True:
+        rc = fn(sock.fileno(), ptr, n, skip, _timeout_ms(sock), done, err)
+        if rc == _RK_TCP_OK:
+            return
+        if rc == _RK_TCP_EINTR:
+            skip = int(done[0])
+            continue
+        if rc == _RK_TCP_TIMEOUT:
+            raise TimeoutError("timed out")
+        if rc == _RK_TCP_CLOSED:
+            raise ConnectionLost("peer closed the connection mid-frame")
+        code = int(err[0])
+        raise OSError(code, os.strerror(code))
+
+
+def send_iov(sock: socket.socket, iov: np.ndarray) -> None:
+    """Send the bytes at each ``(addr, len)`` row of a C-contiguous uint64 (n, 2) table.
+
+    The caller keeps the memory alive (holds a view of it) until this returns.
+    """
+    _native_io(sock, iov, True)
+
+
+def recv_iov(sock: socket.socket, iov: np.ndarray) -> None:
+    """Fill the memory at each ``(addr, len)`` row from ``sock`` (see :func:`send_iov`)."""
+    _native_io(sock, iov, False)
+
+
+def _u64(values: Sequence[int]) -> np.ndarray:
+    """Python ints as a uint64 array (array.array converts in C; faster than numpy)."""
+    return np.frombuffer(array.array("Q", values), dtype=np.uint64)
+
+
+def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, int]:
+    """A batch's wire payload (``encode_data_ops`` of its remote ranges), its
+    local iovec table (slab ``base`` + offsets) and its byte count, without
+    per-op Python work beyond one ``zip``."""
+    n = len(batch)
+    local, remote, lengths = zip(*batch, strict=True)
+    lens = _u64(lengths)
+    if int(lens.max()) > 0xFFFFFFFF:
+        raise ProtocolError("a data op longer than 4 GiB cannot be encoded")
+    wire = np.empty(n, dtype=_WIRE_OP)
+    wire["addr"] = _u64(remote)
+    wire["len"] = lens
+    iov = np.empty((n, 2), dtype=np.uint64)
+    iov[:, 0] = _u64(local)
+    iov[:, 0] += np.uint64(base)
+    iov[:, 1] = lens
+    return U32.pack(n) + wire.tobytes(), iov, int(lens.sum())
+
+
+def _node_iov(payload: bytearray, count: int, pool: Slab) -> np.ndarray:
+    """The iovec table of a WRITE/READ request whose ``count`` ops the store
+    has already checked against this session's extents; checked again here
+    against the pool's bounds, as the native loop writes raw memory."""
+    wire = np.frombuffer(payload, dtype=_WIRE_OP, count=count, offset=U32.size)
+    iov = np.empty((count, 2), dtype=np.uint64)
+    iov[:, 0] = wire["addr"]
+    iov[:, 1] = wire["len"]
+    lo, hi = np.uint64(pool.base_addr), np.uint64(pool.base_addr + pool.nbytes)
+    addr, length = iov[:, 0], iov[:, 1]
+    inside = (addr >= lo) & (addr <= hi)
+    # hi - addr cannot wrap where addr <= hi; addr + length could, so it is never formed
+    if count and not (inside.all() and (length <= hi - np.where(inside, addr, hi)).all()):
+        raise ProtocolError("data op outside the node pool")  # unreachable: the store checked
+    return iov
 
 
 class TcpWriteFuture(IoFuture):
@@ -117,6 +256,13 @@ class TcpTransport(Transport):
             ch.sock.settimeout(timeout)
             for start, end in chunks:
                 batch = ops[start:end]
+                if use_native:
+                    assert self._slab is not None
+                    payload, iov, total = _client_batch(batch, self._slab.base_addr)
+                    # header + payload first, then the bulk straight from the slab
+                    replies.append(ch.submit(Op.WRITE, payload, "WRITE", bulk_len=total))
+                    send_iov(ch.sock, iov)  # `local` keeps the slab mapped meanwhile
+                    continue
                 views = [local[op.local_offset : op.local_offset + op.length] for op in batch]
                 payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
                 replies.append(
@@ -135,6 +281,17 @@ class TcpTransport(Transport):
         ch = self._ch
         first: RdmakvError | None = None
         pending: list[Reply] = []
+
+        def native_receiver(iov: np.ndarray, want: int) -> Callable[[Header], None]:
+            def on_ok(hdr: Header) -> None:
+                if hdr.bulk_len != want:
+                    raise ProtocolError(
+                        f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
+                    )
+                recv_iov(ch.sock, iov)  # `local` keeps the slab mapped meanwhile
+                ch.bulk_pending = 0
+
+            return on_ok
 
         def receiver(batch: Sequence[IoOp]) -> Callable[[Header], None]:
             def on_ok(hdr: Header) -> None:
@@ -161,8 +318,14 @@ class TcpTransport(Transport):
             ch.sock.settimeout(timeout)
             for start, end in chunks:
                 batch = ops[start:end]
-                payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
-                pending.append(ch.submit(Op.READ, payload, "READ", on_ok=receiver(batch)))
+                if use_native:
+                    assert self._slab is not None
+                    payload, iov, want = _client_batch(batch, self._slab.base_addr)
+                    on_ok = native_receiver(iov, want)
+                else:
+                    payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
+                    on_ok = receiver(batch)
+                pending.append(ch.submit(Op.READ, payload, "READ", on_ok=on_ok))
                 if len(pending) >= READ_PIPELINE_DEPTH:
                     finish(pending.pop(0))
             while pending:
@@ -184,8 +347,7 @@ class TcpNodeDataPath(NodeDataPath):
     def handlers(self) -> Mapping[int, NodeHandler]:
         return {Op.WRITE: self._write, Op.READ: self._read}
 
-    @staticmethod
-    def _write(session: NodeSession, req: Header, payload: bytearray) -> None:
+    def _write(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         ops = decode_data_ops(payload, "WRITE")
         total = sum(n for _, n in ops)
         if total != req.bulk_len:
@@ -193,15 +355,32 @@ class TcpNodeDataPath(NodeDataPath):
                 f"WRITE ops name {total} bytes but the frame carries {req.bulk_len}"
             )
         views, written = session.open_write(ops)  # raises BadAddress; the bulk is then skipped
-        session.channel.recv_bulk(views)
+        ch = session.channel
+        if use_native:
+            iov = _node_iov(payload, len(ops), self.pool)
+            if total != ch.bulk_pending:
+                raise ProtocolError(
+                    f"bulk of {ch.bulk_pending} bytes does not match the {total} bytes "
+                    "the ops name"
+                )
+            recv_iov(ch.sock, iov)  # `views` keep the pool mapped meanwhile
+            ch.bulk_pending = 0
+        else:
+            ch.recv_bulk(views)
         written()  # only now: every byte of the ops is in the pool
         session.reply(req)
 
-    @staticmethod
-    def _read(session: NodeSession, req: Header, payload: bytearray) -> None:
+    def _read(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         ops = decode_data_ops(payload, "READ")
         views, unpin = session.pin_readable(ops)
         try:
-            session.reply(req, bulk=views)
+            if use_native:
+                iov = _node_iov(payload, len(ops), self.pool)
+                ch = session.channel
+                total = sum(n for _, n in ops)
+                ch.send(req.opcode | RESPONSE_BIT, b"", req_id=req.req_id, bulk_len=total)
+                send_iov(ch.sock, iov)  # `views` keep the pool mapped meanwhile
+            else:
+                session.reply(req, bulk=views)
         finally:
             unpin()

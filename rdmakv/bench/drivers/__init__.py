@@ -1,0 +1,128 @@
+"""The systems ``rdmakv bench`` knows, by the name they carry in the JSON.
+
+:func:`make_driver` builds one; a peer's module (and the package it wraps) is
+imported only then, so a peer that is missing here becomes
+:class:`~rdmakv.bench.driver.PeerUnavailable` with the reason -- never an
+ImportError when ``rdmakv bench`` starts.
+
+Factories are called as ``factory(transport, server=None)``:
+
+* ``transport`` is the run's transport (``"tcp"`` or ``"rdma"``); a driver that
+  cannot use it raises PeerUnavailable from ``open()`` (or from the factory).
+* ``server`` (concurrency runs): the address of a server another driver of the
+  same system already started. A driver given one connects to it instead of
+  starting its own. A driver that can share its server sets the attribute
+  ``server`` (a string) once ``open()`` has started it; the concurrency
+  runner opens one such *owner* driver, then one driver per client process
+  with ``server=owner.server``. A driver without the attribute is reported as
+  ``{"error": ...}`` in the concurrency section.
+
+Optional driver attributes the runner uses when present:
+
+* ``discard(keys)``: drop stored keys; called (untimed) after each repeat so
+  stores that never evict stay within memory.
+* ``min_repeats``: this system is measured at least this many times (the
+  ceiling's "best of several runs").
+* ``has_exists`` = False: the system has no lookup (latency skips ``exists``).
+* ``self_timed`` = True: after ``put``/``get``, ``last_seconds`` is the time the
+  system measured itself for those bytes (perftest), used instead of wall time.
+* ``moves_keys`` = False: the system stores nothing (perftest): nothing is read
+  back or verified (``bytes_verified`` 0) and latency skips it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from rdmakv.bench.driver import Driver, PeerUnavailable
+
+Factory = Callable[..., Driver]
+"""``factory(transport, server=None) -> Driver``."""
+
+# name -> (module, class, extra keyword arguments the class takes).
+_LAZY: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "rdmakv": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {}),
+    "socket_loop": ("rdmakv.bench.drivers.socket_loop", "SocketLoopDriver", {}),
+    "redis": ("rdmakv.bench.drivers.redis", "RedisDriver", {}),
+    "mooncake_te": ("rdmakv.bench.drivers.mooncake", "MooncakeTEDriver", {}),
+    "infinistore": ("rdmakv.bench.drivers.infinistore", "InfiniStoreDriver", {}),
+    "perftest": ("rdmakv.bench.drivers.perftest", "PerftestDriver", {}),
+}
+
+_EXTRA: dict[str, Factory] = {}
+"""Factories added with :func:`register` (they win over the built-in names)."""
+
+CEILING = "socket_loop"
+OURS = "rdmakv"
+FATAL = frozenset({OURS, CEILING})
+"""Systems whose failure fails the whole run (they never skip)."""
+
+DEFAULT_SYSTEMS = {
+    "tcp": ("rdmakv", "socket_loop", "redis", "mooncake_te"),
+    "rdma": ("rdmakv", "perftest", "infinistore", "mooncake_te"),
+}
+
+
+def register(name: str, factory: Factory) -> None:
+    """Add (or replace) a system; tests use this to inject a failing peer."""
+    _EXTRA[name] = factory
+
+
+def unregister(name: str) -> None:
+    _EXTRA.pop(name, None)
+
+
+def known_systems() -> list[str]:
+    return sorted({*_LAZY, *_EXTRA})
+
+
+def _lazy_factory(name: str) -> Factory:
+    module_name, cls_name, extra = _LAZY[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PeerUnavailable(f"{name}: cannot import its driver ({module_name}): {e}") from e
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise PeerUnavailable(f"{name}: {module_name} has no {cls_name}")
+
+    params = inspect.signature(cls).parameters
+    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def factory(transport: str, server: str | None = None) -> Driver:
+        kwargs = dict(extra)
+        # Mooncake's driver names its transport "protocol", as Mooncake does.
+        for arg in ("protocol", "transport"):
+            if arg in params:
+                kwargs[arg] = transport
+                break
+        else:
+            if any_kw:
+                kwargs["transport"] = transport
+        if server is not None:
+            if "server" not in params and not any_kw:
+                raise PeerUnavailable(f"{name}: its driver cannot join a running server")
+            kwargs["server"] = server
+        driver: Driver = cls(**kwargs)
+        return driver
+
+    return factory
+
+
+def make_driver(name: str, transport: str, server: str | None = None) -> Driver:
+    """A new, unopened driver for ``name``; PeerUnavailable if it cannot be built here."""
+    if name in _EXTRA:
+        return _EXTRA[name](transport, server=server)
+    if name not in _LAZY:
+        raise PeerUnavailable(
+            f"unknown system {name!r} (known: {', '.join(known_systems())})"
+        )
+    try:
+        return _lazy_factory(name)(transport, server=server)
+    except PeerUnavailable:
+        raise
+    except Exception as e:  # a peer package that breaks while being set up
+        raise PeerUnavailable(f"{name}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,243 @@
+"""The ceiling: the strongest plain socket loop we know, in Python, over loopback TCP.
+
+A child process (like a node) holds an arena of ``blocks`` blocks. ``put``
+sends the bench's source blocks into it and waits for a one-byte ack; ``get``
+asks for them back and receives them into the bench's destination arena. Each
+direction is ``sendmsg`` / ``recvmsg_into`` with scatter lists of up to
+``IOV_MAX`` (1024) separate blocks per system call on both ends, no per-block
+round trip, no copies, TCP_NODELAY and kernel-autotuned socket buffers: the fewest system
+calls a plain loop can make for the same bytes. The runner verifies the bytes
+that come back, so the loop really moved them out and back. The runner takes
+the best of at least :attr:`SocketLoopDriver.min_repeats` runs.
+
+There is no lookup: ``exists`` raises PeerUnavailable. :func:`tcp_ping_pong_ms`
+is the one-byte round trip the latency section compares lookups with.
+
+``python -m rdmakv.bench.drivers.socket_loop --peer PORT BLOCK COUNT`` and
+``--echo PORT`` are the child processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
+
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+ACCEPT_TIMEOUT_S = 60.0
+_HDR = struct.Struct("!cII")  # command, first block, block count
+ACK = b"k"
+_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _tune(sock: socket.socket) -> None:
+    # Socket buffers stay kernel-autotuned: fixing SO_RCVBUF/SO_SNDBUF (4 MiB)
+    # turns autotuning off and measured slower here at 16 KiB, no faster above.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Send every view, up to IOV_MAX of them per sendmsg, resuming after short sends."""
+    i, off, n = 0, 0, len(views)
+    while i < n:
+        bufs = list(views[i : i + IOV_MAX])
+        if off:
+            bufs[0] = bufs[0][off:]
+        sent = sock.sendmsg(bufs)
+        while sent:
+            rest = len(views[i]) - off
+            if sent >= rest:
+                sent -= rest
+                i += 1
+                off = 0
+            else:
+                off += sent
+                sent = 0
+
+
+def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view, up to IOV_MAX of them per recvmsg_into."""
+    i, off, n = 0, 0, len(views)
+    while i < n:
+        bufs = list(views[i : i + IOV_MAX])
+        if off:
+            bufs[0] = bufs[0][off:]
+        got = sock.recvmsg_into(bufs)[0]
+        if got == 0:
+            raise ConnectionError("socket-loop peer closed the connection")
+        while got:
+            rest = len(views[i]) - off
+            if got >= rest:
+                got -= rest
+                i += 1
+                off = 0
+            else:
+                off += got
+                got = 0
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_views(sock, [memoryview(buf)])
+    return bytes(buf)
+
+
+def _blocks(mv: memoryview, block: int, count: int) -> list[memoryview]:
+    return [mv[i * block : (i + 1) * block] for i in range(count)]
+
+
+# -- child processes ------------------------------------------------------------------
+
+
+def _peer_main(port: int, block: int, count: int) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    _tune(sock)
+    arena = mmap.mmap(-1, block * count, flags=_MAP_FLAGS)
+    views = _blocks(memoryview(arena), block, count)
+    while True:
+        try:
+            cmd, first, n = _HDR.unpack(_recv_exact(sock, _HDR.size))
+        except ConnectionError:
+            return
+        if cmd == b"P":
+            recv_views(sock, views[first : first + n])
+            sock.sendall(ACK)
+        elif cmd == b"G":
+            send_views(sock, views[first : first + n])
+        else:
+            return
+
+
+def _echo_main(port: int) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        b = sock.recv(1)
+        if not b:
+            return
+        sock.sendall(b)
+
+
+def _spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start a child that connects back to a fresh listener; return it and the connection."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    ls.settimeout(ACCEPT_TIMEOUT_S)
+    port = ls.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rdmakv.bench.drivers.socket_loop", *args[:1], str(port), *args[1:]]
+    )
+    try:
+        conn, _ = ls.accept()
+    except TimeoutError:
+        proc.kill()
+        proc.wait()
+        raise PeerUnavailable("socket-loop child did not connect") from None
+    finally:
+        ls.close()
+    conn.settimeout(None)
+    return proc, conn
+
+
+def tcp_ping_pong_ms(samples: int) -> list[float]:
+    """``samples`` one-byte TCP round trips to a child process, in milliseconds."""
+    proc, sock = _spawn(["--echo"])
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out: list[float] = []
+    try:
+        for _ in range(10):  # warm up
+            sock.sendall(b"x")
+            sock.recv(1)
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            sock.sendall(b"x")
+            if sock.recv(1) != b"x":
+                raise ConnectionError("echo child closed")
+            out.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        sock.close()
+        proc.wait(10)
+    return out
+
+
+# -- the driver -----------------------------------------------------------------------
+
+
+class SocketLoopDriver:
+    name = "socket_loop"
+    min_repeats = 5
+    has_exists = False
+
+    def __init__(self, transport: str = "tcp") -> None:
+        if transport != "tcp":
+            raise PeerUnavailable(f"the socket loop is TCP only (asked for {transport})")
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._src: list[memoryview] = []
+        self._dst: list[memoryview] = []
+        self._where: dict[bytes, int] = {}
+
+    def open(self, work: Workload, src: Arena, dst: Arena) -> None:
+        self._src = _blocks(src.data.cast("B"), work.block_bytes, work.blocks)
+        self._dst = _blocks(dst.data.cast("B"), work.block_bytes, work.blocks)
+        self._proc, self._sock = _spawn(["--peer", str(work.block_bytes), str(work.blocks)])
+        _tune(self._sock)
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        assert self._sock is not None
+        n = len(keys)
+        self._sock.sendall(_HDR.pack(b"P", 0, n))
+        send_views(self._sock, self._src[:n])
+        if _recv_exact(self._sock, 1) != ACK:
+            raise ConnectionError("socket-loop peer did not acknowledge")
+        self._where = {bytes(k): i for i, k in enumerate(keys)}
+
+    def get(self, keys: Sequence[bytes]) -> None:
+        assert self._sock is not None
+        slots = [self._where[bytes(k)] for k in keys]
+        # One request per contiguous run of remote slots, all sent before reading.
+        runs: list[tuple[int, int]] = []
+        for s in slots:
+            if runs and runs[-1][0] + runs[-1][1] == s:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((s, 1))
+        self._sock.sendall(b"".join(_HDR.pack(b"G", f, n) for f, n in runs))
+        recv_views(self._sock, self._dst[: len(keys)])
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        raise PeerUnavailable("the socket loop has no lookup")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.sendall(_HDR.pack(b"Q", 0, 0))
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "--peer":
+        _peer_main(int(argv[1]), int(argv[2]), int(argv[3]))
+    elif argv[0] == "--echo":
+        _echo_main(int(argv[1]))
+    else:
+        raise SystemExit(f"usage: {__doc__}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

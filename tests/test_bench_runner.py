@@ -1,0 +1,162 @@
+"""``rdmakv bench``: the runner, its registry and the two systems that never skip.
+
+Real processes throughout (a real ``rdmakv serve``, the socket loop's child);
+the only fake is a driver that injects "this peer cannot run here". No timing
+assertions: benchmarks are not tests (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rdmakv.bench import runner
+from rdmakv.bench.driver import PeerUnavailable, Workload
+from rdmakv.bench.drivers import make_driver, register, unregister
+
+QUICK_SIZES = ("16384", "262144")
+
+
+def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rdmakv.cli", "bench", "--quick", "--json", "--no-progress",
+         "--systems", "rdmakv,socket_loop", "--out", str(out), "--name", "q"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert set(res) == {"tcp", "latency", "concurrency", "ratios", "meta"}
+    assert tuple(res["tcp"]) == QUICK_SIZES
+    for size, per in res["tcp"].items():
+        assert set(per) == {"rdmakv", "socket_loop"}
+        for name in ("rdmakv", "socket_loop"):
+            fig = per[name]
+            assert set(fig) == {"put_gbps", "get_gbps", "bytes_verified"}, (size, name, fig)
+            assert fig["bytes_verified"] == runner.QUICK_BLOCKS * int(size)
+            assert fig["put_gbps"] > 0 and fig["get_gbps"] > 0
+        r = res["ratios"][size]
+        assert r["put_vs_socket_loop"] > 0 and r["get_vs_socket_loop"] > 0
+        assert r["put_vs_best_peer"] is None  # no peer in this run
+    lat = res["latency"]
+    assert lat["round_trip"]["p50_ms"] > 0
+    ours = lat["systems"]["rdmakv"]
+    for op in ("exists_1", "exists_16", "exists_64", "get_1"):
+        assert 0 < ours[op]["p50_ms"] <= ours[op]["p99_ms"], op
+    assert "get_1" in lat["systems"]["socket_loop"]
+    assert "exists_1" not in lat["systems"]["socket_loop"]  # no lookup there
+    conc = res["concurrency"]["systems"]
+    assert set(conc) == {"rdmakv"}  # the socket loop is not a server clients share
+    for n in ("1", "2"):
+        assert conc["rdmakv"][n]["aggregate_gbps"] > 0
+        assert conc["rdmakv"][n]["bytes_verified"] == (
+            int(n) * runner.QUICK_CONC_ROUNDS * runner.CONC_BATCH * runner.CONC_BLOCK
+        )
+    meta = res["meta"]
+    assert meta["quick"] is True and meta["date"] and meta["machine"] and meta["commit"]
+    assert json.loads((out / "q.json").read_text()) == res
+    for what in ("throughput", "latency", "concurrency"):
+        assert (out / f"q_{what}.png").stat().st_size > 0
+
+
+class _Unavailable:
+    """The one fake: a peer that cannot run here (as a missing wheel or device would)."""
+
+    name = "unavailable_peer"
+
+    def __init__(self, transport: str, server: str | None = None) -> None:
+        pass
+
+    def open(self, work: object, src: object, dst: object) -> None:
+        raise PeerUnavailable("unavailable_peer: needs hardware this machine lacks")
+
+    def put(self, keys: object) -> None:
+        raise AssertionError("never opened")
+
+    get = put
+
+    def exists(self, keys: object) -> list[bool]:
+        raise AssertionError("never opened")
+
+    def close(self) -> None:
+        pass
+
+
+def test_unavailable_peer_is_recorded_not_fatal() -> None:
+    register("unavailable_peer", _Unavailable)
+    try:
+        cfg = runner.BenchConfig(
+            quick=True, systems=["socket_loop", "unavailable_peer"], sizes=[16384],
+            blocks=8, progress=False, concurrency=False,
+        )
+        res, rc = runner.run(cfg)
+    finally:
+        unregister("unavailable_peer")
+    assert rc == 0, res["meta"].get("failures")
+    per = res["tcp"]["16384"]
+    assert per["unavailable_peer"] == {
+        "error": "unavailable_peer: needs hardware this machine lacks"
+    }
+    assert per["socket_loop"]["bytes_verified"] == 8 * 16384
+    assert "error" in res["latency"]["systems"]["unavailable_peer"]
+    assert "failures" not in res["meta"]
+
+
+def test_fatal_system_failure_fails_the_run() -> None:
+    """rdmakv never skips: its error fails the run (the socket loop only in TCP runs)."""
+    import os
+
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        pytest.skip("this machine has an RDMA device: rdmakv over rdma would run")
+    cfg = runner.BenchConfig(
+        transport="rdma", quick=True, systems=["rdmakv", "socket_loop"], sizes=[16384],
+        blocks=4, progress=False, latency=False, concurrency=False,
+    )
+    res, rc = runner.run(cfg)
+    assert rc == 1
+    assert "no RDMA device" in res["rdma"]["16384"]["rdmakv"]["error"]
+    assert "TCP only" in res["rdma"]["16384"]["socket_loop"]["error"]
+    assert len(res["meta"]["failures"]) == 1 and "rdmakv" in res["meta"]["failures"][0]
+
+
+def test_registry_is_lazy_and_names_what_is_missing() -> None:
+    # Importing the runner (what `rdmakv bench` does first) imports no peer module.
+    code = (
+        "import sys, rdmakv.bench.runner; "
+        "print([m for m in sys.modules if m.startswith('rdmakv.bench.drivers.')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    with pytest.raises(PeerUnavailable, match="unknown system"):
+        make_driver("no_such_system", "tcp")
+
+
+def test_socket_loop_moves_bytes_out_and_back() -> None:
+    work = Workload(block_bytes=4096, blocks=1500, batch=1500)  # > IOV_MAX blocks per call
+    src, dst = runner.arena(4096 * 1500), runner.arena(4096 * 1500)
+    runner.fill_random(src, seed=3)
+    drv = make_driver("socket_loop", "tcp")
+    try:
+        drv.open(work, src, dst)
+        keys = work.keys("t")
+        drv.put(keys)
+        drv.get(keys[700:703])  # a short, non-zero-offset run lands in dst blocks 0..2
+        assert bytes(dst[: 3 * 4096]) == bytes(src[700 * 4096 : 703 * 4096])
+        drv.get(keys)
+        assert runner.wrong_bytes(src, dst) == 0
+    finally:
+        drv.close()
+
+
+def test_round_trip_names_its_transport() -> None:
+    tcp = runner.round_trip(runner.BenchConfig(transport="tcp"), samples=5)
+    assert tcp["kind"].startswith("tcp") and 0 < tcp["p50_ms"] <= tcp["p99_ms"]
+    rdma = runner.round_trip(runner.BenchConfig(transport="rdma"), samples=5)
+    if "tcp" in rdma:  # a device here: ib_read_lat ran, the TCP one rides along
+        assert rdma["kind"].startswith("rdma") and rdma["p50_ms"] > 0
+    else:  # no device: the TCP round trip, saying why there is no RDMA one
+        assert "no rdma round trip" in rdma["kind"] and rdma["p50_ms"] > 0

@@ -1,0 +1,160 @@
+"""The native TCP scatter/gather loop (``rdmakv._native_tcp``) on real sockets.
+
+``send_iov``/``recv_iov`` move a list of (address, length) ranges with the GIL
+released; they must keep the Python loop's semantics: every byte in order
+across any split of the ranges, a timeout when no byte moves for the socket's
+timeout, ConnectionLost when the peer goes away, signals handled.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from rdmakv.errors import ConnectionLost
+from rdmakv.transport import tcp
+
+pytestmark = [
+    pytest.mark.skipif(not tcp.native_available(), reason=tcp.NATIVE_ERROR or "no native core"),
+    pytest.mark.timeout(60),
+]
+
+
+def table(arrays: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint64]:
+    return np.array([[a.ctypes.data, a.nbytes] for a in arrays], dtype=np.uint64).reshape(-1, 2)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("timeout", [5.0, None])
+def test_many_odd_ranges_arrive_in_order_across_a_different_split(
+    pair: tuple[socket.socket, socket.socket], timeout: float | None
+) -> None:
+    a, b = pair
+    a.settimeout(timeout)
+    b.settimeout(timeout)
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(0, 70_000, 3000)  # more ranges than one sendmsg takes
+    sizes[::97] = 0
+    src = [rng.integers(0, 256, int(n), dtype=np.uint8) for n in sizes]
+    left, rsizes = int(sizes.sum()), []
+    while left:
+        n = int(min(left, rng.integers(1, 200_000)))
+        rsizes.append(n)
+        left -= n
+    dst = [np.zeros(n, np.uint8) for n in rsizes]
+    sender = threading.Thread(target=tcp.send_iov, args=(a, table(src)))
+    sender.start()
+    tcp.recv_iov(b, table(dst))
+    sender.join()
+    assert np.array_equal(np.concatenate(src), np.concatenate(dst))
+
+
+def test_a_silent_peer_times_out_while_other_threads_run(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    _, b = pair
+    b.settimeout(0.5)
+    ticks, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        with pytest.raises(TimeoutError):
+            tcp.recv_iov(b, table([np.zeros(1000, np.uint8)]))
+    finally:
+        stop.set()
+        spinner.join()
+    assert ticks[0] > 0  # the wait released the GIL
+
+
+def test_progress_keeps_a_slow_transfer_alive(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    b.settimeout(2.0)
+
+    def dribble() -> None:
+        for _ in range(4):
+            threading.Event().wait(0.2)
+            a.sendall(b"x" * 10)
+
+    t = threading.Thread(target=dribble)
+    t.start()
+    buf = np.zeros(40, np.uint8)
+    tcp.recv_iov(b, table([buf]))
+    t.join()
+    assert bytes(buf) == b"x" * 40
+
+
+def test_a_peer_that_closes_mid_transfer_is_connection_lost(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    b.settimeout(2)
+    a.sendall(b"y" * 100)
+    a.close()
+    with pytest.raises(ConnectionLost):
+        tcp.recv_iov(b, table([np.zeros(1000, np.uint8)]))
+
+
+def test_sending_to_a_closed_peer_raises(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.settimeout(2)
+    b.close()
+    with pytest.raises(OSError):
+        tcp.send_iov(a, table([np.zeros(1 << 20, np.uint8)]))
+
+
+def test_signals_interrupt_and_resume_the_wait(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    b.settimeout(5)
+    hits = [0]
+    old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        late = threading.Timer(0.5, lambda: a.sendall(b"z" * 5000))
+        late.start()
+        buf = np.zeros(5000, np.uint8)
+        tcp.recv_iov(b, table([buf]))
+        late.join()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert bytes(buf) == b"z" * 5000 and hits[0] > 0
+
+        class Boom(Exception):
+            pass
+
+        def boom(*_: object) -> None:
+            raise Boom
+
+        signal.signal(signal.SIGALRM, boom)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Boom):
+            tcp.recv_iov(b, table([np.zeros(10, np.uint8)]))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_shutdown_from_another_thread_wakes_a_blocked_receive(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    _, b = pair
+    b.settimeout(30)
+    threading.Timer(0.3, lambda: b.shutdown(socket.SHUT_RDWR)).start()
+    with pytest.raises(ConnectionLost):
+        tcp.recv_iov(b, table([np.zeros(10, np.uint8)]))
