@@ -91,6 +91,8 @@ NO_EXISTS = "Mooncake Transfer Engine is a transfer engine, not a store: no exis
 
 
 def _import_engine() -> Any:
+    # glog prints INFO lines per engine to stderr; warnings and errors still show.
+    os.environ.setdefault("GLOG_minloglevel", "1")
     try:
         # importlib: the wheel ships no type information (no mypy override needed).
         engine_mod = importlib.import_module("mooncake.engine")
