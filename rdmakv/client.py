@@ -300,14 +300,7 @@ class KVClient:
         another client is writing right now, or no space, gives False.
         """
         slab = self._need_slab()
-        sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
-        same_len(keys, handles=handles, nbytes=sizes, digests=digests)
-        check_keys(keys)
-        slab.check_handles(handles)
-        if sizes and not (min(sizes) > 0 and max(sizes) <= slab.block_size):
-            bad = next(n for n in sizes if not (0 < n <= slab.block_size))
-            raise ConfigError(f"nbytes {bad} outside (0, slab block size {slab.block_size}]")
-        check_digests(digests)
+        sizes = check_put(slab, keys, handles, nbytes, digests)
 
         def run() -> list[bool]:
             ch, tp = self._conn()
@@ -469,10 +462,7 @@ class KVClient:
     ) -> list[int | None]:
         """Like :meth:`get` but returns the value length per hit (None per miss)."""
         slab = self._need_slab()
-        same_len(keys, handles=handles, digests=digests)
-        check_keys(keys)
-        slab.check_handles(handles)
-        check_digests(digests)
+        check_get(slab, keys, handles, digests)
 
         def run() -> list[int | None]:
             ch, tp = self._conn()
@@ -636,6 +626,36 @@ def _sane_node_info(info: NodeInfo) -> NodeInfo:
         max_bulk=min(info.max_bulk, MAX_BULK_BYTES),
         max_payload=min(info.max_payload, MAX_PAYLOAD),
     )
+
+
+def check_put(
+    slab: Slab,
+    keys: Sequence[bytes],
+    handles: Sequence[int],
+    nbytes: int | Sequence[int],
+    digests: Sequence[bytes],
+) -> list[int]:
+    """The checks of a put's arguments every :class:`NodeClient` makes before
+    sending anything; the value length per key."""
+    sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
+    same_len(keys, handles=handles, nbytes=sizes, digests=digests)
+    check_keys(keys)
+    slab.check_handles(handles)
+    if sizes and not (min(sizes) > 0 and max(sizes) <= slab.block_size):
+        bad = next(n for n in sizes if not (0 < n <= slab.block_size))
+        raise ConfigError(f"nbytes {bad} outside (0, slab block size {slab.block_size}]")
+    check_digests(digests)
+    return sizes
+
+
+def check_get(
+    slab: Slab, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+) -> None:
+    """The checks of a get's arguments every :class:`NodeClient` makes first."""
+    same_len(keys, handles=handles, digests=digests)
+    check_keys(keys)
+    slab.check_handles(handles)
+    check_digests(digests)
 
 
 def same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:

@@ -55,9 +55,9 @@ import numpy.typing as npt
 from rdmakv.client import (
     DEFAULT_TIMEOUT,
     KVClient,
-    check_digests,
+    check_get,
     check_keys,
-    same_len,
+    check_put,
 )
 from rdmakv.cluster.health import DEFAULT_BACKOFF_BASE_S, DEFAULT_BACKOFF_CAP_S, NodeHealth
 from rdmakv.cluster.membership import Membership, parse_members, split_node_id
@@ -533,14 +533,7 @@ class ClusterClient:
         """
         view = self._maintain()
         slab = self._need_slab()
-        sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
-        same_len(keys, handles=handles, nbytes=sizes, digests=digests)
-        check_keys(keys)
-        slab.check_handles(handles)
-        check_digests(digests)
-        if sizes and not (min(sizes) > 0 and max(sizes) <= slab.block_size):
-            bad = next(n for n in sizes if not (0 < n <= slab.block_size))
-            raise ConfigError(f"nbytes {bad} outside (0, slab block size {slab.block_size}]")
+        sizes = check_put(slab, keys, handles, nbytes, digests)
         if not keys:
             return []
 
@@ -567,10 +560,7 @@ class ClusterClient:
         """
         view = self._maintain()
         slab = self._need_slab()
-        same_len(keys, handles=handles, digests=digests)
-        check_keys(keys)
-        slab.check_handles(handles)
-        check_digests(digests)
+        check_get(slab, keys, handles, digests)
         if not keys:
             return []
 

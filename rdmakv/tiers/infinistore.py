@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from rdmakv.client import DEFAULT_TIMEOUT, check_digests, check_keys, same_len
+from rdmakv.client import DEFAULT_TIMEOUT, check_get, check_keys, check_put
 from rdmakv.errors import (
     ConfigError,
     ConnectionLost,
@@ -217,11 +217,7 @@ class InfiniStoreTier:
     ) -> list[bool]:
         """Store whole slab blocks ``handles`` under ``keys``; True where stored."""
         slab = self._need_slab()
-        sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
-        same_len(keys, handles=handles, nbytes=sizes, digests=digests)
-        check_keys(keys)
-        slab.check_handles(handles)
-        check_digests(digests)
+        sizes = check_put(slab, keys, handles, nbytes, digests)
         whole = [i for i, n in enumerate(sizes) if n == slab.block_size]
         out = [False] * len(keys)
         with self._lock:
@@ -257,10 +253,7 @@ class InfiniStoreTier:
     ) -> list[int | None]:
         """Like :meth:`get`; a hit's size is the slab's block size (whole blocks only)."""
         slab = self._need_slab()
-        same_len(keys, handles=handles, digests=digests)
-        check_keys(keys)
-        slab.check_handles(handles)
-        check_digests(digests)
+        check_get(slab, keys, handles, digests)
         out: list[int | None] = [None] * len(keys)
         with self._lock:
             conn = self._ready()
