@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from rdmakv.bench.drivers.socket_loop import recv_views, send_views
 from rdmakv.client import KVClient
 from rdmakv.slab import Slab
 from rdmakv.transport import tcp
@@ -50,52 +51,11 @@ GB = 1e9
 READY_TIMEOUT_S = 60.0
 CLIENT_TIMEOUT_S = 60.0
 ACK = b"k"
-IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 BIG_SOCK_BUF = 4 * 1024 * 1024
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
 # -- the ceiling: plain socket loops -------------------------------------------------
-
-
-def _send_scatter(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Send every view, up to IOV_MAX of them per sendmsg, resuming after short sends."""
-    i, off, n = 0, 0, len(views)
-    while i < n:
-        bufs = list(views[i : i + IOV_MAX])
-        if off:
-            bufs[0] = bufs[0][off:]
-        sent = sock.sendmsg(bufs)
-        while sent:
-            rest = len(views[i]) - off
-            if sent >= rest:
-                sent -= rest
-                i += 1
-                off = 0
-            else:
-                off += sent
-                sent = 0
-
-
-def _recv_scatter(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Fill every view, up to IOV_MAX of them per recvmsg_into."""
-    i, off, n = 0, 0, len(views)
-    while i < n:
-        bufs = list(views[i : i + IOV_MAX])
-        if off:
-            bufs[0] = bufs[0][off:]
-        got = sock.recvmsg_into(bufs)[0]
-        if got == 0:
-            raise ConnectionError("socket-loop peer closed the connection")
-        while got:
-            rest = len(views[i]) - off
-            if got >= rest:
-                got -= rest
-                i += 1
-                off = 0
-            else:
-                off += got
-                got = 0
 
 
 def _send_per_block(sock: socket.socket, views: Sequence[memoryview]) -> None:
@@ -116,8 +76,8 @@ def _recv_per_block(sock: socket.socket, views: Sequence[memoryview]) -> None:
 Mover = Callable[[socket.socket, Sequence[memoryview]], None]
 # name -> (big socket buffers?, send loop, receive loop)
 LOOPS: dict[str, tuple[bool, Mover, Mover]] = {
-    "scatter": (False, _send_scatter, _recv_scatter),
-    "scatter_bigbuf": (True, _send_scatter, _recv_scatter),
+    "scatter": (False, send_views, recv_views),
+    "scatter_bigbuf": (True, send_views, recv_views),
     "per_block": (False, _send_per_block, _recv_per_block),
 }
 

@@ -44,44 +44,40 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _advance(views: Sequence[memoryview], i: int, off: int, moved: int) -> tuple[int, int]:
+    """Position (view index, offset in it) after ``moved`` more bytes from ``(i, off)``."""
+    while moved:
+        rest = len(views[i]) - off
+        if moved < rest:
+            return i, off + moved
+        moved -= rest
+        i, off = i + 1, 0
+    return i, off
+
+
+def _window(views: Sequence[memoryview], i: int, off: int) -> list[memoryview]:
+    """Up to IOV_MAX views from position ``(i, off)``."""
+    bufs = list(views[i : i + IOV_MAX])
+    if off:
+        bufs[0] = bufs[0][off:]
+    return bufs
+
+
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Send every view, up to IOV_MAX of them per sendmsg, resuming after short sends."""
-    i, off, n = 0, 0, len(views)
-    while i < n:
-        bufs = list(views[i : i + IOV_MAX])
-        if off:
-            bufs[0] = bufs[0][off:]
-        sent = sock.sendmsg(bufs)
-        while sent:
-            rest = len(views[i]) - off
-            if sent >= rest:
-                sent -= rest
-                i += 1
-                off = 0
-            else:
-                off += sent
-                sent = 0
+    i, off = 0, 0
+    while i < len(views):
+        i, off = _advance(views, i, off, sock.sendmsg(_window(views, i, off)))
 
 
 def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Fill every view, up to IOV_MAX of them per recvmsg_into."""
-    i, off, n = 0, 0, len(views)
-    while i < n:
-        bufs = list(views[i : i + IOV_MAX])
-        if off:
-            bufs[0] = bufs[0][off:]
-        got = sock.recvmsg_into(bufs)[0]
+    i, off = 0, 0
+    while i < len(views):
+        got = sock.recvmsg_into(_window(views, i, off))[0]
         if got == 0:
             raise ConnectionError("socket-loop peer closed the connection")
-        while got:
-            rest = len(views[i]) - off
-            if got >= rest:
-                got -= rest
-                i += 1
-                off = 0
-            else:
-                off += got
-                got = 0
+        i, off = _advance(views, i, off, got)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
