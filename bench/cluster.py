@@ -44,14 +44,10 @@ Usage: ``python bench/cluster.py [--quick] [--blocks N] [--block-bytes B]
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import hashlib
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +59,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from rdmakv.bench.provenance import provenance
 from rdmakv.client import KVClient
 from rdmakv.cluster import ClusterClient
 from rdmakv.cluster.rendezvous import Rendezvous, fold_key, mix64, node_seed
@@ -414,13 +411,6 @@ def ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
 
 
 def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=False,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "blocks": args.blocks,
         "block_bytes": args.block_bytes,
@@ -430,10 +420,7 @@ def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
         "quick": args.quick,
         "transport": "tcp",
         "host": "127.0.0.1",
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
-        "commit": commit,
+        **provenance(),
         "seconds": round(seconds, 1),
     }
 

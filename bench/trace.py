@@ -41,12 +41,9 @@ Results go to ``bench/results/trace_<kind>.json`` (and ``.png`` plots).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import multiprocessing as mp
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -55,6 +52,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from rdmakv.bench.provenance import provenance
 from rdmakv.errors import RdmakvError
 from rdmakv.replay import ReplayResult, ReplaySetup, TraceKeys, load_trace, replay_model
 from rdmakv.replay.stack import DEFAULT_STACK_BLOCK_BYTES, replay_stack
@@ -244,13 +242,6 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def meta(path: Path, keys: TraceKeys, seconds: float, **more: Any) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=False,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "trace": str(path),
         "requests": len(keys.trace),
@@ -258,10 +249,7 @@ def meta(path: Path, keys: TraceKeys, seconds: float, **more: Any) -> dict[str, 
         "total_blocks": keys.total_blocks,
         "block_tokens": keys.trace.block_tokens,
         "trace_seconds": keys.trace.duration_s,
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
-        "commit": commit,
+        **provenance(),
         "seconds": round(seconds, 1),
         **more,
     }

@@ -33,13 +33,11 @@ GB/s are 1e9 bytes per second; latencies are in milliseconds.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import importlib
 import json
 import mmap
 import multiprocessing
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -54,6 +52,7 @@ import numpy as np
 
 from rdmakv.bench.driver import Arena, Driver, PeerUnavailable, Workload
 from rdmakv.bench.drivers import CEILING, DEFAULT_SYSTEMS, FATAL, OURS, make_driver
+from rdmakv.bench.provenance import provenance
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -587,35 +586,6 @@ def ratios(
     return out
 
 
-def _commit() -> str:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return sha + ("-dirty" if dirty else "")
-
-
-def _machine() -> str:
-    mem = ""
-    with contextlib.suppress(OSError, ValueError):
-        mem = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{platform.node()}: {os.cpu_count()} x {cpu}{mem}, {platform.platform()}"
-
-
 # -- the run -----------------------------------------------------------------------------
 
 
@@ -669,14 +639,11 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
         "concurrency": concurrency,
         "ratios": ratios(section, latency),
         "meta": {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": _machine(),
-            "commit": _commit(),
+            **provenance(),
             "quick": cfg.quick,
             "transport": cfg.transport,
             "blocks": {str(s): cfg.blocks_for(s) for s in sizes},
             "repeats": cfg.resolved_repeats(),
-            "python": platform.python_version(),
             **cfg.extra_meta,
         },
     }
