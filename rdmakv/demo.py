@@ -19,15 +19,16 @@ exits non-zero if any block came back wrong.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from rdmakv.config import CONFIG_ENV, env_var
 from rdmakv.errors import ConfigError
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
@@ -35,6 +36,7 @@ from rdmakv.node.process import LocalNodeProcess
 from rdmakv.synthetic_kv import fill_kv, kv_matches
 
 Say = Callable[[str], None]
+_NODE_ENV_PREFIX = env_var("node", "")
 
 
 def _print(line: str) -> None:
@@ -69,6 +71,8 @@ class DemoConfig:
     """Running nodes to use (``rdmakv.remote`` address) instead of local ones."""
     token: bytes | None = None
     replication: int = 1
+    timeout: float = 5.0
+    """Seconds any remote wait may take."""
 
 
 def make_requests(cfg: DemoConfig) -> list[np.ndarray]:
@@ -109,6 +113,7 @@ def run(cfg: DemoConfig, *, quiet: bool = False) -> dict[str, object]:
             transport=cfg.transport,
             token=cfg.token,
             replication=cfg.replication,
+            timeout=cfg.timeout,
             policy=cfg.policy,
             offload=cfg.offload,
             offload_budget=cfg.offload_budget,
@@ -150,16 +155,37 @@ def _start_local_nodes(cfg: DemoConfig, stack: contextlib.ExitStack, say: Say) -
     pool = max(cfg.block_bytes, cfg.pool_bytes // cfg.local_nodes)
     endpoints = []
     for _ in range(cfg.local_nodes):
-        node = stack.enter_context(
-            LocalNodeProcess(
-                {"pool-size": str(pool), "block-size": str(cfg.block_bytes),
-                 "transport": cfg.transport},
-                extra_args=["--no-lock"],
+        with _without_node_settings():
+            node = stack.enter_context(
+                LocalNodeProcess(
+                    {"pool-size": str(pool), "block-size": str(cfg.block_bytes),
+                     "transport": cfg.transport},
+                    extra_args=["--no-lock"],
+                )
             )
-        )
         say(f"[demo] {node.ready_line}")
         endpoints.append(node.endpoint)
     return ",".join(endpoints)
+
+
+@contextlib.contextmanager
+def _without_node_settings() -> Iterator[None]:
+    """Hide RDMAKV_CONFIG and RDMAKV_NODE_* from the demo's own nodes while they start.
+
+    Those configure a production node: its token file (the demo's client would
+    not send the token) or one fixed metrics port (the second local node could
+    not bind it). The nodes inherit our environment, so it is scrubbed around
+    the start (single-threaded here) and restored after.
+    """
+    hidden = {
+        k: v for k, v in os.environ.items() if k == CONFIG_ENV or k.startswith(_NODE_ENV_PREFIX)
+    }
+    for k in hidden:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def _prefill(mgr: KVCacheManager, requests: list[np.ndarray], say: Say) -> dict[str, float]:
@@ -210,19 +236,8 @@ def _replay(mgr: KVCacheManager, requests: list[np.ndarray], say: Say) -> dict[s
     }
 
 
-def main(args: argparse.Namespace) -> int:
-    cfg = DemoConfig(
-        requests=args.requests,
-        l1_bytes=args.l1_mib << 20,
-        policy=args.policy,
-        offload=args.offload,
-        offload_budget=args.offload_budget,
-        transport=args.transport,
-        local_nodes=args.local_nodes,
-        nodes=args.nodes,
-        token=args.token,
-        replication=args.replication,
-    )
+def main(cfg: DemoConfig, *, as_json: bool = False) -> int:
+    """Run the demo, print its summary (and the JSON with ``as_json``); 1 if any block was wrong."""
     summary = run(cfg)
     r = summary["replay"]
     assert isinstance(r, dict)
@@ -234,6 +249,6 @@ def main(args: argparse.Namespace) -> int:
         f"{r['wrong_blocks']} wrong blocks",
         flush=True,
     )
-    if args.json:
+    if as_json:
         print(json.dumps(summary, indent=2))
     return 1 if r["wrong_blocks"] else 0

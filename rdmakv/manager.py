@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -253,6 +254,8 @@ class KVCacheManager:
         self.queue = OffloadQueue(pending) if offload_policy.needs_queue else None
         self.l1 = L1Cache(self.slab, l1_bytes, policy, offload_policy, self.queue)
         self.stats = ManagerStats()
+        self.on_remote_get: Callable[[float], None] | None = None
+        """Called with the seconds of each batched node get (metrics hook; None = off)."""
         self.client: NodeClient | None = None
         self.offloader: Offloader | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -479,12 +482,16 @@ class KVCacheManager:
     ) -> list[int | None]:
         """One batched verified node get; any node failure is all misses (counted, logged)."""
         assert self.client is not None
+        started = time.perf_counter()
         try:
             return self.client.get_sizes(keys, blocks, digests)
         except RdmakvError as e:
             self.stats.l2_errors += 1
             log.warning("remote get of %d blocks failed, treating as misses: %s", len(keys), e)
             return [None] * len(keys)
+        finally:
+            if self.on_remote_get is not None:
+                self.on_remote_get(time.perf_counter() - started)
 
     def _remote_exists(self, keys: list[BlockKey]) -> list[bool]:
         """One batched node exists; any node failure is all absent (counted, logged)."""
@@ -605,6 +612,7 @@ class KVCacheManager:
         queue behind a prefetch. Returns the sizes and whether the node failed
         (counted on the engine thread: the stats are not thread-safe).
         """
+        started = time.perf_counter()
         try:
             if self._prefetch_client is None:
                 assert self._new_client is not None
@@ -613,6 +621,10 @@ class KVCacheManager:
         except RdmakvError as e:
             log.warning("prefetch of %d blocks failed, treating as misses: %s", len(keys), e)
             return [None] * len(keys), True
+        finally:
+            observe = self.on_remote_get  # prometheus histograms are thread-safe
+            if observe is not None:
+                observe(time.perf_counter() - started)
 
     def poll(self) -> None:
         """Engine-thread housekeeping: admit finished prefetches, reclaim sent offloads."""

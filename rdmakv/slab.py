@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import mmap
+import os
 import resource
 import sys
 import warnings
@@ -170,7 +171,7 @@ class Slab:
         shown = "unlimited" if limit is None else f"{limit} bytes"
         warnings.warn(
             f"rdmakv: could not lock the {length}-byte slab in RAM "
-            f"(mlock: {ctypes.cast(_libc.strerror(err), ctypes.c_char_p).value!r}; "
+            f"(mlock: {os.strerror(err)}; "
             f"RLIMIT_MEMLOCK is {shown}). RDMA registration of this slab may fail. "
             "Raise the limit with `ulimit -l unlimited` (or LimitMEMLOCK=infinity in a "
             "systemd unit, `--ulimit memlock=-1` in docker).",

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
@@ -96,3 +106,266 @@ def test_optional_transport_that_fails_to_come_up_is_left_out() -> None:
             transports=["broken-rdma"],
             lock_pool=False,
         )
+
+
+# -- config file, environment and flags; clean start-up failures; JSON logs -------------------
+# Real `rdmakv serve` processes (no --port unless a test wants one: the file or
+# the environment must be what picks it).
+
+RUN = [sys.executable, "-m", "rdmakv.cli"]
+SMALL = ["--pool-size", "4MiB", "--block-size", "64KiB", "--no-lock"]
+READY_TIMEOUT_S = 60.0
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without rdmakv settings (the test's own), plus ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RDMAKV_NODE_", "RDMAKV_CLIENT_", "RDMAKV_LOG_", "RDMAKV_CONFIG"))
+    }
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _held_port() -> Iterator[int]:
+    """A port something else listens on while the block runs."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        yield int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _serve(args: list[str], env: dict[str, str], stderr: Path) -> Iterator[int]:
+    """Start ``rdmakv serve ARGS``; yield the port of its ready line; SIGTERM at the end."""
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(
+            [*RUN, *args], stdout=subprocess.PIPE, stderr=err, env=env, text=True
+        )
+    try:
+        out = proc.stdout
+        assert out is not None
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(out.readline()), daemon=True)
+        reader.start()
+        reader.join(READY_TIMEOUT_S)
+        assert line and "ready on " in line[0], (line, stderr.read_text())
+        yield int(line[0].split("ready on ", 1)[1].split()[0].rsplit(":", 1)[1])
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _fails(args: list[str], env: dict[str, str] | None = None) -> str:
+    """Run a command that must not start; its stderr, checked to be one clean line."""
+    out = subprocess.run(
+        [*RUN, *args], capture_output=True, text=True, timeout=60, env=env or _clean_env()
+    )
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+def test_serve_config_with_wrong_key_fails_naming_it(tmp_path: Path) -> None:
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text("node:\n  port: 0\n  pool_sise: 4MiB\n")
+    line = _fails(["serve", "--config", str(cfg)])
+    assert line.startswith(f"rdmakv serve: error: config file {cfg}: node.pool_sise: unknown key")
+    assert "allowed keys: host, port, pool_size, block_size" in line
+
+
+def test_serve_config_with_wrong_type_or_value_fails_naming_it(tmp_path: Path) -> None:
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text("node:\n  port: seven\n  transport: rdmaa\n")
+    line = _fails(["serve", "--config", str(cfg)])
+    assert "node.port: input should be a valid integer" in line and "'seven'" in line
+    assert "node.transport: 'rdmaa' is not one of tcp, rdma, auto" in line
+    # The same file named by RDMAKV_CONFIG.
+    line = _fails(["serve"], _clean_env(RDMAKV_CONFIG=str(cfg)))
+    assert "node.transport: 'rdmaa' is not one of tcp, rdma, auto" in line
+    # A bad environment value names the variable.
+    line = _fails(["serve"], _clean_env(RDMAKV_NODE_LEASE_TIMEOUT_S="-1"))
+    assert "environment variable RDMAKV_NODE_LEASE_TIMEOUT_S: node.lease_timeout_s:" in line
+    line = _fails(["serve"], _clean_env(RDMAKV_NODE_PORTT="1"))
+    assert "RDMAKV_NODE_PORTT: no such setting" in line
+
+
+def test_serve_config_file_errors(tmp_path: Path) -> None:
+    line = _fails(["serve", "--config", str(tmp_path / "missing.yaml")])
+    assert "missing.yaml: cannot read it: No such file or directory" in line
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("node:\n  port: 1\n  host: [x\n")
+    line = _fails(["serve", "--config", str(bad)])
+    assert f"config file {bad}: YAML syntax error at line " in line
+
+
+def test_serve_environment_overrides_file_and_flag_overrides_environment(tmp_path: Path) -> None:
+    with _held_port() as taken:
+        cfg = tmp_path / "node.yaml"
+        # The file names a port something else holds: serving there would fail.
+        cfg.write_text(
+            f"node:\n  host: 127.0.0.1\n  port: {taken}\n  pool_size: 4MiB\n"
+            "  block_size: 64KiB\n  lock_pool: false\n"
+        )
+        wanted = _free_port()
+        env = _clean_env(RDMAKV_NODE_PORT=str(wanted))
+        with _serve(["serve", "--config", str(cfg)], env, tmp_path / "a.err") as port:
+            assert port == wanted
+        # The flag beats the environment (which names the held port now).
+        env = _clean_env(RDMAKV_NODE_PORT=str(taken), RDMAKV_CONFIG=str(cfg))
+        with _serve(["serve", "--port", "0"], env, tmp_path / "b.err") as port:
+            assert port not in (taken, 0)
+        # Without flag or variable the file's port is used: here, in use.
+        line = _fails(["serve", "--config", str(cfg)])
+        assert f"127.0.0.1:{taken} is already in use" in line
+
+
+def test_serve_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with _held_port() as taken:
+        line = _fails(["serve", "--port", str(taken), *SMALL])
+        assert line.startswith(f"rdmakv serve: error: 127.0.0.1:{taken} is already in use")
+        assert "--port" in line and "stop the process holding it" in line
+        line = _fails(["serve", "--port", "0", "--metrics-port", str(taken), *SMALL])
+        assert f"metrics address 127.0.0.1:{taken} is already in use" in line
+        assert "--metrics-port" in line
+
+
+def test_serve_unbindable_addresses_are_one_line() -> None:
+    line = _fails(["serve", "--host", "no-such-host.invalid", "--port", "0", *SMALL])
+    assert "host name 'no-such-host.invalid' does not resolve" in line and "--host" in line
+    # TEST-NET-2 (RFC 5737): never an address of this machine.
+    line = _fails(["serve", "--host", "198.51.100.7", "--port", "0", *SMALL])
+    assert "198.51.100.7 is not an address of this machine" in line
+
+
+def test_serve_token_file_failures(tmp_path: Path) -> None:
+    line = _fails(["serve", "--port", "0", "--token-file", str(tmp_path / "nope"), *SMALL])
+    assert "cannot read token file" in line and "No such file or directory" in line
+    assert "--token-file" in line
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"\n")
+    line = _fails(["serve", "--port", "0", "--token-file", str(empty), *SMALL])
+    assert f"token file '{empty}' is empty" in line
+    line = _fails(["serve", "--port", "0", "--token-file", str(tmp_path), *SMALL])
+    assert "cannot read token file" in line and "Is a directory" in line
+
+
+def test_serve_pool_failures() -> None:
+    line = _fails(["serve", "--port", "0", "--pool-size", "1000TiB", "--no-lock"])
+    assert "cannot allocate a 1000TiB pool" in line and "--pool-size" in line
+    line = _fails(["serve", "--port", "0", "--pool-size", "64KiB", "--block-size", "1MiB"])
+    assert "larger than the slab capacity" in line
+
+
+def test_serve_rdma_without_device_is_one_line() -> None:
+    from rdmakv.transport import available_transports
+
+    if "rdma" in available_transports():
+        pytest.skip("this machine has a usable RDMA device")
+    line = _fails(["serve", "--port", "0", "--transport", "rdma", *SMALL])
+    assert "--transport rdma" in line and "rdmakv doctor" in line and "--transport tcp" in line
+
+
+def test_clients_against_no_node_name_the_address(tmp_path: Path) -> None:
+    port = _free_port()  # nothing listens there
+    line = _fails(["stats", f"127.0.0.1:{port}"])
+    assert f"is `rdmakv serve` running at 127.0.0.1:{port}?" in line
+    cfg = tmp_path / "client.yaml"
+    cfg.write_text(f"client:\n  nodes: 127.0.0.1:{port}\n  transport: tcp\n")
+    out = subprocess.run(
+        [*RUN, "demo", "--config", str(cfg), "--requests", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(),
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"rdmakv demo: error: connect to 127.0.0.1:{port}" in out.stderr
+    assert "check the address (--nodes / client.nodes" in out.stderr
+    line = _fails(["stats"])
+    assert "no nodes to ask" in line
+
+
+def test_stats_reads_the_client_section(node_factory: Any, tmp_path: Path) -> None:
+    node = node_factory(token=b"sesame")
+    token = tmp_path / "token"
+    token.write_bytes(b"sesame")
+    cfg = tmp_path / "client.yaml"
+    cfg.write_text(f"client:\n  nodes: {node.endpoint}\n  token_file: {token}\n  timeout_s: 10\n")
+    out = subprocess.run(
+        [*RUN, "stats", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["block_size"] == 64 * 1024  # the node's, so it answered
+
+
+def test_json_logs_are_one_object_per_line(tmp_path: Path) -> None:
+    err = tmp_path / "serve.err"
+    with _serve(["--log-format", "json", "-v", "serve", "--port", "0", *SMALL], _clean_env(), err):
+        pass
+    lines = err.read_text().splitlines()
+    assert lines, "no log records"
+    records = [json.loads(line) for line in lines]
+    for r in records:
+        assert set(r) >= {"ts", "level", "logger", "msg"}
+        datetime.fromisoformat(r["ts"])
+    assert any(r["msg"] == "node stopped" for r in records)
+    # The variable does the same, and the option also works after the command.
+    err = tmp_path / "env.err"
+    env = _clean_env(RDMAKV_LOG_FORMAT="json")
+    with _serve(["serve", "--port", "0", *SMALL], env, err):
+        pass
+    assert all(json.loads(line)["logger"] for line in err.read_text().splitlines())
+    err = tmp_path / "after.err"
+    with _serve(["serve", "--log-format", "json", "--port", "0", *SMALL], _clean_env(), err):
+        pass
+    assert all(json.loads(line)["level"] for line in err.read_text().splitlines())
+    # A start-up failure is a JSON record too.
+    record = json.loads(_fails(["--log-format", "json", "serve", "--token-file", "/nonexistent"]))
+    assert record["level"] == "error" and "cannot read token file" in record["msg"]
+
+
+def test_json_formatter_keeps_exceptions_on_one_line() -> None:
+    from rdmakv.logformat import JsonFormatter
+
+    try:
+        raise ValueError("boom\nsecond line")
+    except ValueError:
+        record = logging.LogRecord(
+            "rdmakv.x", logging.ERROR, __file__, 1, "failed: %s", ("why",), sys.exc_info()
+        )
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    obj = json.loads(line)
+    assert obj["msg"] == "failed: why" and obj["logger"] == "rdmakv.x"
+    assert obj["level"] == "error" and "ValueError: boom" in obj["exc_info"]
+
+
+def test_demo_reads_the_client_section(node_factory: Any, tmp_path: Path) -> None:
+    node = node_factory(pool_size="64MiB", block_size="256KiB")
+    cfg = tmp_path / "client.yaml"
+    cfg.write_text(f"client:\n  nodes: {node.endpoint}\n  transport: tcp\n  offload: all\n")
+    out = subprocess.run(
+        [*RUN, "demo", "--config", str(cfg), "--requests", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "offload (all)" in out.stdout and " 0 wrong blocks" in out.stdout
+    assert "rdmakv node ready" not in out.stdout  # no local node: the configured one

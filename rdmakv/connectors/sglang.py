@@ -11,8 +11,10 @@ Load it as a *dynamic* backend (checked against sglang 0.5.23)::
 ``"interface_v1": 1`` is required: it makes SGLang call :meth:`batch_get_v1` /
 :meth:`batch_set_v1` with host-pool page indices instead of materialising a
 tensor per page. The other keys are
-:class:`~rdmakv.connectors.store.StoreOptions`, plus ``"zero_copy"`` (default
-true; see below). ``l1_bytes`` sizes the staging slab of the copy path.
+:class:`~rdmakv.connectors.store.StoreOptions` (``"rdmakv_config": PATH`` takes
+their defaults from an rdmakv config file's ``client`` section), plus
+``"zero_copy"`` (default true; see below). ``l1_bytes`` sizes the staging slab
+of the copy path.
 
 Values: SGLang names each page by a 64-hex chained hash of its tokens;
 ``get_page_buffer_meta`` gives the page's spans in the host pool. A page is
@@ -231,7 +233,7 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _open_staging(self) -> tuple[Slab, NodeClient]:
         """A staging slab of part-sized blocks and a client over it."""
         staging = self.options.l1_bytes
-        if "l1_bytes" not in (self.config.extra_config or {}):
+        if "l1_bytes" not in self.options.given:  # neither the extra config nor rdmakv_config
             staging = self.value_bytes * STORAGE_BATCH_PAGES * DEFAULT_STAGING_BATCHES
         if staging < self.value_bytes:
             raise ConfigError(

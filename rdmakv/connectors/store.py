@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from rdmakv.config import load_config, parse_size
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
 from rdmakv.errors import ConfigError, RdmakvError
@@ -43,6 +44,22 @@ SCHEDULER_L1_BLOCKS = 1
 """The scheduler side never holds KV; its managers get the smallest L1 possible."""
 
 
+CONFIG_OPTION = "rdmakv_config"
+"""Connector option naming an rdmakv YAML file (docs/config.md) whose ``client`` section
+gives the defaults of the other options."""
+_FROM_CLIENT_SECTION = {
+    "nodes": "node",
+    "replication": "replication",
+    "transport": "transport",
+    "timeout_s": "timeout",
+    "token_file": "token_file",
+    "l1_size": "l1_bytes",
+    "offload": "offload",
+    "offload_budget": "offload_budget",
+}
+"""``client`` config key -> the :class:`StoreOptions` option it is a default for."""
+
+
 @dataclass(frozen=True)
 class StoreOptions:
     """Connector settings, as given in an engine's connector config dict.
@@ -52,6 +69,12 @@ class StoreOptions:
     comma-separated list of them or ``dns://NAME:PORT`` for a cluster
     (:mod:`rdmakv.remote`), with ``replication`` copies of each block. Sizes
     accept ints or strings like ``"4GiB"``.
+
+    Where a value comes from, highest first: the option in the engine's dict;
+    an ``RDMAKV_CLIENT_*`` environment variable; the ``client`` section of the
+    rdmakv config file (``"rdmakv_config": PATH`` in the dict, else
+    ``$RDMAKV_CONFIG``); the default here. ``given`` holds the options that
+    were set by any of those (the rest are defaults).
     """
 
     node: str
@@ -66,22 +89,35 @@ class StoreOptions:
     lock_slab: bool = True
     model: str | None = None
     replication: int = 1
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any], *, ignore: Sequence[str] = ()) -> StoreOptions:
-        """Parse a config dict; unknown keys are an error naming them (typos never pass)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known - set(ignore))
+    def from_mapping(
+        cls,
+        raw: Mapping[str, Any],
+        *,
+        ignore: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> StoreOptions:
+        """Parse a config dict; unknown keys are an error naming them (typos never pass).
+
+        ``env`` (default ``os.environ``) supplies ``RDMAKV_CONFIG`` and the
+        ``RDMAKV_CLIENT_*`` overrides of the config file.
+        """
+        known = {f.name for f in fields(cls)} - {"given"}
+        unknown = sorted(set(raw) - known - set(ignore) - {CONFIG_OPTION})
         if unknown:
             raise ConfigError(
-                f"unknown rdmakv connector option(s) {unknown}; known: {sorted(known)}"
+                f"unknown rdmakv connector option(s) {unknown}; known: "
+                f"{sorted([*known, CONFIG_OPTION])}"
             )
-        if not raw.get("node"):
+        values = {**_config_defaults(raw.get(CONFIG_OPTION), env)}
+        values.update((k, v) for k, v in raw.items() if k in known)
+        if not values.get("node"):
             raise ConfigError(
                 'rdmakv connector option "node" (HOST:PORT of rdmakv serve, a list of them, '
-                'or dns://NAME:PORT) is required'
+                "or dns://NAME:PORT) is required (or client.nodes in the rdmakv config file)"
             )
-        values = {k: v for k, v in raw.items() if k in known}
         if "l1_bytes" in values:
             values["l1_bytes"] = _size(values["l1_bytes"], "l1_bytes")
         if "timeout" in values:
@@ -93,7 +129,7 @@ class StoreOptions:
             if isinstance(r, bool) or not isinstance(r, int) or r < 1:
                 raise ConfigError(f"replication must be an int >= 1, got {r!r}")
         check_address(values["node"])  # a malformed address fails at start-up
-        return cls(**values)
+        return cls(**values, given=frozenset(values))
 
     def secret(self) -> str | None:
         """The node token: ``token``, or the contents of ``token_file``."""
@@ -105,14 +141,25 @@ class StoreOptions:
         return self.token
 
 
+def _config_defaults(path: object, env: Mapping[str, str] | None) -> dict[str, Any]:
+    """The options the rdmakv config (file at ``path`` or $RDMAKV_CONFIG, plus the
+    environment) sets in its ``client`` section, under their connector names."""
+    if path is not None and not isinstance(path, str | Path):
+        raise ConfigError(f'"{CONFIG_OPTION}" must be the path of a YAML file, got {path!r}')
+    client = load_config(path, env).client
+    return {
+        option: getattr(client, key)
+        for key, option in _FROM_CLIENT_SECTION.items()
+        if key in client.model_fields_set
+    }
+
+
 def _size(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{what} must be a size, got {value!r}")
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
-        from rdmakv.cli import parse_size
-
         size = parse_size(value)
     else:
         raise ConfigError(f"{what} must be an int or a size string, got {type(value).__name__}")
@@ -289,4 +336,4 @@ def _runs(
     return runs
 
 
-__all__ = ["DEFAULT_L1_BYTES", "GroupStores", "StoreOptions", "StoreStats"]
+__all__ = ["CONFIG_OPTION", "DEFAULT_L1_BYTES", "GroupStores", "StoreOptions", "StoreStats"]

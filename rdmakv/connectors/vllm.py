@@ -8,7 +8,8 @@ Load it through vLLM's connector factory, no patching::
         "kv_connector_extra_config": {"node": "10.0.0.5:7070"}}'
 
 (options of ``kv_connector_extra_config``: :class:`~rdmakv.connectors.store.StoreOptions`;
-``docs/engines.md`` has the whole story). Checked against vLLM 0.33.0.
+``"rdmakv_config": PATH`` takes their defaults from an rdmakv config file's ``client``
+section; ``docs/engines.md`` has the whole story). Checked against vLLM 0.33.0.
 
 How one request flows:
 

@@ -54,6 +54,7 @@ class LocalNodeProcess:
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[str] | None = None
         self.ready_line = ""
+        self.metrics_url: str | None = None  # http://HOST:PORT when started with metrics-port
         self.start()
 
     def argv(self) -> list[str]:
@@ -95,6 +96,10 @@ class LocalNodeProcess:
         self.ready_line = line[0].strip()
         addr = self.ready_line.split(READY_MARK, 1)[1].split()[0]
         self.port = int(addr.rsplit(":", 1)[1])
+        self.metrics_url = next(
+            (w.split("=", 1)[1] for w in self.ready_line.split() if w.startswith("metrics=")),
+            None,
+        )
 
     @property
     def address(self) -> tuple[str, int]:

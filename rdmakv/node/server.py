@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError
+from rdmakv.metrics.http import MetricsServer
+from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
 from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, KVStore
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
@@ -99,6 +101,8 @@ class Session:
         self.session_id = session_id
         self.channel = Channel(sock)
         self.peer = peer
+        self.one_sided = False
+        """True while an RDMA data path has a QP for this session (set by it)."""
 
     # -- NodeSession -------------------------------------------------------------
     def open_write(
@@ -156,18 +160,22 @@ class Session:
         try:
             hdr = ch.recv_header()
         except FrameTooLarge as e:
+            self.node.refuse("bad_frame")
             self.reply_error(Header(Op.HELLO, 0, 0, 0, 0, 0), Status.FRAME_TOO_LARGE, str(e))
             return False
         payload = ch.recv_payload(hdr)
         if hdr.opcode != Op.HELLO:
+            self.node.refuse("bad_frame")
             self.reply_error(hdr, Status.NOT_AUTHENTICATED, "the first frame must be HELLO")
             return False
         try:
             version, token = decode_hello(payload)
         except ProtocolError as e:
+            self.node.refuse("bad_frame")
             self.reply_error(hdr, Status.BAD_REQUEST, str(e))
             return False
         if version != PROTOCOL_VERSION:
+            self.node.refuse("bad_frame")
             self.reply_error(
                 hdr,
                 Status.BAD_VERSION,
@@ -177,6 +185,7 @@ class Session:
         expected = self.node.token
         if expected is not None and not hmac.compare_digest(expected, token):
             log.warning("session %d (%s): wrong or missing token", self.session_id, self.peer)
+            self.node.refuse("bad_token")
             self.reply_error(hdr, Status.AUTH_FAILED, "wrong or missing shared-secret token")
             return False
         self.reply(hdr, encode_node_info(self.node.info(self.session_id)))
@@ -189,15 +198,18 @@ class Session:
             hdr = ch.recv_header()
         except FrameTooLarge as e:
             self.node.count("protocol_errors")
+            self.node.refuse("bad_frame")
             self.reply_error(Header(0, 0, 0, 0, 0, 0), Status.FRAME_TOO_LARGE, str(e))
             return False
         payload = ch.recv_payload(hdr)
         handler = self.node.handlers.get(hdr.opcode)
         if handler is None:
             self.node.count("protocol_errors")
+            self.node.refuse("bad_frame")
             ch.skip_bulk()
             self.reply_error(hdr, Status.UNKNOWN_OPCODE, f"unknown opcode {hdr.opcode}")
             return True
+        started = time.perf_counter()
         try:
             handler(self, hdr, payload)
         except (OSError, ConnectionLost):
@@ -206,12 +218,24 @@ class Session:
             ch.skip_bulk()
             status = _status_for(e)
             self.node.count("protocol_errors" if status != Status.BAD_ADDRESS else "refused_ops")
+            self.node.refuse(_REFUSAL_REASON.get(status, "bad_frame"))
             self.reply_error(hdr, status, str(e))
         except Exception as e:  # a bug must not take the node down with it
             log.exception("session %d: internal error in opcode %d", self.session_id, hdr.opcode)
             ch.skip_bulk()
             self.reply_error(hdr, Status.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        else:
+            observe = self.node.request_timers.get(hdr.opcode)
+            if observe is not None:
+                observe(time.perf_counter() - started)
         return True
+
+
+_REFUSAL_REASON = {
+    Status.BAD_ADDRESS: "bad_address",
+    Status.LIMIT_EXCEEDED: "over_limit",
+}
+"""Refusal reason (a metrics label) per error status; every other status is a bad frame."""
 
 
 def _status_for(e: RdmakvError) -> Status:
@@ -239,13 +263,71 @@ class KVNode:
         token: bytes | None = None,
         lock_pool: bool = True,
         optional_transports: bool = False,
+        metrics_host: str = DEFAULT_HOST,
+        metrics_port: int | None = None,
     ) -> None:
         """``optional_transports``: a data path beyond tcp that fails to come up
         (e.g. ``auto`` found a device but registering the pool failed) is logged
-        with its reason and left out, instead of failing the node's start."""
+        with its reason and left out, instead of failing the node's start.
+
+        ``metrics_port`` (None = off, 0 = any free port): serve ``/metrics``,
+        ``/healthz`` and ``/readyz`` there (:mod:`rdmakv.metrics.node`). It
+        starts first, so probes see the node alive but not ready while a large
+        pool is still being pinned and registered.
+        """
         self.host = host
         self.port = port
         self.token = token or None
+        self.node_id = os.urandom(NODE_ID_LEN)
+        self._ready = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {
+            "sessions_total": 0,
+            "protocol_errors": 0,
+            "refused_ops": 0,
+            "bytes_leased_one_sided": 0,
+            **{f"refused_{r}": 0 for r in REFUSAL_REASONS},
+        }
+        self.request_timers: dict[int, Callable[[float], None]] = {}
+        """opcode -> histogram observe; empty when metrics are off (no cost then)."""
+        self.metrics: NodeMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        if metrics_port is not None:
+            self.metrics = NodeMetrics(
+                self.stats,
+                lambda: self._ready,
+                {"version": str(PROTOCOL_VERSION), "node_id": self.node_id.hex()},
+            )
+            self.metrics_server = MetricsServer(
+                self.metrics.registry, host=metrics_host, port=metrics_port,
+                ready=lambda: self._ready,
+            )
+        try:
+            self._init_pool(pool_size, block_size, transports, lease_timeout, lock_pool,
+                            optional_transports)
+        except BaseException:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+            raise
+        if self.metrics is not None:
+            self.request_timers = {
+                op: self.metrics.request_timer(_op_label(op)) for op in self.handlers
+            }
+        self._sessions: dict[int, tuple[Session, threading.Thread]] = {}
+        self._next_session = 1
+        self._listener: socket.socket | None = None
+        self._started = time.monotonic()
+
+    def _init_pool(
+        self,
+        pool_size: int,
+        block_size: int,
+        transports: Sequence[str],
+        lease_timeout: float,
+        lock_pool: bool,
+        optional_transports: bool,
+    ) -> None:
         self.pool = Slab(pool_size, block_size, lock=lock_pool)
         names = list(dict.fromkeys(["tcp", *transports]))  # tcp always serves control + fallback
         self.datapaths: list[NodeDataPath] = []
@@ -259,7 +341,6 @@ class KVNode:
         self.transports = tuple(dp.name for dp in self.datapaths)
         rkey = next((dp.rkey for dp in self.datapaths if dp.rkey), 0)
         self.store = KVStore(self.pool, lease_timeout=lease_timeout, rkey=rkey)
-        self.node_id = os.urandom(NODE_ID_LEN)
         self.handlers: dict[int, NodeHandler] = {
             Op.ALLOC: self._alloc,
             Op.COMMIT: self._commit,
@@ -275,21 +356,23 @@ class KVNode:
                 if op in self.handlers:
                     raise ConfigError(f"transport {dp.name!r} claims opcode {op} already in use")
                 self.handlers[op] = h
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._sessions: dict[int, tuple[Session, threading.Thread]] = {}
-        self._next_session = 1
-        self._listener: socket.socket | None = None
-        self._counts: dict[str, int] = {"sessions_total": 0, "protocol_errors": 0, "refused_ops": 0}
-        self._started = time.monotonic()
 
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def count(self, name: str) -> None:
+    @property
+    def ready(self) -> bool:
+        """Pool registered and the listener accepting clients (``/readyz``)."""
+        return self._ready
+
+    def count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + 1
+            self._counts[name] = self._counts.get(name, 0) + n
+
+    def refuse(self, reason: str) -> None:
+        """Count a refused request or connection (``rdmakv_node_refused_total{reason}``)."""
+        self.count(f"refused_{reason}")
 
     def info(self, session_id: int) -> NodeInfo:
         return NodeInfo(
@@ -321,6 +404,7 @@ class KVNode:
             self.start()
         ls = self._listener
         assert ls is not None
+        self._ready = True
         try:
             while not self._stop.is_set():
                 try:
@@ -346,6 +430,7 @@ class KVNode:
         with self._lock:
             if len(self._sessions) >= MAX_SESSIONS:
                 log.warning("refusing %s: %d sessions open", peer, MAX_SESSIONS)
+                self._counts["refused_over_limit"] += 1
                 sock.close()
                 return
             sid = self._next_session
@@ -377,6 +462,7 @@ class KVNode:
         self._stop.set()
 
     def _shutdown(self) -> None:
+        self._ready = False
         self._stop.set()
         if self._listener is not None:
             self._listener.close()
@@ -392,6 +478,8 @@ class KVNode:
         for dp in self.datapaths:
             dp.close()
         self.pool.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         log.info("node stopped")
 
     # -- control handlers ----------------------------------------------------------------
@@ -411,7 +499,10 @@ class KVNode:
     def _lookup(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         keys = decode_keys(payload, "LOOKUP")
         lease = bool(req.flags & LOOKUP_FLAG_LEASE)
-        s.reply(req, encode_lookup_results(self.store.lookup(s.session_id, keys, lease)))
+        found = self.store.lookup(s.session_id, keys, lease)
+        if lease and s.one_sided:  # the bytes will move by RDMA READ, not through us
+            self.count("bytes_leased_one_sided", sum(r.extent.length for r in found if r))
+        s.reply(req, encode_lookup_results(found))
 
     def _release(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         ids = decode_u64_list(payload, "RELEASE")
@@ -442,3 +533,10 @@ class KVNode:
             uptime_s=round(time.monotonic() - self._started, 3),
         )
         return out
+
+
+def _op_label(opcode: int) -> str:
+    try:
+        return Op(opcode).name.lower()
+    except ValueError:
+        return f"op{opcode}"

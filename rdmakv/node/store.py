@@ -53,6 +53,8 @@ class Counters:
     no_space: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    bytes_committed_one_sided: int = 0
+    """Bytes of extents committed that never passed through the node (RDMA WRITE)."""
     bad_addresses: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -163,6 +165,8 @@ class KVStore:
                 del mine[e.block]
                 self._index.commit(key)
                 self.counters.commits += 1
+                if not e.written:
+                    self.counters.bytes_committed_one_sided += e.length
                 out.append(True)
         return out
 

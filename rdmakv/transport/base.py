@@ -123,6 +123,8 @@ class NodeSession(Protocol):
 
     session_id: int
     channel: Channel
+    one_sided: bool
+    """True while the client can move bytes without the node (an RDMA QP is up)."""
 
     def open_write(
         self, ops: Sequence[tuple[int, int]]

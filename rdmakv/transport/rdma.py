@@ -526,10 +526,12 @@ class RdmaNodeDataPath(NodeDataPath):
             self._qps[session.session_id] = qp
         if old is not None:
             old.close()
+        session.one_sided = True
         session.reply(req, encode_json({"conn": mine.to_dict()}))
 
     def _disconnect(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         self._drop(session.session_id)
+        session.one_sided = False
         session.reply(req)
 
     def _drop(self, session_id: int) -> None:
