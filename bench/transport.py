@@ -15,6 +15,12 @@ is the best figure any of them reached:
 * ``per_block``: ``sendall`` / ``recv_into`` per block (the classic loop).
 
 Prints ONE JSON object: ``{"16384": {put_gbps, get_gbps, ceiling_gbps, ...}, ...}``.
+
+``--metrics-overhead`` instead measures what Prometheus metrics cost: per size,
+two nodes, one serving ``--metrics-port`` (scraped once per repeat, as a
+Prometheus would) and one without, repeats interleaved between them:
+``{"16384": {"metrics_on": {put_gbps, get_gbps}, "metrics_off": {...},
+"put_overhead_pct", "get_overhead_pct"}, ...}`` (best of the repeats each).
 GB/s are 1e9 bytes per second; each figure is the best of ``--repeats`` runs
 (the same rule for our path and for the ceiling). ``ceiling_gbps`` is the
 best of every loop in either direction, so the ratios are conservative;
@@ -202,8 +208,11 @@ class SocketLoop:
 # -- our path ---------------------------------------------------------------------------
 
 
-def start_node(block: int, count: int) -> tuple[subprocess.Popen[str], int]:
+def start_node(
+    block: int, count: int, metrics: bool = False
+) -> tuple[subprocess.Popen[str], int]:
     pool = block * (count + 16)
+    metrics_args = ["--metrics-port", "0"] if metrics else []
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -216,7 +225,10 @@ def start_node(block: int, count: int) -> tuple[subprocess.Popen[str], int]:
             str(pool),
             "--block-size",
             str(block),
+            "--transport",
+            "tcp",
             "--no-lock",
+            *metrics_args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -228,7 +240,82 @@ def start_node(block: int, count: int) -> tuple[subprocess.Popen[str], int]:
         proc.kill()
         raise RuntimeError(f"node did not start: {line!r}")
     port = int(line.split("ready on ", 1)[1].split()[0].rsplit(":", 1)[1])
+    proc.metrics_url = next(  # type: ignore[attr-defined]
+        (w.split("=", 1)[1] for w in line.split() if w.startswith("metrics=")), None
+    )
     return proc, port
+
+
+def _put_get_once(
+    c: KVClient, slab: Slab, src: list[int], dst: list[int], digests: list[bytes], tag: str
+) -> tuple[float, float]:
+    """One timed put and get of every block, bytes verified; (put GB/s, get GB/s)."""
+    count, block = len(src), slab.block_size
+    keys = [b"bench-%s-%d" % (tag.encode(), i) for i in range(count)]
+    t0 = time.perf_counter()
+    ok = c.put(keys, src, block, digests)
+    put = count * block / (time.perf_counter() - t0) / GB
+    if not all(ok):
+        raise RuntimeError(f"put stored only {sum(ok)} of {count}")
+    for h in dst:
+        slab.numpy(h)[:] = 0
+    t0 = time.perf_counter()
+    hits = c.get(keys, dst, digests)
+    get = count * block / (time.perf_counter() - t0) / GB
+    if not all(hits):
+        raise RuntimeError(f"get hit only {sum(hits)} of {count}")
+    for s_h, d_h in zip(src, dst, strict=True):
+        if not np.array_equal(slab.numpy(s_h), slab.numpy(d_h)):
+            raise RuntimeError(f"bytes differ for block {s_h} -> {d_h}")
+    c.delete(keys)
+    return put, get
+
+
+def bench_metrics_overhead(block: int, count: int, repeats: int) -> dict[str, Any]:
+    """The same put/get through a node with metrics on (scraped every repeat) and one
+    with them off, repeats interleaved so both see the same machine load."""
+    import urllib.request
+
+    slab = Slab(2 * count * block, block, lock=False)
+    src = slab.alloc_many(count)
+    dst = slab.alloc_many(count)
+    rng = np.random.default_rng(block)
+    for h in src:
+        slab.numpy(h)[:] = rng.integers(0, 256, block, dtype=np.uint8)
+    digests = [h.to_bytes(16, "little") for h in range(count)]
+    on_node, on_port = start_node(block, count, metrics=True)
+    off_node, off_port = start_node(block, count, metrics=False)
+    url = on_node.metrics_url  # type: ignore[attr-defined]
+    figures: dict[str, list[tuple[float, float]]] = {"metrics_on": [], "metrics_off": []}
+    scraped = 0
+    try:
+        with (
+            KVClient("127.0.0.1", on_port, slab, timeout=CLIENT_TIMEOUT_S) as on,
+            KVClient("127.0.0.1", off_port, slab, timeout=CLIENT_TIMEOUT_S) as off,
+        ):
+            for rep in range(repeats):
+                order = [("metrics_on", on), ("metrics_off", off)]
+                for name, c in order if rep % 2 == 0 else order[::-1]:
+                    figures[name].append(_put_get_once(c, slab, src, dst, digests, str(rep)))
+                with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                    scraped += len(r.read())
+    finally:
+        for node in (on_node, off_node):
+            node.terminate()
+            node.wait(30)
+    slab.close()
+    out: dict[str, Any] = {"blocks": count, "repeats": repeats, "scraped_bytes": scraped}
+    for name, runs in figures.items():
+        out[name] = {
+            "put_gbps": round(max(p for p, _ in runs), 3),
+            "get_gbps": round(max(g for _, g in runs), 3),
+            "median_put_gbps": round(float(np.median([p for p, _ in runs])), 3),
+            "median_get_gbps": round(float(np.median([g for _, g in runs])), 3),
+        }
+    for d in ("put", "get"):
+        on_g, off_g = out["metrics_on"][f"{d}_gbps"], out["metrics_off"][f"{d}_gbps"]
+        out[f"{d}_overhead_pct"] = round(100 * (off_g - on_g) / off_g, 2)
+    return out
 
 
 def bench_size(block: int, count: int, repeats: int, tmp: Path) -> dict[str, Any]:
@@ -249,27 +336,13 @@ def bench_size(block: int, count: int, repeats: int, tmp: Path) -> dict[str, Any
     try:
         with KVClient("127.0.0.1", port, slab, timeout=CLIENT_TIMEOUT_S) as c:
             for rep in range(repeats):
-                keys = [b"bench-%d-%d" % (rep, i) for i in range(count)]
                 send, recv = loop.run_all()
                 sends.append(send)
                 recvs.append(recv)
-                t0 = time.perf_counter()
-                ok = c.put(keys, src, block, digests)
-                puts.append(count * block / (time.perf_counter() - t0) / GB)
-                if not all(ok):
-                    raise RuntimeError(f"put stored only {sum(ok)} of {count}")
-                for h in dst:
-                    slab.numpy(h)[:] = 0
-                t0 = time.perf_counter()
-                hits = c.get(keys, dst, digests)
-                gets.append(count * block / (time.perf_counter() - t0) / GB)
-                if not all(hits):
-                    raise RuntimeError(f"get hit only {sum(hits)} of {count}")
-                for s_h, d_h in zip(src, dst, strict=True):
-                    if not np.array_equal(slab.numpy(s_h), slab.numpy(d_h)):
-                        raise RuntimeError(f"bytes differ for block {s_h} -> {d_h}")
+                put, get = _put_get_once(c, slab, src, dst, digests, str(rep))
+                puts.append(put)
+                gets.append(get)
                 verified += count * block
-                c.delete(keys)
     finally:
         loop.close()
         node.terminate()
@@ -308,9 +381,19 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=DEFAULT_BLOCKS)
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     ap.add_argument("--sizes", type=int, nargs="*", default=list(BLOCK_SIZES))
+    ap.add_argument(
+        "--metrics-overhead",
+        action="store_true",
+        help="compare a node with Prometheus metrics on (scraped) and off, same run",
+    )
     args = ap.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-    out = {str(b): bench_size(b, args.blocks, args.repeats, tmp) for b in args.sizes}
+    if args.metrics_overhead:
+        out = {
+            str(b): bench_metrics_overhead(b, args.blocks, args.repeats) for b in args.sizes
+        }
+    else:
+        out = {str(b): bench_size(b, args.blocks, args.repeats, tmp) for b in args.sizes}
     print(json.dumps(out))
 
 

@@ -180,3 +180,27 @@ def test_options_are_validated_by_name() -> None:
         StoreOptions.from_mapping({"node": "nohost"})
     with pytest.raises(ConfigError, match="replication must be an int >= 1"):
         StoreOptions.from_mapping({"node": "a:1,b:2", "replication": 0})
+
+
+def test_metrics_port_serves_the_engines_hits_and_saves(
+    node_factory: Any, engines: Callable[..., FakeEngine]
+) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    node = node_factory()
+    a = engines(node.endpoint, metrics_port=0)
+    assert a.stores.metrics_server is not None
+    _save_prompt(a)
+    with urllib.request.urlopen(a.stores.metrics_server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    assert samples[("rdmakv_client_offload_total", (("outcome", "stored"),))] == 8
+    a.close()  # unregisters: a second engine in this process can export again
+    b = engines(node.endpoint, metrics_port=0)
+    assert b.stores.metrics is not None

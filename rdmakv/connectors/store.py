@@ -34,6 +34,8 @@ from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import KVCacheGroup
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
+from rdmakv.metrics.client import ClientMetrics, start_http_server
+from rdmakv.metrics.http import MetricsServer
 from rdmakv.remote import check_address
 
 log = logging.getLogger("rdmakv.connectors")
@@ -56,6 +58,7 @@ _FROM_CLIENT_SECTION = {
     "l1_size": "l1_bytes",
     "offload": "offload",
     "offload_budget": "offload_budget",
+    "metrics_port": "metrics_port",
 }
 """``client`` config key -> the :class:`StoreOptions` option it is a default for."""
 
@@ -89,6 +92,8 @@ class StoreOptions:
     lock_slab: bool = True
     model: str | None = None
     replication: int = 1
+    metrics_port: int | None = None
+    """Serve this process's rdmakv metrics on ``/metrics`` (worker side; None = off)."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
@@ -128,6 +133,10 @@ class StoreOptions:
             r = values["replication"]
             if isinstance(r, bool) or not isinstance(r, int) or r < 1:
                 raise ConfigError(f"replication must be an int >= 1, got {r!r}")
+        port = values.get("metrics_port")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 0 <= port <= 65535):
+            raise ConfigError(f"metrics_port must be a port in 0..65535 or null, got {port!r}")
         check_address(values["node"])  # a malformed address fails at start-up
         return cls(**values, given=frozenset(values))
 
@@ -201,6 +210,8 @@ class GroupStores:
         self.stats = StoreStats()
         share = options.l1_bytes // len(groups)
         self.managers: list[KVCacheManager] = []
+        self.metrics: ClientMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
         try:
             for group, nbytes in zip(self.groups, self.block_bytes, strict=True):
                 l1 = nbytes * SCHEDULER_L1_BLOCKS if scheduler else share
@@ -226,9 +237,22 @@ class GroupStores:
                         replication=options.replication,
                     )
                 )
+            if options.metrics_port is not None and not scheduler:
+                self._serve_metrics(options.metrics_port)
         except BaseException:
             self.close()
             raise
+
+    def _serve_metrics(self, port: int) -> None:
+        """Export the managers' metrics in the process registry (the engine's own
+        ``/metrics`` shows them where it serves that registry) and on ``port``."""
+        self.metrics = ClientMetrics(self.managers)
+        try:
+            self.metrics_server = start_http_server(port)
+        except ConfigError as e:
+            # Several workers of one engine on one host share the setting: the
+            # first one serves; the others still count into their registry.
+            log.warning("rdmakv client metrics not served: %s", e)
 
     # -- scheduler side --------------------------------------------------------------------
     def hit_bitmaps(self, tokens: Sequence[int], extra: bytes | None) -> list[list[bool]]:
@@ -316,6 +340,12 @@ class GroupStores:
         return all(m.flush(timeout) for m in self.managers)
 
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         for m in self.managers:
             m.close()
         self.managers = []
