@@ -26,6 +26,12 @@ struct rk_mr {
     struct ibv_mr *mr;
 };
 
+struct rk_mw {
+    struct ibv_mw *mw;
+    uint32_t rkey;  /* the key it was last bound with (libibverbs leaves mw->rkey alone
+                       for type-2 binds by WR; the next bind must name this one) */
+};
+
 struct rk_qp {
     rk_ctx *c;
     struct ibv_cq *cq;
@@ -161,7 +167,8 @@ int rk_query_gid(rk_ctx *c, int index, uint8_t *gid16, char *err) {
 
 rk_mr *rk_reg_mr(rk_ctx *c, uint64_t addr, uint64_t length, int remote, char *err) {
     int access = IBV_ACCESS_LOCAL_WRITE;
-    if (remote) access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+    if (remote == 1) access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+    if (remote == 2) access |= IBV_ACCESS_MW_BIND;
     rk_mr *m = calloc(1, sizeof(*m));
     if (!m) {
         set_err(err, "%s: %s (errno %d)", "calloc", ENOMEM);
@@ -186,6 +193,130 @@ int rk_dereg_mr(rk_mr *m) {
     int rc = ibv_dereg_mr(m->mr);
     free(m);
     return rc;
+}
+
+int rk_mw_supported(rk_ctx *c) {
+    struct ibv_device_attr da;
+    if (ibv_query_device(c->ctx, &da)) return 0;
+    return da.max_mw > 0 && (da.device_cap_flags & IBV_DEVICE_MEM_WINDOW) &&
+           (da.device_cap_flags &
+            (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
+}
+
+rk_mw *rk_mw_alloc(rk_ctx *c, char *err) {
+    rk_mw *w = calloc(1, sizeof(*w));
+    if (!w) {
+        set_err(err, "%s: %s (errno %d)", "calloc", ENOMEM);
+        return NULL;
+    }
+    errno = 0;
+    w->mw = ibv_alloc_mw(c->pd, IBV_MW_TYPE_2);
+    if (!w->mw) {
+        set_err(err, "%s: %s (errno %d)", "ibv_alloc_mw(TYPE_2)", errno ? errno : EOPNOTSUPP);
+        free(w);
+        return NULL;
+    }
+    w->rkey = w->mw->rkey;
+    return w;
+}
+
+uint32_t rk_mw_rkey(rk_mw *w) { return w->rkey; }
+
+int rk_mw_dealloc(rk_mw *w) {
+    if (!w) return 0;
+    int rc = ibv_dealloc_mw(w->mw);
+    free(w);
+    return rc;
+}
+
+int rk_qp_bind_mws(rk_qp *q, rk_mr *mr, rk_mw **mws, const uint64_t *addrs,
+                   const uint64_t *lens, int access, uint32_t n, int32_t *status,
+                   double timeout_s) {
+    unsigned int acc = 0;
+    if (access & 1) acc |= IBV_ACCESS_REMOTE_READ;
+    if (access & 2) acc |= IBV_ACCESS_REMOTE_WRITE;
+    uint32_t chunk = q->max_wr > 1 ? q->max_wr / 2 : 1;
+    struct ibv_send_wr *wrs = calloc(chunk, sizeof(*wrs));
+    uint32_t *keys = calloc(chunk, sizeof(*keys));
+    uint32_t failed = 0;
+    if (!wrs || !keys) {
+        free(wrs);
+        free(keys);
+        for (uint32_t i = 0; i < n; i++) status[i] = RK_ST_NOT_POSTED;
+        return (int)n;
+    }
+    const double deadline = now_s() + timeout_s;
+    struct ibv_wc wc[CQ_POLL_BATCH];
+    for (uint32_t lo = 0; lo < n; lo += chunk) {
+        uint32_t k = n - lo < chunk ? n - lo : chunk;
+        for (uint32_t j = 0; j < k; j++) {
+            uint32_t i = lo + j;
+            struct ibv_send_wr *w = &wrs[j];
+            memset(w, 0, sizeof(*w));
+            w->wr_id = i;
+            w->opcode = IBV_WR_BIND_MW;
+            w->send_flags = IBV_SEND_SIGNALED;
+            /* the WR names the window by its current key; the new key differs
+               in its low (consumer) byte */
+            mws[i]->mw->rkey = mws[i]->rkey;
+            keys[j] = ibv_inc_rkey(mws[i]->rkey);
+            w->bind_mw.mw = mws[i]->mw;
+            w->bind_mw.rkey = keys[j];
+            w->bind_mw.bind_info.mr = mr->mr;
+            w->bind_mw.bind_info.addr = addrs[i];
+            w->bind_mw.bind_info.length = lens[i];
+            w->bind_mw.bind_info.mw_access_flags = acc;
+            w->next = j + 1 < k ? &wrs[j + 1] : NULL;
+            status[i] = RK_ST_NOT_POSTED;
+        }
+        struct ibv_send_wr *bad = NULL;
+        uint32_t posted = k;
+        if (ibv_post_send(q->qp, wrs, &bad)) {
+            posted = bad ? (uint32_t)(bad - wrs) : 0;
+            for (uint32_t j = posted; j < k; j++) status[lo + j] = RK_ST_POST_FAILED;
+        }
+        uint32_t seen = 0;
+        while (seen < posted) {
+            int got = ibv_poll_cq(q->cq, CQ_POLL_BATCH, wc);
+            if (got < 0) break;
+            if (got == 0) {
+                if (now_s() > deadline) break;
+                sched_yield();
+                continue;
+            }
+            for (int g = 0; g < got; g++) {
+                uint32_t i = (uint32_t)wc[g].wr_id;
+                if (i < lo || i >= lo + posted) continue;  /* not ours */
+                seen++;
+                status[i] = (int32_t)wc[g].status;
+                if (wc[g].status == IBV_WC_SUCCESS) {
+                    mws[i]->rkey = keys[i - lo];
+                    mws[i]->mw->rkey = keys[i - lo];
+                }
+            }
+        }
+        if (seen < posted) {
+            /* timed out or CQ gone: make the device let go of the WRs (their
+               windows are unusable: the caller deallocates them) */
+            rk_qp_force_error(q);
+            double drain_end = now_s() + DRAIN_TIMEOUT_S;
+            while (seen < posted && now_s() < drain_end) {
+                int got = ibv_poll_cq(q->cq, CQ_POLL_BATCH, wc);
+                if (got < 0) break;
+                for (int g = 0; g < got; g++) {
+                    uint32_t i = (uint32_t)wc[g].wr_id;
+                    if (i >= lo && i < lo + posted) seen++;
+                }
+            }
+            for (uint32_t j = 0; j < posted; j++)
+                if (status[lo + j] == RK_ST_NOT_POSTED) status[lo + j] = RK_ST_TIMEOUT;
+        }
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if (status[i] != RK_OK) failed++;
+    free(wrs);
+    free(keys);
+    return (int)failed;
 }
 
 static int to_init(rk_qp *q, char *err) {
@@ -420,6 +551,7 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
             uint64_t wr_len = q->wr_bytes[nwr - 1];
             const rk_op *prev = &ops[i - 1];
             if (prev->remote_addr + prev->length == op->remote_addr &&
+                prev->rkey == op->rkey &&
                 wr_len + op->length <= max_msg) {
                 if (last->addr + last->length == local_base + op->local_offset &&
                     (uint64_t)last->length + op->length <= UINT32_MAX) {
@@ -451,7 +583,7 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
         nsge++;
         w->opcode = opcode == RK_OP_READ ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
         w->wr.rdma.remote_addr = op->remote_addr;
-        w->wr.rdma.rkey = rkey;
+        w->wr.rdma.rkey = op->rkey ? (uint32_t)op->rkey : rkey;
         nwr++;
     }
     q->wr_first_op[nwr] = n;

@@ -26,6 +26,7 @@
 typedef struct rk_ctx rk_ctx;
 typedef struct rk_qp rk_qp;
 typedef struct rk_mr rk_mr;
+typedef struct rk_mw rk_mw;
 
 typedef struct {
     uint32_t max_sge;
@@ -46,6 +47,7 @@ typedef struct {
     uint64_t local_offset;  /* into the registered local region */
     uint64_t remote_addr;   /* absolute address inside the remote region */
     uint64_t length;
+    uint64_t rkey;          /* this op's remote key (e.g. a memory window's); 0: the job's rkey */
 } rk_op;
 
 typedef struct {
@@ -79,6 +81,9 @@ int rk_query(rk_ctx *c, rk_attrs *out, char *err);
 int rk_query_gid(rk_ctx *c, int index, uint8_t *gid16, char *err);
 uint64_t rk_pd_handle(rk_ctx *c);
 
+/* remote: 0 = local access only, 1 = remote read+write through the MR's rkey,
+ * 2 = no remote access through the MR itself, only through memory windows
+ * bound to it (IBV_ACCESS_MW_BIND). */
 rk_mr *rk_reg_mr(rk_ctx *c, uint64_t addr, uint64_t length, int remote, char *err);
 uint32_t rk_mr_lkey(rk_mr *m);
 uint32_t rk_mr_rkey(rk_mr *m);
@@ -94,6 +99,23 @@ int rk_qp_reset(rk_qp *q, char *err);
 int rk_qp_state(rk_qp *q);
 int rk_qp_force_error(rk_qp *q);
 void rk_qp_destroy(rk_qp *q);
+
+/* Memory windows (type 2): allocated from the context's PD, bound to ONE QP by
+ * a BIND_MW work request on that QP (the only QP whose peer may use the rkey),
+ * revoked by rk_mw_dealloc (works whatever the QP's state). Every window bound
+ * on a QP must be deallocated before the QP is destroyed (rxe blocks ~50 s
+ * in ibv_destroy_qp otherwise). Binding uses the QP's send queue and CQ: the
+ * caller serialises it with rk_qp_run on the same QP. */
+int rk_mw_supported(rk_ctx *c);  /* 1 when the device reports type-2 windows */
+rk_mw *rk_mw_alloc(rk_ctx *c, char *err);
+uint32_t rk_mw_rkey(rk_mw *w);
+int rk_mw_dealloc(rk_mw *w);
+/* Bind mws[i] over [addrs[i], addrs[i]+lens[i]) of mr (remote read if
+ * access & 1, remote write if access & 2). Returns the number of failures;
+ * status[i] is the completion status of bind i (0 = bound). */
+int rk_qp_bind_mws(rk_qp *q, rk_mr *mr, rk_mw **mws, const uint64_t *addrs,
+                   const uint64_t *lens, int access, uint32_t n, int32_t *status,
+                   double timeout_s);
 
 int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t rkey,
               const rk_op *ops, uint32_t n, int32_t *status, uint32_t sge_limit,

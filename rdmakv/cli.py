@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -247,6 +248,7 @@ def _check_listenable(host: str, port: int, section_key: tuple[str, str]) -> Non
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from rdmakv.node import KVNode
+    from rdmakv.node.admission import SessionLimits
 
     cfg: RdmakvConfig = args.config_values
     _fill_from(args, cfg.node, _SERVE_KEYS)
@@ -266,11 +268,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _check_listenable(args.host, args.port, ("node", "port"))
     if args.metrics_port is not None:
         _check_listenable(args.metrics_host, args.metrics_port, ("node", "metrics_port"))
-    by_name = {
+    # Every other node key is a KVNode keyword of the same name, except the
+    # connection limits, which travel together as one SessionLimits.
+    limit_keys = {f.name for f in dataclasses.fields(SessionLimits)}
+    by_name: dict[str, Any] = {
         key: getattr(cfg.node, key)
         for key in type(cfg.node).model_fields
-        if key not in _SERVE_KEYS.values()
+        if key not in _SERVE_KEYS.values() and key not in limit_keys
     }
+    by_name["session_limits"] = SessionLimits(**{k: getattr(cfg.node, k) for k in limit_keys})
     transports = [args.transport]
     if args.transport == "auto":
         from rdmakv.transport import available_transports

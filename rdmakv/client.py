@@ -48,6 +48,7 @@ from rdmakv.errors import (
     RdmakvError,
     RemoteError,
     TransportError,
+    TransportTimeout,
 )
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
@@ -73,6 +74,7 @@ from rdmakv.protocol import (
     encode_hello,
     encode_keys,
     encode_u64_list,
+    value_checksum,
     wrap_socket_errors,
 )
 from rdmakv.slab import Slab
@@ -169,6 +171,8 @@ class KVClient:
         self.transport_name: str | None = None
         self.reconnects = 0
         self._closed = False
+        self.checksum_mismatches = 0
+        """Values read back whose bytes failed their checksum (returned as misses)."""
         with self._lock:
             self._connect()
 
@@ -180,7 +184,11 @@ class KVClient:
             try:
                 self._connect_once()
                 return
-            except AuthError:
+            except (AuthError, TransportTimeout):
+                # A node that accepted but did not answer within the timeout is
+                # stalled (SIGSTOP, overload), not starting: trying again would
+                # multiply the wait; the caller's next call tries anew.
+                self._drop()
                 raise
             except (TransportError, ProtocolError, OSError) as e:
                 last = e
@@ -345,7 +353,9 @@ class KVClient:
         their keys; the rest are committed. A write the node refused aborts
         the extents it left uncommitted, then raises.
         """
-        bs = self._need_slab().block_size  # handles were validated by put()
+        slab = self._need_slab()
+        bs = slab.block_size  # handles were validated by put()
+        arena = slab.buffer
         subs = self._sub_batches(len(keys))
         out = [False] * len(keys)
         allocs: deque[tuple[int, int, Reply]] = deque()
@@ -357,7 +367,12 @@ class KVClient:
             nonlocal nxt
             s, e = subs[nxt]
             nxt += 1
-            payload = encode_alloc(keys[s:e], sizes[s:e], digests[s:e])
+            # Checksums of this sub-batch only: computed while the previous one moves.
+            sums = [
+                value_checksum(arena[h * bs : h * bs + n])
+                for h, n in zip(handles[s:e], sizes[s:e], strict=True)
+            ]
+            payload = encode_alloc(keys[s:e], sizes[s:e], digests[s:e], sums)
             allocs.append((s, e, ch.submit(Op.ALLOC, payload, "ALLOC")))
 
         try:
@@ -376,7 +391,7 @@ class KVClient:
                         raise ProtocolError(
                             f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
                         )
-                    ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i]))
+                    ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i], r.extent.rkey))
                     idx.append(i)
                 if not ops:
                     if nxt < len(subs):
@@ -494,11 +509,14 @@ class KVClient:
         (:class:`OpsFailed`) are misses for exactly their keys (their slab
         blocks may have been partly overwritten); every lease is released.
         """
-        bs = self._need_slab().block_size
+        slab = self._need_slab()
+        bs = slab.block_size
+        arena = slab.buffer
         subs = self._sub_batches(len(keys))
         out: list[int | None] = [None] * len(keys)
         lookups: deque[tuple[int, int, Reply]] = deque()
-        reading: deque[tuple[IoFuture, list[tuple[int, int]], list[int]]] = deque()
+        reading: deque[tuple[IoFuture, list[tuple[int, int, int]], list[int]]] = deque()
+        corrupt: list[bytes] = []
         refused: RemoteError | None = None
         nxt = 0
 
@@ -509,7 +527,7 @@ class KVClient:
             payload = encode_keys(keys[s:e])
             lookups.append((s, e, ch.submit(Op.LOOKUP, payload, "LOOKUP", flags=LOOKUP_FLAG_LEASE)))
 
-        def finish(fut: IoFuture, hits: list[tuple[int, int]], leases: list[int]) -> None:
+        def finish(fut: IoFuture, hits: list[tuple[int, int, int]], leases: list[int]) -> None:
             nonlocal refused
             failed: set[int] = set()
             try:
@@ -521,9 +539,14 @@ class KVClient:
                 log.warning("get: %d of %d reads failed; those keys are misses: %s",
                             len(exc.failed), len(hits), exc)
                 failed = set(exc.failed)
-            for j, (i, length) in enumerate(hits):
-                if j not in failed:
-                    out[i] = length
+            for j, (i, length, checksum) in enumerate(hits):
+                if j in failed:
+                    continue
+                off = handles[i] * bs
+                if value_checksum(arena[off : off + length]) != checksum:
+                    corrupt.append(keys[i])  # corrupted on the way or in the pool: a miss
+                    continue
+                out[i] = length
             if leases:  # hits of one LOOKUP share a lease id
                 ch.send_nowait(Op.RELEASE, encode_u64_list(sorted(set(leases))))
 
@@ -534,7 +557,7 @@ class KVClient:
                 s, e, reply = lookups.popleft()
                 found = decode_lookup_results(ch.wait(reply)[1], e - s)
                 ops: list[IoOp] = []
-                hits: list[tuple[int, int]] = []
+                hits: list[tuple[int, int, int]] = []
                 leases: list[int] = []
                 for i, res in enumerate(found, s):
                     if res is None:
@@ -543,8 +566,8 @@ class KVClient:
                     length = res.extent.length
                     if res.digest != digests[i] or not (0 < length <= bs):
                         continue  # collision or foreign value: a miss, never wrong KV
-                    ops.append(IoOp(handles[i] * bs, res.extent.addr, length))
-                    hits.append((i, length))
+                    ops.append(IoOp(handles[i] * bs, res.extent.addr, length, res.extent.rkey))
+                    hits.append((i, length, res.checksum))
                 reading.append((tp.read(ops, self.timeout), hits, leases))
                 if nxt < len(subs):
                     submit_lookup()  # the node looks it up while this read moves
@@ -555,9 +578,23 @@ class KVClient:
         except BaseException:
             _drain(fut for fut, _, _ in reading)  # no read may still write the slab
             raise
+        if corrupt:
+            self._drop_corrupt(ch, corrupt)
         if refused is not None:
             raise refused
         return out
+
+    def _drop_corrupt(self, ch: Channel, keys: list[bytes]) -> None:
+        """Values whose bytes did not match their checksum were misses; DELETE them so
+        the next put stores a good copy (a put of a present key would keep the bad one)."""
+        self.checksum_mismatches += len(keys)
+        log.warning(
+            "get: %d values from %s:%d failed their checksum (corrupted on the wire or "
+            "in the node's pool); returned as misses and deleted on the node",
+            len(keys), self.host, self.port,
+        )
+        for s, e in self._chunks(len(keys)):
+            ch.send_nowait(Op.DELETE, encode_keys(keys[s:e]))
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed on the node (one round trip per batch)."""

@@ -42,6 +42,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.fields import FieldInfo
 
 from rdmakv.errors import ConfigError
+from rdmakv.node.admission import SessionLimits
+from rdmakv.node.store import DEFAULT_MAX_LEASES_PER_BLOCK
 
 # -- sizes -----------------------------------------------------------------------------------
 
@@ -107,6 +109,7 @@ Size = Annotated[int, BeforeValidator(_size_value), _SizeDoc()]
 """Bytes; the file and the environment may say ``8GiB``, ``256KiB``, ``16k`` or ``4096``."""
 Port = Annotated[int, Field(ge=0, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=1)]
 Transport = Literal["tcp", "rdma", "auto"]
 OffloadMode = Literal["none", "all", "hot", "cold", "reuse"]
 """Mirrors :data:`rdmakv.l1.offload_policies.OFFLOAD_MODES` (a test keeps them equal)."""
@@ -150,6 +153,45 @@ class NodeConfig(_Section):
     metrics_host: str = Field(default="127.0.0.1", description="address of the metrics HTTP server")
     metrics_port: Port | None = Field(
         default=None, description="serve `/metrics`, `/healthz`, `/readyz` on this port (null: off)"
+    )
+    # Connection and lease limits (docs/security.md); defaults from the node's classes.
+    handshake_timeout_s: Seconds = Field(
+        default=SessionLimits.handshake_timeout_s,
+        description="a connection must finish HELLO this long after it was accepted",
+    )
+    idle_timeout_s: Seconds = Field(
+        default=SessionLimits.idle_timeout_s,
+        description="close an authenticated connection with no request for this long",
+    )
+    max_sessions: Count = Field(
+        default=SessionLimits.max_sessions, description="connections open at once, in all"
+    )
+    max_sessions_per_source: Count = Field(
+        default=SessionLimits.max_sessions_per_source,
+        description="connections open at once from one IP address",
+    )
+    max_unauthenticated: Count = Field(
+        default=SessionLimits.max_unauthenticated,
+        description="connections still in their handshake, in all (the oldest are shed first)",
+    )
+    max_unauthenticated_per_source: Count = Field(
+        default=SessionLimits.max_unauthenticated_per_source,
+        description="connections still in their handshake from one IP address",
+    )
+    lease_quota_bytes: Size | None = Field(
+        default=None,
+        description="bytes one connection may hold under read lease "
+        "(null: half the pool, at least 256 MiB)",
+    )
+    rdma_confinement: Literal["windows", "none"] = Field(
+        default="windows",
+        description="`windows`: each RDMA client reaches only its own extents, through "
+        "type-2 memory windows (docs/security.md); `none`: the whole pool (only for devices "
+        "without memory windows)",
+    )
+    max_leases_per_block: Count = Field(
+        default=DEFAULT_MAX_LEASES_PER_BLOCK,
+        description="live read leases one connection may hold on one value",
     )
 
 

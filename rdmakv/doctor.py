@@ -49,6 +49,9 @@ class Report:
     ports: list[PortReport] = field(default_factory=list)
     memlock: str = ""
     selected: str | None = None
+    memory_windows: str = ""
+    """Type-2 memory windows on the selected device: what a node needs to confine
+    each RDMA client to its own extents (KVNode rdma_confinement="windows")."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -72,6 +75,24 @@ def _mtu(device: str, port: int) -> int | None:
         return None
     try:
         return verbs.MTU_BYTES.get(dev.attrs.active_mtu)
+    finally:
+        dev.close()
+
+
+def _windows(sel: verbs.Selection) -> str:
+    """Whether ``sel``'s device has type-2 memory windows, in words."""
+    try:
+        dev = verbs.Device(sel)
+    except RdmakvError as e:
+        return f"unknown (cannot open {sel.device}: {e})"
+    try:
+        if dev.supports_windows:
+            return "type 2 supported: a node confines each RDMA client to its own extents"
+        return (
+            "NOT supported: a node with rdma_confinement='windows' (the default) will not "
+            "serve rdma on this device (it falls back to tcp, or set rdma_confinement='none' "
+            "to expose the whole pool to every RDMA client); clients are unaffected"
+        )
     finally:
         dev.close()
 
@@ -156,7 +177,9 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
             ))
     if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
         try:
-            report.selected = verbs.select().describe()
+            sel = verbs.select()
+            report.selected = sel.describe()
+            report.memory_windows = _windows(sel)
         except RdmakvError as e:
             report.problems.append(Problem(f"rdmakv cannot select a port: {e}",
                                            f"check {verbs.ENV_DEVICE}/{verbs.ENV_PORT}/"
@@ -184,6 +207,8 @@ def render(report: Report) -> str:
         lines.append("overrides: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     if report.selected:
         lines.append(f"rdmakv would use: {report.selected}")
+    if report.memory_windows:
+        lines.append(f"memory windows: {report.memory_windows}")
     if report.ok:
         lines.append("OK: RDMA is usable (transport auto picks rdma)")
     else:

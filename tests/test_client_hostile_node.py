@@ -118,7 +118,9 @@ def test_oversized_lookup_extent_is_a_miss_and_lying_reads_are_errors(
             keys = decode_keys(payload, "LOOKUP")
             # key "big" claims more bytes than a client block holds; "ok" fits
             res = [
-                LookupResult(Extent(1 << 40, BLOCK * 4 if k == b"big" else 100, 0), 7, bytes(16))
+                LookupResult(
+                    Extent(1 << 40, BLOCK * 4 if k == b"big" else 100, 0), 7, bytes(16), 0
+                )
                 for k in keys
             ]
             ch.send(hdr.opcode | RESPONSE_BIT, encode_lookup_results(res), req_id=hdr.req_id)

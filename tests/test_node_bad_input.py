@@ -252,7 +252,7 @@ def test_data_ops_outside_own_extents_are_refused(
     status, msg, _ = r.call(Op.WRITE, encode_data_ops([(base, 10)]), bulk=b"z" * 20)
     assert status == Status.BAD_REQUEST and b"20" in msg
     # an extent this client allocated: writing inside is fine, past its length is not
-    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"mine"], [1000], [bytes(16)]))
+    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"mine"], [1000], [bytes(16)], [0]))
     (res,) = decode_extents(payload, 1)
     assert status == Status.OK and res.extent is not None
     ext = res.extent

@@ -81,7 +81,7 @@ def test_optional_transport_that_fails_to_come_up_is_left_out() -> None:
     from rdmakv.node import KVNode
     from rdmakv.transport import TransportSpec, get_transport, register_transport
 
-    def broken_node_path(pool: object) -> NoReturn:
+    def broken_node_path(pool: object, **_: object) -> NoReturn:
         raise RdmaError("ibv_reg_mr: Cannot allocate memory (injected)")
 
     tcp = get_transport("tcp")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.store import KVStore
+from rdmakv.node.store import KVStore, LeaseQuotaExceeded
 from rdmakv.protocol import AllocStatus
 from rdmakv.slab import Slab
 from rdmakv.transport.base import BadAddress
@@ -36,7 +36,7 @@ def pool() -> Iterator[Slab]:
 
 
 def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
-    (res,) = store.alloc(session, [(key, size, D)])
+    (res,) = store.alloc(session, [(key, size, D, 0)])
     if res.status != AllocStatus.OK:
         return False
     return store.commit(session, [key]) == [True]
@@ -44,19 +44,19 @@ def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
 
 def test_alloc_statuses(pool: Slab) -> None:
     s = KVStore(pool)
-    assert s.alloc(1, [(b"a", 0, D)])[0].status == AllocStatus.TOO_LARGE
-    assert s.alloc(1, [(b"a", BLOCK + 1, D)])[0].status == AllocStatus.TOO_LARGE
-    res = s.alloc(1, [(b"a", 10, D)])[0]
+    assert s.alloc(1, [(b"a", 0, D, 0)])[0].status == AllocStatus.TOO_LARGE
+    assert s.alloc(1, [(b"a", BLOCK + 1, D, 0)])[0].status == AllocStatus.TOO_LARGE
+    res = s.alloc(1, [(b"a", 10, D, 0)])[0]
     assert res.status == AllocStatus.OK and res.extent is not None
     assert res.extent.addr == pool.base_addr + pool.offset(
         pool.handle_at(res.extent.addr - pool.base_addr)
     )
-    assert s.alloc(2, [(b"a", 10, D)])[0].status == AllocStatus.BUSY
+    assert s.alloc(2, [(b"a", 10, D, 0)])[0].status == AllocStatus.BUSY
     assert s.exists([b"a"]) == [False]  # uncommitted is invisible
     assert s.lookup(2, [b"a"], lease=True) == [None]
     assert s.commit(2, [b"a"]) == [False]  # not the owner
     assert s.commit(1, [b"a"]) == [True]
-    assert s.alloc(2, [(b"a", 10, D)])[0].status == AllocStatus.EXISTS
+    assert s.alloc(2, [(b"a", 10, D, 0)])[0].status == AllocStatus.EXISTS
 
 
 def test_leased_and_uncommitted_extents_are_never_evicted(pool: Slab) -> None:
@@ -65,15 +65,15 @@ def test_leased_and_uncommitted_extents_are_never_evicted(pool: Slab) -> None:
         assert put(s, 1, k)
     (hit,) = s.lookup(1, [b"a"], lease=True)
     assert hit is not None
-    assert s.alloc(1, [(b"pending", 10, D)])[0].status == AllocStatus.OK  # 4th block
+    assert s.alloc(1, [(b"pending", 10, D, 0)])[0].status == AllocStatus.OK  # 4th block
     # pool full: new allocs evict b then c (LRU), never a (leased) or the pending one
-    assert s.alloc(2, [(b"x", 10, D), (b"y", 10, D)])[1].status == AllocStatus.OK
+    assert s.alloc(2, [(b"x", 10, D, 0), (b"y", 10, D, 0)])[1].status == AllocStatus.OK
     assert s.exists([b"a", b"b", b"c"]) == [True, False, False]
-    assert s.alloc(2, [(b"z", 10, D)])[0].status == AllocStatus.NO_SPACE
+    assert s.alloc(2, [(b"z", 10, D, 0)])[0].status == AllocStatus.NO_SPACE
     assert s.exists([b"a"]) == [True]  # the leased value survived the full pool
     assert s.stats()["no_space"] == 1
     assert s.release(1, [hit.lease_id]) == 1
-    assert s.alloc(2, [(b"z", 10, D)])[0].status == AllocStatus.OK  # a is evictable now
+    assert s.alloc(2, [(b"z", 10, D, 0)])[0].status == AllocStatus.OK  # a is evictable now
     assert s.exists([b"a"]) == [False]
 
 
@@ -82,7 +82,7 @@ def test_exists_and_lookup_make_keys_recent_alloc_does_not(pool: Slab) -> None:
     for k in (b"a", b"b", b"c", b"d"):
         assert put(s, 1, k)
     assert s.exists([b"a", b"zz"]) == [True, False]  # a: asked by a scheduler, keep it
-    assert s.alloc(1, [(b"b", 10, D)])[0].status == AllocStatus.EXISTS  # no touch
+    assert s.alloc(1, [(b"b", 10, D, 0)])[0].status == AllocStatus.EXISTS  # no touch
     assert put(s, 1, b"e")  # full: evicts b, now the least recent
     assert s.exists([b"a", b"b", b"c"]) == [True, False, True]
     assert s.lookup(2, [b"d"], lease=False)[0] is not None  # d recent too
@@ -107,7 +107,7 @@ def test_lease_expiry_and_session_end_release_pins(pool: Slab) -> None:
     assert s.release(7, [hit.lease_id]) == 0  # already gone
     # a departed session's leases and uncommitted extents are reclaimed
     s.lookup(8, [b"a"], lease=True)
-    s.alloc(8, [(b"half", 10, D)])
+    s.alloc(8, [(b"half", 10, D, 0)])
     assert pool.used_blocks == 2 and pool.refcount(blk) == 2
     s.session_closed(8)
     assert pool.used_blocks == 1 and pool.refcount(blk) == 1
@@ -140,7 +140,7 @@ def test_delete_of_leased_value_keeps_bytes_until_release(pool: Slab) -> None:
 
 def test_data_path_checks(pool: Slab) -> None:
     s = KVStore(pool)
-    (res,) = s.alloc(1, [(b"a", 100, D)])
+    (res,) = s.alloc(1, [(b"a", 100, D, 0)])
     assert res.extent is not None
     a = res.extent.addr
     views, _written = s.open_write(1, [(a, 100), (a + 50, 50)])
@@ -168,7 +168,7 @@ def test_data_path_checks(pool: Slab) -> None:
 def test_strict_commit_needs_a_complete_write(pool: Slab) -> None:
     """COMMIT_FLAG_REQUIRE_WRITTEN: never publish an extent the node did not fill."""
     s = KVStore(pool)
-    res = s.alloc(1, [(b"a", 100, D), (b"b", 100, D), (b"c", 100, D)])
+    res = s.alloc(1, [(b"a", 100, D, 0), (b"b", 100, D, 0), (b"c", 100, D, 0)])
     a, b, _c = (r.extent.addr for r in res if r.extent is not None)
     _, done_a = s.open_write(1, [(a, 100)])
     done_a()
@@ -208,7 +208,7 @@ class StoreMachine(RuleBasedStateMachine):
     def alloc(self, session: int, keys: list[bytes], commit: bool) -> None:
         index = self.store._index
         before = {k: e.block for k in KEYS if (e := index.get(k)) is not None}
-        res = self.store.alloc(session, [(k, 100, D) for k in keys])
+        res = self.store.alloc(session, [(k, 100, D, 0) for k in keys])
         leased = {blk for (_, _, blk) in self.leases.values()}
         for k, blk in before.items():
             if index.get(k) is None:  # evicted by this alloc
@@ -282,3 +282,59 @@ def test_one_lease_covers_all_hits_of_a_lookup(pool: Slab) -> None:
     assert [pool.refcount(b) for b in blocks] == [1, 1]
     with pytest.raises(BadAddress):
         s.pin_readable(2, [(a.extent.addr, 10)])
+
+
+def test_lease_quota_refuses_a_lookup_that_would_pin_too_much(pool: Slab) -> None:
+    s = KVStore(pool, lease_quota_bytes=2 * BLOCK)
+    for k in KEYS[:4]:
+        assert put(s, 1, k)
+    with pytest.raises(LeaseQuotaExceeded, match="quota of 8192"):
+        s.lookup(2, KEYS[:3], lease=True)  # 3 blocks > 2: refused whole, nothing pinned
+    assert all(pool.refcount(b) == 1 for b in range(4))
+    first = s.lookup(2, KEYS[:2], lease=True)
+    with pytest.raises(LeaseQuotaExceeded):
+        s.lookup(2, KEYS[2:3], lease=True)
+    assert s.lookup(3, KEYS[2:4], lease=True)[0] is not None  # quotas are per session
+    assert first[0] is not None
+    assert s.release(2, [first[0].lease_id]) == 1
+    assert s.lookup(2, KEYS[2:3], lease=True)[0] is not None  # room again after RELEASE
+    assert s.lookup(2, KEYS, lease=False)[0] is not None  # unleased lookups are free
+    assert s.stats()["lease_refusals"] == 2
+
+
+def test_one_session_cannot_stack_leases_on_one_block(pool: Slab) -> None:
+    s = KVStore(pool, max_leases_per_block=3, lease_quota_bytes=4 * BLOCK)
+    assert put(s, 1, b"a")
+    for _ in range(3):
+        assert s.lookup(2, [b"a"], lease=True)[0] is not None
+    with pytest.raises(LeaseQuotaExceeded, match="holds 3 live leases"):
+        s.lookup(2, [b"a"], lease=True)
+    assert s.lookup(3, [b"a"], lease=True)[0] is not None  # another session may
+
+
+def test_re_leasing_never_pins_a_block_past_the_first_lease_timeout(pool: Slab) -> None:
+    clock = Clock()
+    s = KVStore(pool, lease_timeout=30.0, clock=clock)
+    for k in KEYS[:4]:
+        assert put(s, 1, k)
+    s.lookup(2, [b"a"], lease=True)
+    blk = s.lookup(9, [b"a"], lease=False)[0]
+    assert blk is not None
+    clock.now += 20
+    s.lookup(2, [b"a"], lease=True)  # a renewal: ends with the first lease, at +30
+    clock.now += 10.5
+    # pool full and every other block evictable: the put takes a's block too,
+    # because both of session 2's leases ended 30 s after its first one
+    for k in KEYS[4:7]:
+        assert put(s, 1, k)
+    assert put(s, 1, b"z")
+    assert s.exists([b"a"]) == [False]
+    assert s.stats()["leases_expired"] == 2
+
+
+def test_repeats_inside_one_lookup_count_toward_the_per_block_cap(pool: Slab) -> None:
+    s = KVStore(pool, max_leases_per_block=4, lease_quota_bytes=8 * BLOCK)
+    assert put(s, 1, b"a")
+    with pytest.raises(LeaseQuotaExceeded, match="asks for 5 more"):
+        s.lookup(2, [b"a"] * 5, lease=True)
+    assert s.lookup(2, [b"a"] * 4, lease=True)[0] is not None

@@ -64,10 +64,12 @@ def test_keys_roundtrip(keys: list[bytes]) -> None:
     assert decode_keys(encode_keys(keys), "t") == keys
 
 
-@given(st.lists(st.tuples(st.binary(min_size=1, max_size=64), u32, digest_st), max_size=40))
-def test_alloc_roundtrip(items: list[tuple[bytes, int, bytes]]) -> None:
-    keys, sizes, digests = ([x[i] for x in items] for i in range(3))
-    assert decode_alloc(encode_alloc(keys, sizes, digests)) == items
+@given(
+    st.lists(st.tuples(st.binary(min_size=1, max_size=64), u32, digest_st, u64), max_size=40)
+)
+def test_alloc_roundtrip(items: list[tuple[bytes, int, bytes, int]]) -> None:
+    keys, sizes, digests, sums = ([x[i] for x in items] for i in range(4))
+    assert decode_alloc(encode_alloc(keys, sizes, digests, sums)) == items
 
 
 @given(st.lists(st.tuples(st.sampled_from(list(AllocStatus)), u64, u32, u32), max_size=40))
@@ -78,10 +80,11 @@ def test_extents_roundtrip(rows: list[tuple[AllocStatus, int, int, int]]) -> Non
     assert decode_extents(encode_extents(results), len(results)) == results
 
 
-@given(st.lists(st.none() | st.tuples(u64, u32, u32, u64, digest_st), max_size=40))
-def test_lookup_roundtrip(rows: list[tuple[int, int, int, int, bytes] | None]) -> None:
+@given(st.lists(st.none() | st.tuples(u64, u32, u32, u64, digest_st, u64), max_size=40))
+def test_lookup_roundtrip(rows: list[tuple[int, int, int, int, bytes, int] | None]) -> None:
     results = [
-        None if r is None else LookupResult(Extent(r[0], r[1], r[2]), r[3], r[4]) for r in rows
+        None if r is None else LookupResult(Extent(r[0], r[1], r[2]), r[3], r[4], r[5])
+        for r in rows
     ]
     assert decode_lookup_results(encode_lookup_results(results), len(results)) == results
 
@@ -138,7 +141,7 @@ def test_bad_keys_and_digests_refused_on_encode() -> None:
     with pytest.raises(ProtocolError, match="key length"):
         encode_keys([b"x" * (MAX_KEY_LEN + 1)])
     with pytest.raises(ProtocolError, match="digest"):
-        encode_alloc([b"k"], [1], [b"short"])
+        encode_alloc([b"k"], [1], [b"short"], [0])
 
 
 @given(st.lists(st.integers(1, 100), max_size=60), st.integers(1, 7), st.integers(1, 300))

@@ -35,8 +35,11 @@ REQUEST_BUCKETS = (
 )
 """Seconds: a control request on loopback takes ~0.1 ms, a 256 MiB READ seconds."""
 
-REFUSAL_REASONS = ("bad_frame", "bad_token", "bad_address", "over_limit")
-"""``refused_<reason>`` keys of ``KVNode.stats()``, one label value each."""
+REFUSAL_REASONS = ("bad_frame", "bad_token", "bad_address", "over_limit", "timeout")
+"""``refused_<reason>`` keys of ``KVNode.stats()``, one label value each: ``over_limit``
+counts requests over a protocol limit or lease quota and connections shed or refused
+by the connection limits; ``timeout`` connections closed at the handshake deadline or
+the idle timeout."""
 
 _GAUGES = (
     ("rdmakv_node_keys", "Committed keys in the index.", "entries"),
@@ -77,7 +80,7 @@ class NodeMetrics:
         self,
         stats: Callable[[], Mapping[str, Any]],
         ready: Callable[[], bool],
-        info: Mapping[str, str],
+        info: Callable[[], Mapping[str, str]],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_NodeCollector(stats, ready, info))
@@ -99,11 +102,11 @@ class _NodeCollector(Collector):
         self,
         stats: Callable[[], Mapping[str, Any]],
         ready: Callable[[], bool],
-        info: Mapping[str, str],
+        info: Callable[[], Mapping[str, str]],
     ) -> None:
         self._stats = stats
         self._ready = ready
-        self._info = dict(info)
+        self._info = info
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -111,11 +114,12 @@ class _NodeCollector(Collector):
             "rdmakv_node_ready", "1 once the pool is registered and clients are accepted.",
             value=1 if self._ready() else 0,
         )
+        labels = self._info()
         info = GaugeMetricFamily(
             "rdmakv_node_info", "Constant 1, labelled with what this node is.",
-            labels=list(self._info),
+            labels=list(labels),
         )
-        info.add_metric(list(self._info.values()), 1)
+        info.add_metric(list(labels.values()), 1)
         yield info
         for name, doc, key in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=s.get(key, 0))

@@ -21,6 +21,7 @@ class Entry:
     block: int
     length: int
     digest: bytes
+    checksum: int  # the writer's value_checksum of the value bytes (stored opaquely)
     owner: int  # session that allocated it; meaningful while uncommitted
     committed: bool = False
     written: bool = False  # the node received all ``length`` bytes through WRITE

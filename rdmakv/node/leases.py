@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -35,8 +36,10 @@ class LeaseTable:
     def __init__(self) -> None:
         self._by_id: dict[int, Lease] = {}
         self._by_session: dict[int, set[int]] = {}
-        # (session, block) -> [count of this session's leases on it, addr, length]
-        self._by_block: dict[tuple[int, int], list[int]] = {}
+        self._bytes_by_session: dict[int, int] = {}  # leased bytes, repeats counted
+        # (session, block) -> [count of this session's leases on it, addr, length,
+        #                      when this session's continuous pin of it began]
+        self._by_block: dict[tuple[int, int], list[Any]] = {}
         # (deadline, id); ids already released are skipped lazily.
         self._heap: list[tuple[float, int]] = []
         self._next_id = 1
@@ -45,18 +48,23 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def add(self, session: int, extents: list[tuple[int, int, int]], deadline: float) -> Lease:
+    def add(
+        self, session: int, extents: list[tuple[int, int, int]], deadline: float, now: float
+    ) -> Lease:
         lease = Lease(self._next_id, session, deadline, extents)
         self._next_id += 1
         self._by_id[lease.lease_id] = lease
         self._by_session.setdefault(session, set()).add(lease.lease_id)
         by_block = self._by_block
+        nbytes = 0
         for block, addr, length in extents:
+            nbytes += length
             rec = by_block.get((session, block))
             if rec is None:
-                by_block[(session, block)] = [1, addr, length]
+                by_block[(session, block)] = [1, addr, length, now]
             else:
                 rec[0] += 1
+        self._bytes_by_session[session] = self._bytes_by_session.get(session, 0) + nbytes
         self.extent_count += len(extents)
         heapq.heappush(self._heap, (deadline, lease.lease_id))
         if len(self._heap) > _HEAP_SLACK * len(self._by_id) + _HEAP_MIN_COMPACT:
@@ -77,6 +85,9 @@ class LeaseTable:
         mine.discard(lease_id)
         if not mine:
             del self._by_session[lease.session]
+            del self._bytes_by_session[lease.session]
+        else:
+            self._bytes_by_session[lease.session] -= sum(n for _, _, n in lease.extents)
         by_block = self._by_block
         for block, _, _ in lease.extents:
             key = (lease.session, block)
@@ -89,6 +100,15 @@ class LeaseTable:
 
     def of_session(self, session: int) -> list[Lease]:
         return [self._by_id[i] for i in self._by_session.get(session, ())]
+
+    def bytes_of(self, session: int) -> int:
+        """Bytes ``session`` holds under lease (a block leased twice counts twice)."""
+        return self._bytes_by_session.get(session, 0)
+
+    def pin_of(self, session: int, block: int) -> tuple[int, float]:
+        """(live leases ``session`` holds on ``block``, when its pin began; 0.0 if none)."""
+        rec = self._by_block.get((session, block))
+        return (0, 0.0) if rec is None else (rec[0], rec[3])
 
     def covering(self, session: int, block: int) -> tuple[int, int] | None:
         """(addr, length) of the extent ``session`` holds a lease on in ``block``.

@@ -32,8 +32,10 @@ from typing import Any
 from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
-from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, KVStore
+from rdmakv.node.admission import Admission, SessionLimits
+from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK, KVStore
 from rdmakv.protocol import (
+    BULK_REQUEST_OPCODES,
     COMMIT_FLAG_REQUIRE_WRITTEN,
     LOOKUP_FLAG_LEASE,
     MAX_BULK_BYTES,
@@ -63,7 +65,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
-from rdmakv.transport.base import BadAddress
+from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress
 
 log = logging.getLogger("rdmakv.node")
 
@@ -72,11 +74,11 @@ DEFAULT_PORT = 7480
 POLL_INTERVAL = 0.2
 """How often idle sessions and the accept loop look at the stop flag (seconds)."""
 IO_TIMEOUT = 30.0
-"""Once a frame has started, the rest of it must arrive within this (seconds)."""
-HANDSHAKE_TIMEOUT = 10.0
+"""Once a frame has started, each read of the rest of it must return within this (seconds)."""
+SWEEP_INTERVAL_S = 0.5
+"""How often the accept loop closes connections past the handshake deadline or idle timeout."""
 SHUTDOWN_JOIN_TIMEOUT = 5.0
 """How long shutdown waits for each session thread after waking it."""
-MAX_SESSIONS = 1024
 KEEPALIVE_IDLE_S = 60
 KEEPALIVE_INTERVAL_S = 10
 KEEPALIVE_PROBES = 3
@@ -94,15 +96,32 @@ NODE_ID_LEN = 16
 
 
 class Session:
-    """One client connection; implements the NodeSession protocol for data paths."""
+    """One client connection; implements the NodeSession protocol for data paths.
 
-    def __init__(self, node: KVNode, session_id: int, sock: socket.socket, peer: str) -> None:
+    The admission fields (:class:`~rdmakv.node.admission.Tracked`) are written
+    by the session's own thread and read by the accept loop under the node's
+    lock; a stale read only delays a sweep by one interval.
+    """
+
+    def __init__(
+        self, node: KVNode, session_id: int, sock: socket.socket, source: str, port: int
+    ) -> None:
         self.node = node
         self.session_id = session_id
         self.channel = Channel(sock)
-        self.peer = peer
+        self.source = source
+        self.peer = f"{source}:{port}"
         self.one_sided = False
         """True while an RDMA data path has a QP for this session (set by it)."""
+        self.opened = self.last_active = time.monotonic()
+        self.authenticated = False
+        self.busy = False
+        self.closing = False
+
+    def shed(self) -> None:
+        """Close the connection from another thread: the session's blocked read returns."""
+        with contextlib.suppress(OSError):
+            self.channel.sock.shutdown(socket.SHUT_RDWR)
 
     # -- NodeSession -------------------------------------------------------------
     def open_write(
@@ -145,11 +164,17 @@ class Session:
         sock = self.channel.sock
         try:
             sock.settimeout(IO_TIMEOUT)
-            if not self._wait_readable(HANDSHAKE_TIMEOUT) or not self._handshake():
+            limits = self.node.admission.limits
+            if not self._wait_readable(limits.handshake_timeout_s) or not self._handshake():
                 return
+            self.authenticated = True
+            self.last_active = time.monotonic()
             while self._wait_readable(None):
+                self.busy = True
                 if not self._serve_one():
                     return
+                self.busy = False
+                self.last_active = time.monotonic()
         except (OSError, ConnectionLost) as e:
             log.debug("session %d (%s) ended: %s", self.session_id, self.peer, e)
         finally:
@@ -167,6 +192,10 @@ class Session:
         if hdr.opcode != Op.HELLO:
             self.node.refuse("bad_frame")
             self.reply_error(hdr, Status.NOT_AUTHENTICATED, "the first frame must be HELLO")
+            return False
+        if hdr.bulk_len:  # HELLO carries none: the stream cannot be trusted
+            self.node.refuse("bad_frame")
+            self.reply_error(hdr, Status.BAD_REQUEST, "HELLO carries no bulk data")
             return False
         try:
             version, token = decode_hello(payload)
@@ -208,6 +237,13 @@ class Session:
             self.node.refuse("bad_frame")
             ch.skip_bulk()
             self.reply_error(hdr, Status.UNKNOWN_OPCODE, f"unknown opcode {hdr.opcode}")
+            return True
+        if hdr.bulk_len and hdr.opcode not in BULK_REQUEST_OPCODES:
+            # Its bulk would otherwise be read as the next request.
+            self.node.count("protocol_errors")
+            self.node.refuse("bad_frame")
+            ch.skip_bulk()
+            self.reply_error(hdr, Status.BAD_REQUEST, f"opcode {hdr.opcode} carries no bulk data")
             return True
         started = time.perf_counter()
         try:
@@ -265,8 +301,16 @@ class KVNode:
         optional_transports: bool = False,
         metrics_host: str = DEFAULT_HOST,
         metrics_port: int | None = None,
+        session_limits: SessionLimits | None = None,
+        lease_quota_bytes: int | None = None,
+        max_leases_per_block: int = DEFAULT_MAX_LEASES_PER_BLOCK,
+        rdma_confinement: str = CONFINE_WINDOWS,
     ) -> None:
-        """``optional_transports``: a data path beyond tcp that fails to come up
+        """``rdma_confinement``: ``"windows"`` (default) confines each RDMA client to
+        the extents handed to it (per-extent memory windows; a device without them
+        cannot serve rdma); ``"none"`` exposes the whole pool to every RDMA client.
+
+        ``optional_transports``: a data path beyond tcp that fails to come up
         (e.g. ``auto`` found a device but registering the pool failed) is logged
         with its reason and left out, instead of failing the node's start.
 
@@ -274,12 +318,19 @@ class KVNode:
         ``/healthz`` and ``/readyz`` there (:mod:`rdmakv.metrics.node`). It
         starts first, so probes see the node alive but not ready while a large
         pool is still being pinned and registered.
+
+        ``session_limits``: connection hygiene (:mod:`rdmakv.node.admission`).
+        ``lease_quota_bytes`` (default: half the pool) and ``max_leases_per_block``
+        bound what one session may pin with read leases (:class:`KVStore`).
         """
+        self.admission = Admission(session_limits or SessionLimits())
+        self._last_sweep = 0.0
         self.host = host
         self.port = port
         self.token = token or None
         self.node_id = os.urandom(NODE_ID_LEN)
         self._ready = False
+        self.transports: tuple[str, ...] = ()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {
@@ -295,17 +346,32 @@ class KVNode:
         self.metrics_server: MetricsServer | None = None
         if metrics_port is not None:
             self.metrics = NodeMetrics(
-                self.stats,
+                # Scrapes may come while the pool is still being pinned: no store yet.
+                lambda: self.stats() if hasattr(self, "store") else dict(self._counts),
                 lambda: self._ready,
-                {"version": str(PROTOCOL_VERSION), "node_id": self.node_id.hex()},
+                lambda: {
+                    "version": str(PROTOCOL_VERSION),
+                    "node_id": self.node_id.hex(),
+                    "transports": ",".join(self.transports),
+                },
             )
             self.metrics_server = MetricsServer(
                 self.metrics.registry, host=metrics_host, port=metrics_port,
                 ready=lambda: self._ready,
             )
         try:
-            self._init_pool(pool_size, block_size, transports, lease_timeout, lock_pool,
-                            optional_transports)
+            self._init_pool(
+                pool_size, block_size, transports, lock_pool, optional_transports, rdma_confinement
+            )
+            self.store = KVStore(
+                self.pool,
+                lease_timeout=lease_timeout,
+                rkey=next((dp.rkey for dp in self.datapaths if dp.rkey), 0),
+                lease_quota_bytes=lease_quota_bytes,
+                max_leases_per_block=max_leases_per_block,
+                guard=next((dp.guard for dp in self.datapaths if dp.guard), None),
+            )
+            self._init_handlers()
         except BaseException:
             if self.metrics_server is not None:
                 self.metrics_server.close()
@@ -324,23 +390,25 @@ class KVNode:
         pool_size: int,
         block_size: int,
         transports: Sequence[str],
-        lease_timeout: float,
         lock_pool: bool,
         optional_transports: bool,
+        rdma_confinement: str = CONFINE_WINDOWS,
     ) -> None:
         self.pool = Slab(pool_size, block_size, lock=lock_pool)
         names = list(dict.fromkeys(["tcp", *transports]))  # tcp always serves control + fallback
         self.datapaths: list[NodeDataPath] = []
         for name in names:
             try:
-                self.datapaths.append(get_transport(name).node(self.pool))
+                self.datapaths.append(
+                    get_transport(name).node(self.pool, confinement=rdma_confinement)
+                )
             except RdmakvError as e:
                 if name == "tcp" or not optional_transports:
                     raise
                 log.warning("transport %s unavailable, serving without it: %s", name, e)
         self.transports = tuple(dp.name for dp in self.datapaths)
-        rkey = next((dp.rkey for dp in self.datapaths if dp.rkey), 0)
-        self.store = KVStore(self.pool, lease_timeout=lease_timeout, rkey=rkey)
+
+    def _init_handlers(self) -> None:
         self.handlers: dict[int, NodeHandler] = {
             Op.ALLOC: self._alloc,
             Op.COMMIT: self._commit,
@@ -410,16 +478,18 @@ class KVNode:
                 try:
                     sock, addr = ls.accept()
                 except TimeoutError:
+                    self._sweep()
                     continue
                 except OSError:
                     if self._stop.is_set():
                         break
                     raise
-                self._admit(sock, f"{addr[0]}:{addr[1]}")
+                self._admit(sock, addr)
+                self._sweep()
         finally:
             self._shutdown()
 
-    def _admit(self, sock: socket.socket, peer: str) -> None:
+    def _admit(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # A client whose machine vanished never sends FIN: keepalive ends its
         # session, so its uncommitted extents and leases are reclaimed.
@@ -428,19 +498,38 @@ class KVNode:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, opt, value)
         with self._lock:
-            if len(self._sessions) >= MAX_SESSIONS:
-                log.warning("refusing %s: %d sessions open", peer, MAX_SESSIONS)
-                self._counts["refused_over_limit"] += 1
-                sock.close()
-                return
             sid = self._next_session
             self._next_session += 1
-            self._counts["sessions_total"] += 1
-            session = Session(self, sid, sock, peer)
-            t = threading.Thread(target=session.run, name=f"rdmakv-session-{sid}", daemon=True)
-            self._sessions[sid] = (session, t)
-        log.debug("session %d from %s", sid, peer)
+            session = Session(self, sid, sock, addr[0], addr[1])
+            admitted, shed = self.admission.admit(session, time.monotonic())
+            self._counts["refused_over_limit"] += len(shed) + (0 if admitted else 1)
+            if admitted:
+                self._counts["sessions_total"] += 1
+                t = threading.Thread(target=session.run, name=f"rdmakv-session-{sid}", daemon=True)
+                self._sessions[sid] = (session, t)
+        for victim in shed:
+            log.info("closing %s to admit %s (connection limits)", victim.peer, session.peer)
+            victim.shed()
+        if not admitted:
+            log.warning("refusing %s: every connection slot is busy", session.peer)
+            sock.close()
+            return
+        log.debug("session %d from %s", sid, session.peer)
         t.start()
+
+    def _sweep(self) -> None:
+        """Close connections past the handshake deadline or the idle timeout."""
+        now = time.monotonic()
+        if now - self._last_sweep < SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        with self._lock:
+            late = self.admission.expired(now)
+            self._counts["refused_timeout"] += len(late)
+        for conn, _ in late:
+            why = "idle timeout" if conn.authenticated else "handshake deadline passed"
+            log.info("closing %s: %s", conn.peer, why)
+            conn.shed()
 
     def session_ended(self, session: Session) -> None:
         # Data paths first: once the session's RDMA QP is gone no remote write
@@ -456,6 +545,7 @@ class KVNode:
         session.channel.close()
         with self._lock:
             self._sessions.pop(session.session_id, None)
+            self.admission.remove(session)
 
     def stop(self) -> None:
         """Ask the node to stop (safe from a signal handler): sessions end within POLL_INTERVAL."""

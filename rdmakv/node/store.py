@@ -15,6 +15,13 @@ So a block is reused only when nobody can still read or write it. Eviction
 (byte-capacity LRU: the pool is the capacity) removes committed entries from
 the oldest end whose block has no reference other than the index's -- it
 never evicts an extent under lease, being read, or not yet committed.
+
+Leases cannot pin the pool: a session may hold at most ``lease_quota_bytes``
+under lease and ``max_leases_per_block`` live leases on one block (a LOOKUP
+that would exceed either is refused whole with :class:`LeaseQuotaExceeded`),
+and a session's leases on a block end at most ``lease_timeout`` after that
+session first leased it, however often it leases it again: so leases never
+keep a put from finding room for longer than the lease timeout.
 All methods are thread-safe.
 """
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,11 +37,30 @@ from typing import Any
 from rdmakv.errors import ConfigError
 from rdmakv.node.index import Entry, Index
 from rdmakv.node.leases import Lease, LeaseTable
-from rdmakv.protocol import AllocResult, AllocStatus, Extent, LookupResult
+from rdmakv.protocol import (
+    MAX_BULK_BYTES,
+    AllocResult,
+    AllocStatus,
+    Extent,
+    LimitExceeded,
+    LookupResult,
+)
 from rdmakv.slab import Slab
-from rdmakv.transport.base import BadAddress
+from rdmakv.transport.base import BadAddress, ExtentGuard
 
 DEFAULT_LEASE_TIMEOUT = 30.0
+DEFAULT_MAX_LEASES_PER_BLOCK = 4
+"""Live leases one session may hold on one block: a reader needs one (a few while
+requests overlap); hundreds are hoarding."""
+DEFAULT_LEASE_QUOTA_SHARE = 2
+"""Default per-session lease quota: 1 / this of the pool ..."""
+LEASE_QUOTA_FLOOR = MAX_BULK_BYTES
+"""... but never below the bulk bytes of one READ (256 MiB), so one client's batched
+get always fits: on a pool under twice that, the default quota guards nothing."""
+
+
+class LeaseQuotaExceeded(LimitExceeded):
+    """A leased LOOKUP would take a session over its lease quota."""
 
 
 @dataclass
@@ -56,6 +83,7 @@ class Counters:
     bytes_committed_one_sided: int = 0
     """Bytes of extents committed that never passed through the node (RDMA WRITE)."""
     bad_addresses: int = 0
+    lease_refusals: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -69,14 +97,28 @@ class KVStore:
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         rkey: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        lease_quota_bytes: int | None = None,
+        max_leases_per_block: int = DEFAULT_MAX_LEASES_PER_BLOCK,
+        guard: ExtentGuard | None = None,
     ) -> None:
         if lease_timeout <= 0:
             raise ConfigError(f"lease timeout must be > 0 seconds, got {lease_timeout}")
+        if lease_quota_bytes is None:
+            lease_quota_bytes = max(LEASE_QUOTA_FLOOR, pool.nbytes // DEFAULT_LEASE_QUOTA_SHARE)
+        if lease_quota_bytes < pool.block_size:
+            raise ConfigError(
+                f"lease_quota_bytes {lease_quota_bytes} is below one block ({pool.block_size})"
+            )
+        if max_leases_per_block < 1:
+            raise ConfigError(f"max_leases_per_block must be >= 1, got {max_leases_per_block}")
+        self.lease_quota_bytes = lease_quota_bytes
+        self.max_leases_per_block = max_leases_per_block
         self.pool = pool
         self._base = pool.base_addr
         self.block_size = pool.block_size
         self.lease_timeout = lease_timeout
         self.rkey = rkey
+        self._guard = guard  # told of every extent handed to / taken from a session
         self._clock = clock
         self._lock = threading.Lock()
         self._index = Index()
@@ -87,13 +129,22 @@ class KVStore:
     # -- helpers (lock held) ------------------------------------------------------
     def _expire(self) -> None:
         for lease in self._leases.pop_expired(self._clock()):
+            self._revoke_lease(lease)
             self._unpin_lease(lease)
             self.counters.leases_expired += 1
+
+    def _revoke_lease(self, lease: Lease) -> None:
+        if self._guard is not None:
+            self._guard.revoke(lease.session, [a for _, a, _ in lease.extents], write=False)
 
     def _unpin_lease(self, lease: Lease) -> None:
         decref = self.pool.decref
         for block, _, _ in lease.extents:
             decref(block)
+
+    def _revoke_write(self, session: int, e: Entry) -> None:
+        if self._guard is not None:
+            self._guard.revoke(session, [self._base + e.block * self.block_size], write=True)
 
     def _evict_one(self) -> bool:
         for e in self._index.oldest_first():
@@ -113,8 +164,10 @@ class KVStore:
         return self.pool.alloc()
 
     # -- control operations ----------------------------------------------------------
-    def alloc(self, session: int, items: Sequence[tuple[bytes, int, bytes]]) -> list[AllocResult]:
-        """Reserve one extent per (key, size, digest); invisible until commit."""
+    def alloc(
+        self, session: int, items: Sequence[tuple[bytes, int, bytes, int]]
+    ) -> list[AllocResult]:
+        """Reserve one extent per (key, size, digest, checksum); invisible until commit."""
         out: list[AllocResult] = []
         too_large = AllocResult(AllocStatus.TOO_LARGE, None)
         exists = AllocResult(AllocStatus.EXISTS, None)
@@ -127,7 +180,7 @@ class KVStore:
             pool = self.pool
             base, bs, rkey = self._base, self.block_size, self.rkey
             self.counters.allocs += len(items)
-            for key, size, digest in items:
+            for key, size, digest, checksum in items:
                 if not (0 < size <= bs):
                     out.append(too_large)
                 elif committed(key) is not None:
@@ -140,10 +193,17 @@ class KVStore:
                         self.counters.no_space += 1
                         out.append(no_space)
                         continue
-                    e = Entry(key, block, size, digest, owner=session)
+                    e = Entry(key, block, size, digest, checksum, owner=session)
                     add_pending(e)
                     mine[block] = e
                     out.append(AllocResult(AllocStatus.OK, Extent(base + block * bs, size, rkey)))
+            if self._guard is not None:
+                ok = [i for i, r in enumerate(out) if r.extent is not None]
+                exts = [(r.extent.addr, r.extent.length) for r in out if r.extent is not None]
+                if exts:
+                    keys = self._guard.grant(session, exts, write=True)
+                    for i, (addr, size), k in zip(ok, exts, keys, strict=True):
+                        out[i] = AllocResult(AllocStatus.OK, Extent(addr, size, k))
         return out
 
     def commit(
@@ -162,6 +222,7 @@ class KVStore:
                 if e is None or e.owner != session or (require_written and not e.written):
                     out.append(False)
                     continue
+                self._revoke_write(session, e)  # before anyone else can see it
                 del mine[e.block]
                 self._index.commit(key)
                 self.counters.commits += 1
@@ -180,6 +241,7 @@ class KVStore:
                 if e is None or e.owner != session:
                     out.append(False)
                     continue
+                self._revoke_write(session, e)  # before the block can be reused
                 self._index.drop_pending(key)
                 del mine[e.block]
                 self.pool.decref(e.block)
@@ -193,12 +255,11 @@ class KVStore:
         With ``lease`` all hits of this call share one lease (one id), which
         pins their blocks until released, expired or the session ends.
         """
-        found: list[tuple[Extent, bytes] | None] = []
+        found: list[tuple[Extent, bytes, int] | None] = []
         extents: list[tuple[int, int, int]] = []
         with self._lock:
             self._expire()
             touch = self._index.touch
-            incref = self.pool.incref
             base, bs, rkey = self._base, self.block_size, self.rkey
             for key in keys:
                 e = touch(key)
@@ -206,20 +267,64 @@ class KVStore:
                     found.append(None)
                     continue
                 addr = base + e.block * bs
-                found.append((Extent(addr, e.length, rkey), e.digest))
+                found.append((Extent(addr, e.length, rkey), e.digest, e.checksum))
                 if lease:
-                    incref(e.block)
                     extents.append((e.block, addr, e.length))
+            lease_id = 0
+            if extents:
+                now = self._clock()
+                pinned_since = self._check_lease_quota(session, extents, now)
+                incref = self.pool.incref
+                for block, _, _ in extents:
+                    incref(block)
+                # Never past lease_timeout after this session first pinned a block.
+                deadline = min(now, pinned_since) + self.lease_timeout
+                lease_id = self._leases.add(session, extents, deadline, now).lease_id
+                self.counters.leases_granted += 1
+                if self._guard is not None:
+                    rkeys = iter(self._guard.grant(
+                        session, [(a, n) for _, a, n in extents], write=False
+                    ))
+                    found = [
+                        None if f is None
+                        else (Extent(f[0].addr, f[0].length, next(rkeys)), f[1], f[2])
+                        for f in found
+                    ]
             hits = len(extents) if lease else sum(f is not None for f in found)
             self.counters.lookups += len(keys)
             self.counters.hits += hits
             self.counters.misses += len(keys) - hits
-            lease_id = 0
-            if extents:
-                deadline = self._clock() + self.lease_timeout
-                lease_id = self._leases.add(session, extents, deadline).lease_id
-                self.counters.leases_granted += 1
-        return [None if f is None else LookupResult(f[0], lease_id, f[1]) for f in found]
+        return [None if f is None else LookupResult(f[0], lease_id, f[1], f[2]) for f in found]
+
+    def _check_lease_quota(
+        self, session: int, extents: list[tuple[int, int, int]], now: float
+    ) -> float:
+        """Refuse (raise) a lease over the session's quotas; else the earliest time
+        this session first pinned one of ``extents`` (``now`` for fresh ones)."""
+        held = self._leases.bytes_of(session)
+        adding = sum(length for _, _, length in extents)
+        if held + adding > self.lease_quota_bytes:
+            self.counters.lease_refusals += 1
+            raise LeaseQuotaExceeded(
+                f"LOOKUP: a lease on {adding} more bytes would take this client to "
+                f"{held + adding} leased bytes, over its quota of {self.lease_quota_bytes} "
+                "(node.lease_quota_bytes): RELEASE leases after reading"
+            )
+        pinned_since = now
+        asked = Counter(block for block, _, _ in extents)  # repeats in this request count
+        for block, repeats in asked.items():
+            count, since = self._leases.pin_of(session, block)
+            if count + repeats > self.max_leases_per_block:
+                self.counters.lease_refusals += 1
+                raise LeaseQuotaExceeded(
+                    f"LOOKUP: this client holds {count} live leases on one extent and asks "
+                    f"for {repeats} more (the most is {self.max_leases_per_block}, "
+                    "node.max_leases_per_block): "
+                    "RELEASE leases after reading"
+                )
+            if count:
+                pinned_since = min(pinned_since, since)
+        return pinned_since
 
     def release(self, session: int, lease_ids: Sequence[int]) -> int:
         """End this session's leases; unknown/foreign/expired/repeated ids are ignored."""
@@ -230,6 +335,7 @@ class KVStore:
                 if lease is None or lease.session != session:
                     continue
                 self._leases.remove(lid)
+                self._revoke_lease(lease)
                 self._unpin_lease(lease)
                 self.counters.leases_released += 1
                 n += 1
@@ -262,11 +368,13 @@ class KVStore:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
         with self._lock:
             for e in self._pending_by_session.pop(session, {}).values():
+                self._revoke_write(session, e)
                 self._index.drop_pending(e.key)
                 self.pool.decref(e.block)
                 self.counters.reclaimed_on_disconnect += 1
             for lease in self._leases.of_session(session):
                 self._leases.remove(lease.lease_id)
+                self._revoke_lease(lease)
                 self._unpin_lease(lease)
                 self.counters.leases_released += 1
 
@@ -371,6 +479,7 @@ class KVStore:
                 pending=self._index.pending_count,
                 bytes_stored=self._index.committed_bytes,
                 leases_active=len(self._leases),
+                lease_quota_bytes=self.lease_quota_bytes,
                 leased_extents=self._leases.extent_count,
                 block_size=self.block_size,
                 blocks_total=self.pool.num_blocks,

@@ -16,6 +16,12 @@ address is checked against the extents the node handed to *that* session.
 Ownership: slab blocks named by an in-flight op must stay referenced by the
 caller until the future completes. Remote extents stay valid for writes until
 commit/abort/disconnect, for reads until the lease is released or expires.
+
+Confinement: a one-sided data path cannot check addresses per op, so the node
+lets the device do it. The store tells the data path (:class:`ExtentGuard`)
+when it hands an extent to a session and when that session loses it; the rdma
+data path then binds a memory window over the extent on that session's QP
+(its rkey goes into the extent) and revokes it again.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class IoOp(NamedTuple):
     local_offset: int
     remote_addr: int
     length: int
+    rkey: int = 0
+    """The extent's remote key as the node handed it out (0: the connection's)."""
 
 
 class IoFuture:
@@ -152,13 +160,56 @@ NodeHandler = Callable[[NodeSession, Header, bytearray], None]
 Raising an ``RdmakvError`` sends an error response and keeps the connection."""
 
 
+CONFINE_WINDOWS = "windows"
+CONFINE_NONE = "none"
+CONFINEMENTS = (CONFINE_WINDOWS, CONFINE_NONE)
+
+
+class ExtentGuard(Protocol):
+    """What the store tells a one-sided data path about extents it hands out.
+
+    Calls come with the store's lock held, in the order the store decides, so
+    a revoke is done before the store makes the extent visible to anyone else
+    (commit) or reuses it (abort, expiry, disconnect). Neither method may
+    raise: a grant that cannot be made returns rkey 0 (the client's access
+    then fails, which it treats as a miss / failed put).
+    """
+
+    def grant(self, session: int, extents: Sequence[tuple[int, int]], *, write: bool) -> list[int]:
+        """Let ``session`` access each (addr, length) extent remotely (write:
+        RDMA WRITE until revoked; else RDMA READ). Returns one rkey per extent.
+        Granting the same (addr, kind) twice to a session counts twice."""
+        ...
+
+    def revoke(self, session: int, addrs: Sequence[int], *, write: bool) -> None:
+        """Undo one grant per address (unknown ones are ignored)."""
+        ...
+
+
 class NodeDataPath(ABC):
-    """Node side of a transport: serves data ops against the node's pool."""
+    """Node side of a transport: serves data ops against the node's pool.
+
+    ``confinement`` (one-sided data paths): ``"windows"`` (default) confines
+    each session to the extents the store handed it, through the device;
+    ``"none"`` exposes the whole pool to every connected client (only for
+    devices without memory windows, by the operator's explicit choice).
+    Data paths that check every op themselves (tcp) ignore it.
+    """
 
     name: ClassVar[str]
 
-    def __init__(self, pool: Slab) -> None:
+    def __init__(self, pool: Slab, *, confinement: str = CONFINE_WINDOWS) -> None:
+        if confinement not in CONFINEMENTS:
+            raise ConfigError(
+                f"rdma_confinement must be one of {', '.join(CONFINEMENTS)}, got {confinement!r}"
+            )
         self.pool = pool
+        self.confinement = confinement
+
+    @property
+    def guard(self) -> ExtentGuard | None:
+        """The hook the store must call on grants/revokes (None: not needed)."""
+        return None
 
     @property
     def rkey(self) -> int:
@@ -176,7 +227,10 @@ class NodeDataPath(ABC):
         """Release device resources at node shutdown."""
 
 
-NodeDataPathFactory = Callable[[Slab], NodeDataPath]
+class NodeDataPathFactory(Protocol):
+    """Builds a node data path over the pool (a :class:`NodeDataPath` subclass)."""
+
+    def __call__(self, pool: Slab, *, confinement: str = CONFINE_WINDOWS) -> NodeDataPath: ...
 
 
 class BadAddress(TransportError):

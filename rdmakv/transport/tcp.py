@@ -41,10 +41,12 @@ import numpy as np
 from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError
 from rdmakv.protocol import (
     DATA_OP,
+    MAX_BULK_BYTES,
     RESPONSE_BIT,
     U32,
     Channel,
     Header,
+    LimitExceeded,
     NodeInfo,
     Op,
     Reply,
@@ -158,7 +160,7 @@ def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, 
     local iovec table (slab ``base`` + offsets) and its byte count, without
     per-op Python work beyond one ``zip``."""
     n = len(batch)
-    local, remote, lengths = zip(*batch, strict=True)
+    local, remote, lengths = tuple(zip(*batch, strict=True))[:3]  # IoOp.rkey: rdma only
     lens = _u64(lengths)
     if int(lens.max()) > 0xFFFFFFFF:
         raise ProtocolError("a data op longer than 4 GiB cannot be encoded")
@@ -372,6 +374,11 @@ class TcpNodeDataPath(NodeDataPath):
 
     def _read(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         ops = decode_data_ops(payload, "READ")
+        total = sum(n for _, n in ops)
+        if total > MAX_BULK_BYTES:  # the answer would be over the frame limit
+            raise LimitExceeded(
+                f"READ ops name {total} bytes, more than {MAX_BULK_BYTES} in one answer"
+            )
         views, unpin = session.pin_readable(ops)
         try:
             if use_native:

@@ -18,6 +18,14 @@ Ownership and lifetimes:
   (:meth:`QueuePair.run`) are serialised by the caller. After any failed job
   the QP is in ERROR (or was forced there on timeout) and must be
   :meth:`QueuePair.reset` and reconnected before it is used again.
+* A :class:`MemoryWindow` (type 2) is allocated from the device's PD and bound
+  by :meth:`QueuePair.bind_windows` to a range of a region registered with
+  ``windows=True``; only that QP's peer can use its rkey, until
+  :meth:`MemoryWindow.close` revokes it (a plain verb: it works whatever state
+  the QP is in). Close order: windows, then their QP, then the region, then
+  the device -- a QP destroyed with windows still bound to it makes rxe block
+  for ~50 s (``QueuePair.close`` therefore closes the windows bound on it
+  first).
 """
 
 from __future__ import annotations
@@ -90,20 +98,26 @@ RETRYABLE = frozenset({ST_NOT_POSTED, ST_FLUSHED, ST_POST_FAILED, 5})
 
 OP_WRITE = 0
 OP_READ = 1
-OP_FIELDS = 3  # rk_op: local_offset, remote_addr, length (uint64 each)
+OP_FIELDS = 4  # rk_op: local_offset, remote_addr, length, rkey (uint64 each)
 _EMPTY_OPS = np.zeros((0, OP_FIELDS), dtype=np.uint64)
 
 
 def op_table(ops: Any) -> np.ndarray:
-    """``ops`` ((local_offset, remote_addr, length) rows) as the contiguous
-    uint64 table the native loop reads; a table passes through uncopied.
+    """``ops`` ((local_offset, remote_addr, length[, rkey]) rows) as the
+    contiguous uint64 table the native loop reads; a table passes through
+    uncopied. A row without an rkey (or rkey 0) uses the job's rkey.
 
-    One C-level conversion instead of 3 cffi attribute sets per op: the rows
-    are laid out exactly as rk_op (three uint64, no padding).
+    One C-level conversion instead of 4 cffi attribute sets per op: the rows
+    are laid out exactly as rk_op (four uint64, no padding).
     """
     if not len(ops):
         return _EMPTY_OPS
-    return np.ascontiguousarray(np.asarray(ops, dtype=np.uint64).reshape(len(ops), OP_FIELDS))
+    arr = np.asarray(ops, dtype=np.uint64).reshape(len(ops), -1)
+    if arr.shape[1] == OP_FIELDS - 1:  # no rkey column
+        arr = np.hstack([arr, np.zeros((len(ops), 1), dtype=np.uint64)])
+    if arr.shape[1] != OP_FIELDS:
+        raise ConfigError(f"I/O ops must have 3 or 4 fields, got {arr.shape[1]}")
+    return np.ascontiguousarray(arr)
 
 
 # QP transport settings (RTS). timeout is 4.096 us * 2**QP_TIMEOUT: 14 ~ 67 ms,
@@ -429,6 +443,7 @@ class MemoryRegion:
         lib = _need_native()
         self.lkey: int = int(lib.rk_mr_lkey(handle))
         self.rkey: int = int(lib.rk_mr_rkey(handle))
+        self.windows = False  # registered for memory-window access only
 
     def contains(self, addr: int, length: int) -> bool:
         return length >= 0 and self.addr <= addr and addr + length <= self.addr + self.length
@@ -441,6 +456,29 @@ class MemoryRegion:
     def close(self) -> None:
         self._dereg()
         self._dev._forget(self)
+
+
+class MemoryWindow:
+    """A type-2 memory window. ``rkey`` is the key it was last bound with
+    (0 before the first bind). Revoked for good by :meth:`close`; closing
+    twice is harmless. Must be closed before the QP it is bound on."""
+
+    def __init__(self, handle: Any) -> None:
+        self._h = handle
+        self.rkey = 0
+        self.qp: QueuePair | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        if self._h is not None:
+            _need_native().rk_mw_dealloc(self._h)
+            self._h = None
+            if self.qp is not None:
+                self.qp._windows.discard(self)
+                self.qp = None
 
 
 class Device:
@@ -482,8 +520,31 @@ class Device:
         """How many ibv_reg_mr calls this device has made (tests: 'once')."""
         return int(_need_native().rk_reg_count(self._ctx)) if self._ctx else 0
 
-    def register(self, addr: int, length: int, owner: object | None = None) -> MemoryRegion:
+    @property
+    def supports_windows(self) -> bool:
+        """The device reports type-2 memory windows (max_mw > 0, MEM_WINDOW_TYPE_2A/2B)."""
+        return bool(self._ctx) and bool(_need_native().rk_mw_supported(self._ctx))
+
+    def alloc_window(self) -> MemoryWindow:
+        """A fresh type-2 memory window (unbound: grants nothing until bound)."""
+        err = _ffi.new("char[]", ERRLEN)
+        h = _need_native().rk_mw_alloc(self._ctx, err)
+        if h == _ffi.NULL:
+            raise RdmaError(
+                f"allocating a memory window on {self.sel.device} failed: "
+                f"{_ffi.string(err).decode()}"
+            )
+        return MemoryWindow(h)
+
+    def register(
+        self, addr: int, length: int, owner: object | None = None, *, windows: bool = False
+    ) -> MemoryRegion:
         """Register [addr, addr+length) for local write + remote read/write.
+
+        With ``windows`` the region grants NO remote access through its own
+        rkey: only through memory windows bound to it (see
+        :meth:`QueuePair.bind_windows`). A range registered one way and asked
+        for the other way is an error (the two must not be mixed silently).
 
         Registered ONCE per range: asking again returns the existing region.
         ``owner`` (e.g. the Slab) ties the registration to that object: if the
@@ -500,17 +561,23 @@ class Device:
                 old = ref() if ref is not None else None
                 fresh = ref is None or (old is not None and not getattr(old, "closed", False))
                 if fresh and (owner is None or ref is None or old is owner):
+                    if mr.windows != windows:
+                        raise ConfigError(
+                            f"0x{addr:x}+{length} is already registered "
+                            f"{'for windows only' if mr.windows else 'with remote access'}"
+                        )
                     return mr
                 del self._regions[(addr, length)]
                 mr._dereg()
             err = _ffi.new("char[]", ERRLEN)
-            h = _need_native().rk_reg_mr(self._ctx, addr, length, 1, err)
+            h = _need_native().rk_reg_mr(self._ctx, addr, length, 2 if windows else 1, err)
             if h == _ffi.NULL:
                 raise RdmaError(
                     f"registering {length} bytes at 0x{addr:x} on {self.sel.device} failed: "
                     f"{_ffi.string(err).decode()} (memlock limit? see `rdmakv doctor`)"
                 )
             mr = MemoryRegion(self, h, addr, length)
+            mr.windows = windows
             self._regions[(addr, length)] = (mr, weakref.ref(owner) if owner is not None else None)
             return mr
 
@@ -569,6 +636,42 @@ class QueuePair:
         self.max_inflight_bytes = inflight_bytes_setting()
         self._status_buf: Any = None
         self._cap = 0
+        self._windows: set[MemoryWindow] = set()  # bound on this QP, closed before it
+
+    def bind_windows(
+        self,
+        region: MemoryRegion,
+        windows: list[MemoryWindow],
+        ranges: list[tuple[int, int]],
+        *,
+        read: bool,
+        write: bool,
+        timeout: float,
+    ) -> list[int]:
+        """Bind ``windows[i]`` over ``ranges[i]`` (addr, length) of ``region``
+        on this QP (posting BIND_MW work requests; serialise with :meth:`run`).
+        Returns per-window status (0: bound, its ``rkey`` updated). A window
+        that failed to bind is unusable: close it."""
+        n = len(windows)
+        if n == 0:
+            return []
+        for addr, length in ranges:
+            if not region.contains(addr, length) or length <= 0:
+                raise ConfigError(f"window 0x{addr:x}+{length} is outside the region")
+        hs = _ffi.new("rk_mw*[]", [w._h for w in windows])
+        addrs = _ffi.new("uint64_t[]", [a for a, _ in ranges])
+        lens = _ffi.new("uint64_t[]", [n_ for _, n_ in ranges])
+        status = _ffi.new("int32_t[]", n)
+        access = (1 if read else 0) | (2 if write else 0)
+        lib = _need_native()
+        lib.rk_qp_bind_mws(self._h, region._h, hs, addrs, lens, access, n, status, float(timeout))
+        out = list(_ffi.unpack(status, n))
+        for w, st in zip(windows, out, strict=True):
+            w.qp = self
+            self._windows.add(w)
+            if st == ST_OK:
+                w.rkey = int(lib.rk_mw_rkey(w._h))
+        return out
 
     def local_info(self, region: MemoryRegion) -> ConnInfo:
         """This side's connection info, exposing ``region`` to the peer."""
@@ -673,6 +776,8 @@ class QueuePair:
         return status, stats
 
     def close(self) -> None:
+        for w in list(self._windows):  # first: rxe blocks destroying a QP with bound windows
+            w.close()
         if self._h is not None:
             _need_native().rk_qp_destroy(self._h)
             self._h = None

@@ -1,0 +1,465 @@
+"""The reference model: what a correct node answers, request by request.
+
+The fuzzer drives every connection from one thread and the victim client is
+idle meanwhile, so the node's state is a deterministic function of the frames
+sent; this module replays them against a small model of the store (committed
+keys, uncommitted extents by owner, leases, the bytes known to be in each
+block) and checks every answer:
+
+* framing: the response opcode and req_id echo the request (a fatal
+  FRAME_TOO_LARGE may answer with opcode 0 or HELLO and req_id 0, the node
+  having no header it trusts), the payload decodes with :mod:`rdmakv.protocol`;
+* refusals: a malformed frame gets exactly the status the strategy predicted;
+  INTERNAL is always a failure (an exception escaped a handler);
+* semantics: ALLOC statuses (TOO_LARGE, EXISTS, BUSY, OK; NO_SPACE is
+  tolerated) and that an extent handed out is never a block someone still
+  holds; COMMIT/ABORT/DELETE/EXISTS flags; LOOKUP hits, extents, digests and
+  that one leased LOOKUP has one fresh lease id; RELEASE counts only this
+  connection's live leases, each once; WRITE/READ succeed exactly when every op
+  lies inside this connection's own uncommitted (WRITE) or leased (READ)
+  extents, and every byte READ returns that the model knows (the victim's
+  values, whatever this fuzzer wrote) is the byte expected;
+* STATS: entries, pending and leases_active equal the model's counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rdmakv.errors import ProtocolError
+from rdmakv.fuzz.wire import AllocItem, FuzzFailure, Req, Resp
+from rdmakv.protocol import (
+    COMMIT_FLAG_REQUIRE_WRITTEN,
+    LOOKUP_FLAG_LEASE,
+    MAX_BULK_BYTES,
+    RESPONSE_BIT,
+    U32,
+    AllocStatus,
+    LookupResult,
+    NodeInfo,
+    Op,
+    Status,
+    decode_extents,
+    decode_flags,
+    decode_json,
+    decode_lookup_results,
+    decode_node_info,
+)
+
+
+@dataclass
+class Ext:
+    """A value's extent as the node handed it out; ``extra``: the ALLOC item's fields
+    after the digest (the checksum), which LOOKUP must give back as stored."""
+
+    addr: int
+    length: int
+    digest: bytes
+    extra: tuple[int, ...] = ()
+
+
+@dataclass
+class Pending:
+    key: bytes
+    cid: int
+    ext: Ext
+    written: bool = False
+
+
+@dataclass
+class Lease:
+    lid: int
+    cid: int
+    exts: list[Ext]
+
+
+@dataclass
+class Content:
+    """The bytes of one block's current value, and which of them the model knows."""
+
+    data: bytearray
+    known: bytearray
+
+    @classmethod
+    def unknown(cls, length: int) -> Content:
+        return cls(bytearray(length), bytearray(length))
+
+    @classmethod
+    def of(cls, value: bytes) -> Content:
+        return cls(bytearray(value), bytearray(b"\x01" * len(value)))
+
+
+@dataclass
+class Model:
+    """The node's state as far as the fuzzer can know it."""
+
+    info: NodeInfo
+    victim: dict[bytes, bytes] = field(default_factory=dict)  # key -> value
+    committed: dict[bytes, Ext] = field(default_factory=dict)
+    pending: dict[bytes, Pending] = field(default_factory=dict)
+    leases: dict[int, Lease] = field(default_factory=dict)  # live ones
+    lease_owner: dict[int, int] = field(default_factory=dict)  # ids granted this example -> cid
+    lease_ids: set[int] = field(default_factory=set)  # every id ever granted
+    content: dict[int, Content] = field(default_factory=dict)  # block start -> bytes
+    keys_seen: set[bytes] = field(default_factory=set)  # every fuzz key ever allocated
+    bytes_verified: int = 0
+    lease_quota: int | None = None  # the node's per-session lease quota (bytes), if it has one
+
+    @property
+    def base(self) -> int:
+        return self.info.pool_base
+
+    @property
+    def bs(self) -> int:
+        return self.info.block_size
+
+    def block_start(self, addr: int) -> int | None:
+        """Start of the block holding ``addr``, None outside the pool."""
+        off = addr - self.base
+        if off < 0 or off >= self.info.pool_len:
+            return None
+        return self.base + off // self.bs * self.bs
+
+    def held_blocks(self) -> set[int]:
+        """Blocks someone holds: committed, uncommitted, or under a live lease."""
+        held = {e.addr for e in self.committed.values()}
+        held.update(p.ext.addr for p in self.pending.values())
+        for lease in self.leases.values():
+            held.update(e.addr for e in lease.exts)
+        return held
+
+    # -- connection lifecycle ------------------------------------------------------------
+    def closed(self, cid: int) -> None:
+        """The node ended connection ``cid``'s session: its extents and leases are gone."""
+        for key in [k for k, p in self.pending.items() if p.cid == cid]:
+            del self.pending[key]
+        for lid in [i for i, le in self.leases.items() if le.cid == cid]:
+            del self.leases[lid]
+
+    def forget_content(self, cid: int) -> None:
+        """After a mutated frame on ``cid`` the model no longer knows what it wrote."""
+        for p in self.pending.values():
+            if p.cid == cid:
+                self.content[p.ext.addr] = Content.unknown(p.ext.length)
+
+    # -- checking one answer -----------------------------------------------------------------
+    def check(self, cid: int, req: Req, resp: Resp) -> None:
+        """Check ``resp`` to ``req`` sent on ``cid`` and apply its effects."""
+        hdr = resp.header
+        echo = hdr.opcode == (req.opcode | RESPONSE_BIT) and hdr.req_id == req.req_id
+        if hdr.status == Status.FRAME_TOO_LARGE and not echo:
+            echo = hdr.opcode in (RESPONSE_BIT, Op.HELLO | RESPONSE_BIT) and hdr.req_id == 0
+        if not echo:
+            raise FuzzFailure(
+                f"answer out of sync: got opcode {hdr.opcode} req_id {hdr.req_id} for "
+                f"opcode {req.opcode} req_id {req.req_id}"
+            )
+        if hdr.status == Status.INTERNAL:
+            raise FuzzFailure(f"node reported an internal error: {resp.payload[:300]!r}")
+        # Bulk on a request that takes none is refused before its payload is looked at.
+        bulk_refused = bool(req.bulk) and req.opcode != Op.WRITE and req.kind != "hello"
+        if req.expect is not None and not (bulk_refused and hdr.status == Status.BAD_REQUEST):
+            if hdr.status != req.expect:
+                raise FuzzFailure(
+                    f"expected status {req.expect.name}, got {_status_name(hdr.status)}: "
+                    f"{resp.payload[:300]!r}"
+                )
+            return
+        try:
+            self._semantics(cid, req, resp)
+        except ProtocolError as e:
+            raise FuzzFailure(f"answer does not decode: {e}") from None
+
+    def _semantics(self, cid: int, req: Req, resp: Resp) -> None:
+        op, st = req.opcode, resp.status
+        if req.bulk and op != Op.WRITE:  # only WRITE carries bulk: refused, bulk skipped
+            _want(st, Status.BAD_REQUEST, resp, f"opcode {op} with bulk")
+            return
+        if op == Op.WRITE:
+            self._write(cid, req, resp)
+            return
+        if op == Op.READ:
+            self._read(cid, req, resp)
+            return
+        if req.kind == "hello":
+            _want(st, Status.OK, resp)
+            info = decode_node_info(resp.payload)
+            for name in ("version", "block_size", "pool_base", "pool_len", "node_id"):
+                if getattr(info, name) != getattr(self.info, name):
+                    raise FuzzFailure(f"HELLO answer changed {name}: {info}")
+            return
+        if op == Op.LOOKUP and st == Status.LIMIT_EXCEEDED:
+            assert req.keys is not None
+            self._lease_refused(cid, req.keys, bool(req.flags & LOOKUP_FLAG_LEASE), resp)
+            return
+        _want(st, Status.OK, resp)
+        if resp.bulk:
+            raise FuzzFailure(f"opcode {op} answered with {len(resp.bulk)} bulk bytes")
+        if op == Op.ALLOC:
+            assert req.items is not None
+            self._alloc(cid, req.items, resp)
+        elif op == Op.COMMIT:
+            assert req.keys is not None
+            strict = bool(req.flags & COMMIT_FLAG_REQUIRE_WRITTEN)
+            got = decode_flags(resp.payload, len(req.keys), "COMMIT")
+            for key, ok in zip(req.keys, got, strict=True):
+                p = self.pending.get(key)
+                want = p is not None and p.cid == cid and (p.written or not strict)
+                _same("COMMIT", key, want, ok)
+                if ok:
+                    assert p is not None
+                    del self.pending[key]
+                    self.committed[key] = p.ext
+        elif op == Op.ABORT:
+            assert req.keys is not None
+            got = decode_flags(resp.payload, len(req.keys), "ABORT")
+            for key, ok in zip(req.keys, got, strict=True):
+                p = self.pending.get(key)
+                _same("ABORT", key, p is not None and p.cid == cid, ok)
+                if ok:
+                    del self.pending[key]
+        elif op == Op.DELETE:
+            assert req.keys is not None
+            got = decode_flags(resp.payload, len(req.keys), "DELETE")
+            for key, ok in zip(req.keys, got, strict=True):
+                if key in self.victim:
+                    raise FuzzFailure("fuzzer bug: DELETE of a victim key")
+                _same("DELETE", key, key in self.committed, ok)
+                self.committed.pop(key, None)
+        elif op == Op.EXISTS:
+            assert req.keys is not None
+            got = decode_flags(resp.payload, len(req.keys), "EXISTS")
+            for key, ok in zip(req.keys, got, strict=True):
+                _same("EXISTS", key, key in self.committed, ok)
+        elif op == Op.LOOKUP:
+            assert req.keys is not None
+            self._lookup(cid, req.keys, bool(req.flags & LOOKUP_FLAG_LEASE), resp)
+        elif op == Op.RELEASE:
+            assert req.ids is not None
+            if len(resp.payload) != U32.size:
+                raise FuzzFailure(f"RELEASE answer of {len(resp.payload)} bytes")
+            (n,) = U32.unpack(resp.payload)
+            mine = {i for i in req.ids if i in self.leases and self.leases[i].cid == cid}
+            if n != len(mine):
+                raise FuzzFailure(
+                    f"RELEASE of {req.ids} released {n}; this connection held {len(mine)} "
+                    "of those ids live"
+                )
+            for lid in mine:
+                del self.leases[lid]
+        elif op == Op.STATS:
+            self.check_stats(decode_json(resp.payload, "STATS"), where="STATS")
+        else:
+            raise FuzzFailure(f"opcode {op} answered OK")
+
+    def check_stats(self, stats: dict[str, object], *, where: str) -> None:
+        want = {
+            "entries": len(self.committed),
+            "pending": len(self.pending),
+            "leases_active": len(self.leases),
+        }
+        got = {k: stats.get(k) for k in want}
+        if got != want:
+            raise FuzzFailure(f"{where}: node counts {got}, model counts {want}")
+
+    def _alloc(self, cid: int, items: list[AllocItem], resp: Resp) -> None:
+        results = decode_extents(resp.payload, len(items))
+        for (key, size, digest, extra), (status, ext) in zip(items, results, strict=True):
+            if not 0 < size <= self.bs:
+                want = AllocStatus.TOO_LARGE
+            elif key in self.committed:
+                want = AllocStatus.EXISTS
+            elif key in self.pending:
+                want = AllocStatus.BUSY
+            else:
+                want = AllocStatus.OK
+            if status == AllocStatus.NO_SPACE and want == AllocStatus.OK:
+                continue
+            if status != want:
+                raise FuzzFailure(
+                    f"ALLOC {key!r:.40} size {size}: node said {status.name}, expected {want.name}"
+                )
+            if ext is None:
+                continue
+            if ext.length != size or ext.rkey != self.info.rkey:
+                raise FuzzFailure(f"ALLOC {key!r:.40} size {size} got extent {ext}")
+            start = self.block_start(ext.addr)
+            if start != ext.addr:
+                raise FuzzFailure(f"ALLOC handed out {ext}, not a block start in the pool")
+            if ext.addr in self.held_blocks():
+                raise FuzzFailure(f"ALLOC handed out block 0x{ext.addr:x}, which is still held")
+            self.pending[key] = Pending(key, cid, Ext(ext.addr, size, digest, extra))
+            self.content[ext.addr] = Content.unknown(size)
+            if key not in self.victim:
+                self.keys_seen.add(key)
+
+    def _lookup(self, cid: int, keys: list[bytes], lease: bool, resp: Resp) -> None:
+        results = decode_lookup_results(resp.payload, len(keys))
+        hits: list[Ext] = []
+        ids = set()
+        for key, res in zip(keys, results, strict=True):
+            ext = self.committed.get(key)
+            _same("LOOKUP found", key, ext is not None, res is not None)
+            if res is None or ext is None:
+                continue
+            got = (res.extent.addr, res.extent.length, res.digest, res.extent.rkey,
+                   lookup_extra(res))
+            if got != (ext.addr, ext.length, ext.digest, self.info.rkey, ext.extra):
+                raise FuzzFailure(f"LOOKUP {key!r:.40}: node says {res}, model says {ext}")
+            hits.append(ext)
+            ids.add(res.lease_id)
+        if not hits:
+            return
+        if not lease:
+            if ids != {0}:
+                raise FuzzFailure(f"LOOKUP without a lease returned lease ids {ids}")
+            return
+        if len(ids) != 1 or 0 in ids:
+            raise FuzzFailure(f"one leased LOOKUP returned lease ids {ids}")
+        (lid,) = ids
+        if lid in self.lease_ids:
+            raise FuzzFailure(f"LOOKUP reused lease id {lid}")
+        self.lease_ids.add(lid)
+        self.lease_owner[lid] = cid
+        self.leases[lid] = Lease(lid, cid, hits)
+
+    def _lease_refused(self, cid: int, keys: list[bytes], lease: bool, resp: Resp) -> None:
+        """A leased LOOKUP refused whole for the session's lease limits: fine only if
+        it would take the session over its quota of leased bytes, or it names a
+        block the session already holds a lease on, or one block more than once
+        (the per-block limit counts repeats inside one request)."""
+        hits = [self.committed[k] for k in keys if k in self.committed]
+        if not lease or not hits:
+            raise FuzzFailure(
+                f"LOOKUP refused with LIMIT_EXCEEDED but it asks for no lease on anything: "
+                f"{resp.payload[:300]!r}"
+            )
+        mine = [e for le in self.leases.values() if le.cid == cid for e in le.exts]
+        held = sum(e.length for e in mine)
+        adding = sum(e.length for e in hits)
+        over_quota = self.lease_quota is not None and held + adding > self.lease_quota
+        pinned = {e.addr for e in mine}
+        repeated = len({e.addr for e in hits}) < len(hits)  # one block asked for twice
+        if not over_quota and not repeated and not any(e.addr in pinned for e in hits):
+            raise FuzzFailure(
+                f"LOOKUP lease refused ({resp.payload[:200]!r}) though this connection "
+                f"holds {held} leased bytes (+{adding}, quota {self.lease_quota}) and no "
+                "lease on any of these blocks"
+            )
+
+    def _own_pending_at(self, cid: int, start: int) -> Pending | None:
+        for p in self.pending.values():
+            if p.ext.addr == start and p.cid == cid:
+                return p
+        return None
+
+    def _leased_at(self, cid: int, start: int) -> Ext | None:
+        for lease in self.leases.values():
+            if lease.cid == cid:
+                for e in lease.exts:
+                    if e.addr == start:
+                        return e
+        return None
+
+    def _op_ok(self, cid: int, addr: int, length: int, *, write: bool) -> Ext | Pending | None:
+        start = self.block_start(addr)
+        end = self.base + self.info.pool_len
+        if length <= 0 or start is None or addr + length > end:
+            return None
+        if write:
+            p = self._own_pending_at(cid, start)
+            return p if p is not None and addr + length <= start + p.ext.length else None
+        e = self._leased_at(cid, start)
+        return e if e is not None and addr + length <= start + e.length else None
+
+    def _write(self, cid: int, req: Req, resp: Resp) -> None:
+        assert req.ops is not None
+        targets = [self._op_ok(cid, a, n, write=True) for a, n in req.ops]
+        if any(t is None for t in targets):
+            _want(resp.status, Status.BAD_ADDRESS, resp, f"WRITE {req.ops[:4]}")
+            return
+        _want(resp.status, Status.OK, resp, f"WRITE {req.ops[:4]}")
+        if resp.payload or resp.bulk:
+            raise FuzzFailure("WRITE answer carries a payload or bulk")
+        pos = 0
+        for (addr, n), target in zip(req.ops, targets, strict=True):
+            assert isinstance(target, Pending)
+            c = self.content[target.ext.addr]
+            off = addr - target.ext.addr
+            c.data[off : off + n] = req.bulk[pos : pos + n]
+            c.known[off : off + n] = b"\x01" * n
+            pos += n
+            if off == 0 and n == target.ext.length:
+                target.written = True
+
+    def _read(self, cid: int, req: Req, resp: Resp) -> None:
+        assert req.ops is not None
+        total = sum(n for _, n in req.ops)
+        if total > MAX_BULK_BYTES:  # no answer may carry that much bulk: checked first
+            if resp.status not in (Status.LIMIT_EXCEEDED, Status.BAD_REQUEST):
+                _want(resp.status, Status.LIMIT_EXCEEDED, resp, f"READ of {total} bytes")
+            return
+        targets = [self._op_ok(cid, a, n, write=False) for a, n in req.ops]
+        if any(t is None for t in targets):
+            _want(resp.status, Status.BAD_ADDRESS, resp, f"READ {req.ops[:4]}")
+            return
+        _want(resp.status, Status.OK, resp, f"READ {req.ops[:4]}")
+        if resp.payload or len(resp.bulk) != total:
+            raise FuzzFailure(
+                f"READ of {total} bytes answered {len(resp.payload)} payload, "
+                f"{len(resp.bulk)} bulk bytes"
+            )
+        pos = 0
+        for (addr, n), target in zip(req.ops, targets, strict=True):
+            assert isinstance(target, Ext)
+            c = self.content.get(target.addr)
+            if c is not None:
+                self.bytes_verified += _compare(c, addr - target.addr, resp.bulk[pos : pos + n],
+                                                addr)
+            pos += n
+
+
+def lookup_extra(res: LookupResult) -> tuple[int, ...]:
+    """The fields of a LOOKUP hit after the digest (what ALLOC stored after it)."""
+    extra: tuple[object, ...] = tuple(res)[3:]
+    return tuple(x for x in extra if isinstance(x, int))
+
+
+def _compare(c: Content, off: int, got: bytes, addr: int) -> int:
+    """Every byte of ``got`` (read at value offset ``off``) the model knows must
+    match; returns how many were checked."""
+    n = len(got)
+    known = c.known[off : off + n]
+    unknown = known.count(0)
+    if unknown == n:
+        return 0
+    want = c.data[off : off + n]
+    if unknown == 0 and got == want:
+        return n
+    for i in range(n):
+        if known[i] and got[i] != want[i]:
+            raise FuzzFailure(
+                f"READ at 0x{addr:x}: byte {off + i} of the value is {got[i]:#x}, "
+                f"expected {want[i]:#x} (wrong value)"
+            )
+    return n - unknown
+
+
+def _status_name(status: int) -> str:
+    try:
+        return Status(status).name
+    except ValueError:
+        return str(status)
+
+
+def _want(got: int, want: Status, resp: Resp, what: str = "") -> None:
+    if got != want:
+        raise FuzzFailure(
+            f"{what or 'request'}: expected {want.name}, got {_status_name(got)}: "
+            f"{resp.payload[:300]!r}"
+        )
+
+
+def _same(what: str, key: bytes, want: bool, got: bool) -> None:
+    if want != got:
+        raise FuzzFailure(f"{what} {key!r:.40}: node said {got}, model says {want}")

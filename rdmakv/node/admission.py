@@ -1,0 +1,166 @@
+"""Admission: which client connections a node keeps, so slow, idle or hostile ones
+can never lock good clients out.
+
+A connection is *unauthenticated* from accept until its HELLO (with the right
+token) is answered, then *authenticated*. The rules, checked at every accept
+and by a periodic sweep:
+
+* **Whole-handshake deadline.** An unauthenticated connection that has not
+  finished HELLO ``handshake_timeout_s`` after it was accepted is closed,
+  however many bytes it has dribbled in (a per-read timeout would let one byte
+  every few seconds hold it open forever).
+* **Idle timeout.** An authenticated connection with no request for
+  ``idle_timeout_s`` is closed (clients reconnect on their next call).
+* **Unauthenticated ones are shed first.** A new connection is always let in
+  while someone can make room for it: over ``max_unauthenticated_per_source``
+  (or ``max_unauthenticated`` in all) the *oldest* unauthenticated connection
+  goes -- a real client finishes HELLO in a round trip, so it is never the
+  oldest for long, while a flood only displaces itself. Over
+  ``max_sessions_per_source`` or ``max_sessions``, an unauthenticated one goes
+  if there is one, else the longest-idle authenticated one idle for at least
+  ``MIN_IDLE_TO_SHED_S``; only when every connection is busy is the new one
+  refused.
+
+Nothing here touches sockets: :meth:`Admission.admit` and
+:meth:`Admission.expired` say whom to close and why; the node closes them.
+Not thread-safe: the node's lock guards it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from rdmakv.errors import ConfigError
+
+MIN_IDLE_TO_SHED_S = 1.0
+"""An authenticated connection idle for less than this is never shed to admit another:
+it is in active use between two requests."""
+
+SHED_OVER_LIMIT = "over_limit"
+SHED_TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """The node's connection limits (config keys ``node.<field>``)."""
+
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float = 300.0
+    max_sessions: int = 1024
+    max_sessions_per_source: int = 512
+    max_unauthenticated: int = 256
+    max_unauthenticated_per_source: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("handshake_timeout_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        for name in (
+            "max_sessions",
+            "max_sessions_per_source",
+            "max_unauthenticated",
+            "max_unauthenticated_per_source",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Tracked(Protocol):
+    """What admission reads of a connection (the node's ``Session``)."""
+
+    source: str
+    peer: str
+    opened: float
+    last_active: float
+    authenticated: bool
+    busy: bool
+    closing: bool
+
+    def shed(self) -> None:
+        """Close the connection (from any thread)."""
+
+
+class Admission:
+    """Live connections by source address, and the rules above."""
+
+    def __init__(self, limits: SessionLimits) -> None:
+        self.limits = limits
+        self._by_source: dict[str, list[Tracked]] = {}  # in accept order
+
+    def _live(self, conns: Iterable[Tracked]) -> list[Tracked]:
+        return [c for c in conns if not c.closing]
+
+    def _all(self) -> list[Tracked]:
+        return [c for conns in self._by_source.values() for c in conns if not c.closing]
+
+    def admit(self, new: Tracked, now: float) -> tuple[bool, list[Tracked]]:
+        """Whether ``new`` may stay, and the connections to close to make room
+        (each one already marked ``closing``)."""
+        lim = self.limits
+        shed: list[Tracked] = []
+
+        def drop(victim: Tracked | None) -> bool:
+            if victim is None:
+                return False
+            victim.closing = True
+            shed.append(victim)
+            return True
+
+        mine = self._live(self._by_source.get(new.source, ()))
+        if sum(not c.authenticated for c in mine) >= lim.max_unauthenticated_per_source:
+            drop(_oldest_unauthenticated(mine))
+        everyone = self._all()
+        if sum(not c.authenticated for c in everyone) >= lim.max_unauthenticated:
+            drop(_oldest_unauthenticated(everyone))
+        for pool, cap in (
+            (self._live(self._by_source.get(new.source, ())), lim.max_sessions_per_source),
+            (self._all(), lim.max_sessions),
+        ):
+            if len(pool) >= cap:
+                victim = _oldest_unauthenticated(pool) or _longest_idle(pool, now)
+                if not drop(victim):
+                    return False, shed
+        self._by_source.setdefault(new.source, []).append(new)
+        return True, shed
+
+    def remove(self, conn: Tracked) -> None:
+        conns = self._by_source.get(conn.source)
+        if conns is None:
+            return
+        try:
+            conns.remove(conn)
+        except ValueError:
+            return
+        if not conns:
+            del self._by_source[conn.source]
+
+    def expired(self, now: float) -> list[tuple[Tracked, str]]:
+        """Connections past the handshake deadline or the idle timeout (marked ``closing``)."""
+        lim = self.limits
+        out: list[tuple[Tracked, str]] = []
+        for c in self._all():
+            late = (not c.authenticated and now - c.opened > lim.handshake_timeout_s) or (
+                c.authenticated and not c.busy and now - c.last_active > lim.idle_timeout_s
+            )
+            if late:
+                c.closing = True
+                out.append((c, SHED_TIMEOUT))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        everyone = self._all()
+        return {
+            "sessions_unauthenticated": sum(not c.authenticated for c in everyone),
+            "sources": len(self._by_source),
+        }
+
+
+def _oldest_unauthenticated(conns: list[Tracked]) -> Tracked | None:
+    return next((c for c in conns if not c.authenticated), None)
+
+
+def _longest_idle(conns: list[Tracked], now: float) -> Tracked | None:
+    idle = [c for c in conns if not c.busy and now - c.last_active >= MIN_IDLE_TO_SHED_S]
+    return min(idle, key=lambda c: c.last_active, default=None)

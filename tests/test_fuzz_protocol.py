@@ -1,0 +1,315 @@
+"""The protocol fuzzer (rdmakv.fuzz): a bounded run against a real node, and its parts.
+
+``test_fuzz_real_node`` is the CI run: ``RDMAKV_FUZZ_FRAMES`` frames (default
+3000) from fixed Hypothesis seeds and no example database, so every run sends
+the same frames; it prints the frame count and time. The other tests check
+the fuzzer itself without a node: that what the strategies say about a frame
+(well-formed, or the status it must get) agrees with rdmakv.protocol's
+decoders, that the model rejects wrong answers, and that the reply parser
+rejects broken response streams. The two ``test_bug_*`` tests reproduce node
+bugs the fuzzer found and that are fixed (rdmakv.fuzz.strategies.KNOWN_BUGS,
+whose input classes the default fuzz keeps sending).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import NodeProcess
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rdmakv.errors import ProtocolError
+from rdmakv.fuzz import FuzzConfig, FuzzFailure, frames_from_env, run_fuzz
+from rdmakv.fuzz import strategies as S
+from rdmakv.fuzz.harness import replay
+from rdmakv.fuzz.model import Ext, Model
+from rdmakv.fuzz.wire import ALLOC_EXTRA, LOOKUP_EXTRA, Req, Resp, parse_frames, raw_alloc
+from rdmakv.protocol import (
+    HEADER,
+    LOOKUP_ENTRY,
+    LOOKUP_FLAG_LEASE,
+    MAX_BULK_BYTES,
+    RESPONSE_BIT,
+    U32,
+    Channel,
+    Header,
+    LimitExceeded,
+    NodeInfo,
+    Op,
+    Status,
+    decode_alloc,
+    decode_data_ops,
+    decode_extents,
+    decode_keys,
+    decode_u64_list,
+    encode_data_ops,
+    encode_flags,
+    encode_hello,
+    encode_keys,
+    value_checksum,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 16 * 1024
+BASE = 0x7F00_0000_0000
+POOL = 2048 * BLOCK
+
+VIEW = S.View(
+    block_size=BLOCK,
+    pool_base=BASE,
+    pool_len=POOL,
+    token=b"t0ken",
+    victim_keys=(b"victim/a", b"victim/b"),
+    own_pending=((BASE, 100), (BASE + BLOCK, BLOCK)),
+    own_keys=(b"fz-1", b"fz-2"),
+    other_pending=((BASE + 5 * BLOCK, 7),),
+    committed=((BASE + 9 * BLOCK, 1),),
+    committed_keys=(b"fz-9",),
+    own_leased=((BASE + 9 * BLOCK, 1),),
+    own_leases=(3, 4),
+    other_leases=(9,),
+)
+
+
+def test_fuzz_real_node(tmp_path: Path) -> None:
+    frames = frames_from_env()
+    report = run_fuzz(FuzzConfig(frames=frames, workdir=tmp_path))
+    print(
+        f"\nfuzz: {report.frames} frames ({report.examples} examples, {report.connections} "
+        f"connections, {report.mutated} mutated) in {report.seconds:.1f}s; "
+        f"{report.bytes_verified} bytes read back verified; answers {dict(report.answers)}"
+    )
+    assert report.frames >= frames
+    if frames >= 1000:  # a run that long must have exercised every kind of answer
+        answers = set(report.answers)
+        for op in ("ALLOC", "COMMIT", "ABORT", "LOOKUP", "RELEASE", "DELETE", "EXISTS",
+                   "STATS", "WRITE", "READ", "HELLO"):
+            assert f"{op} OK" in answers, op
+        for refusal in ("WRITE BAD_ADDRESS", "READ BAD_ADDRESS", "ALLOC BAD_REQUEST",
+                        "unknown UNKNOWN_OPCODE"):
+            assert refusal in answers, refusal
+        assert {"AUTH_FAILED", "NOT_AUTHENTICATED", "FRAME_TOO_LARGE", "LIMIT_EXCEEDED"} <= set(
+            report.statuses
+        )
+        assert report.mutated > 0 and report.bytes_verified > 0
+
+
+def test_cli_runs_and_prints_totals(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "rdmakv.fuzz", "--frames", "60", "--progress", "0",
+         "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["frames"] >= 60 and out["examples"] >= 1 and out["seconds"] > 0
+
+
+# -- the strategies agree with rdmakv.protocol -----------------------------------------------
+
+
+def _decode(req: Req) -> object:
+    if req.kind == "keys":
+        return decode_keys(req.payload, "keys")
+    if req.kind == "alloc":
+        return decode_alloc(req.payload)
+    if req.kind == "ids":
+        return decode_u64_list(req.payload, "ids")
+    assert req.kind == "data"
+    return decode_data_ops(req.payload, "data")
+
+
+@settings(max_examples=300, derandomize=True, database=None, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_strategy_tags_match_the_protocol_decoders(data: st.DataObject) -> None:
+    """A frame tagged well-formed decodes to exactly its items; one tagged
+    LIMIT_EXCEEDED makes the decoder raise LimitExceeded; one tagged BAD_REQUEST
+    another ProtocolError, or it is a WRITE whose bulk disagrees with its ops
+    (the node answers those statuses for exactly these errors)."""
+    req = data.draw(S.frames(VIEW))
+    if req.kind not in ("keys", "alloc", "ids", "data") or req.fatal:
+        return
+    if req.expect is None:
+        items = [(k, n, d, *extra) for k, n, d, extra in req.items or []]
+        want = {"keys": req.keys, "ids": req.ids, "data": req.ops, "alloc": items}[req.kind]
+        assert _decode(req) == want
+    elif req.expect == Status.LIMIT_EXCEEDED:
+        with pytest.raises(LimitExceeded):
+            _decode(req)
+    else:
+        assert req.expect == Status.BAD_REQUEST
+        try:
+            ops = _decode(req)
+        except LimitExceeded:
+            pytest.fail("tagged BAD_REQUEST but the count is over the limit")
+        except ProtocolError:
+            return
+        assert req.opcode == Op.WRITE and isinstance(ops, list)
+        assert sum(n for _, n in ops) != len(req.bulk)
+
+
+@settings(max_examples=100, derandomize=True, database=None, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_destructive_and_mutation_frames_never_name_the_victim(data: st.DataObject) -> None:
+    req = data.draw(S.keys_frame(VIEW, Op.DELETE))
+    safe = S.View(**{**VIEW.__dict__, "victim_keys": (), "destructive_ok": False})
+    raw, _ = data.draw(S.mutated(S.frames(safe)))
+    for key in VIEW.victim_keys:
+        assert key not in (req.keys or []) and key not in req.payload
+        assert key not in raw
+
+
+# -- the model rejects wrong answers -------------------------------------------------------------
+
+
+def _model() -> Model:
+    info = NodeInfo(1, 0, BLOCK, BASE, POOL, b"n" * 16, 1, 1, 1, 1, 1, ("tcp",))
+    m = Model(info)
+    m.victim[b"victim/a"] = b"v"
+    m.committed[b"victim/a"] = Ext(BASE, 1, b"d" * 16, (0,) * LOOKUP_EXTRA)
+    return m
+
+
+def _resp(req: Req, payload: bytes, status: int = Status.OK, **kw: int) -> Resp:
+    hdr = Header(kw.get("opcode", req.opcode | RESPONSE_BIT), 0, status, len(payload), 0,
+                 kw.get("req_id", req.req_id))
+    return Resp(hdr, payload)
+
+
+def test_model_accepts_right_answers_and_rejects_wrong_ones() -> None:
+    m = _model()
+    exists = Req(Op.EXISTS, encode_keys([b"victim/a", b"nope"]), "keys",
+                 keys=[b"victim/a", b"nope"], req_id=5)
+    m.check(1, exists, _resp(exists, encode_flags([True, False])))
+    with pytest.raises(FuzzFailure, match="EXISTS"):
+        m.check(1, exists, _resp(exists, encode_flags([True, True])))
+    with pytest.raises(FuzzFailure, match="out of sync"):
+        m.check(1, exists, _resp(exists, encode_flags([True, False]), req_id=6))
+    with pytest.raises(FuzzFailure, match="does not decode"):
+        m.check(1, exists, _resp(exists, encode_flags([True])))
+    with pytest.raises(FuzzFailure, match="internal error"):
+        m.check(1, exists, _resp(exists, b"boom", Status.INTERNAL))
+    # ALLOC must never hand out a block someone holds (here: the victim's)
+    items = [(b"k", 10, b"x" * 16, (5,) * ALLOC_EXTRA)]
+    alloc = Req(Op.ALLOC, raw_alloc(items), "alloc", items=items)
+    held = U32.pack(1) + bytes([0]) + BASE.to_bytes(8, "little") + (10).to_bytes(4, "little")
+    with pytest.raises(FuzzFailure, match="still held"):
+        m.check(1, alloc, _resp(alloc, held + bytes(4)))
+    free = U32.pack(1) + bytes([0]) + (BASE + BLOCK).to_bytes(8, "little")
+    m.check(1, alloc, _resp(alloc, free + (10).to_bytes(4, "little") + bytes(4)))
+    assert decode_extents(free + (10).to_bytes(4, "little") + bytes(4), 1)[0].extent
+    # a WRITE outside this connection's extents must be refused ...
+    write = Req(Op.WRITE, encode_data_ops([(BASE, 1)]), "data", bulk=b"z", ops=[(BASE, 1)])
+    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
+        m.check(1, write, _resp(write, b""))
+    # ... and one inside them accepted; another connection may not
+    mine = Req(Op.WRITE, encode_data_ops([(BASE + BLOCK, 10)]), "data", bulk=b"y" * 10,
+               ops=[(BASE + BLOCK, 10)])
+    m.check(1, mine, _resp(mine, b""))
+    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
+        m.check(2, mine, _resp(mine, b""))
+    # RELEASE counts only the connection's own live leases, each once
+    look = Req(Op.LOOKUP, encode_keys([b"victim/a"]), "keys", keys=[b"victim/a"],
+               flags=LOOKUP_FLAG_LEASE)
+    entry = LOOKUP_ENTRY.pack(1, BASE, 1, 0, 77, b"d" * 16, *(0,) * LOOKUP_EXTRA)
+    m.check(1, look, _resp(look, U32.pack(1) + entry))
+    rel = Req(Op.RELEASE, U32.pack(3) + bytes(24), "ids", ids=[77, 77, 5])
+    with pytest.raises(FuzzFailure, match="released 2"):
+        m.check(1, rel, _resp(rel, U32.pack(2)))
+    m.check(1, rel, _resp(rel, U32.pack(1)))
+
+
+def test_reply_parser_rejects_broken_streams() -> None:
+    out: list[Resp] = []
+    buf = bytearray(HEADER.pack(Op.EXISTS | RESPONSE_BIT, 0, 0, 5, 0, 1) + encode_flags([True]))
+    buf += HEADER.pack(Op.EXISTS | RESPONSE_BIT, 0, 0, 5, 0, 2) + b"\x01"  # partial
+    parse_frames(buf, out)
+    assert len(out) == 1 and len(buf) == HEADER.size + 1
+    for bad in (
+        HEADER.pack(Op.EXISTS, 0, 0, 0, 0, 1),  # no response bit
+        HEADER.pack(Op.READ | RESPONSE_BIT, 0, 0, 0, MAX_BULK_BYTES + 1, 1),
+        HEADER.pack(Op.READ | RESPONSE_BIT, 0, 999, 0, 0, 1),  # unknown status
+        HEADER.pack(Op.READ | RESPONSE_BIT, 0, Status.BAD_REQUEST, 0, 10, 1),  # error + bulk
+    ):
+        with pytest.raises(FuzzFailure):
+            parse_frames(bytearray(bad), [])
+
+
+def test_replay_sends_a_failure_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hello = encode_hello(b"tok")
+    exists = encode_keys([b"a"])
+    lines = [
+        "# a comment",
+        f"token {b'tok'.hex()}",
+        f"send 1 {(HEADER.pack(Op.HELLO, 0, 0, len(hello), 0, 1) + hello).hex()}",
+        f"send 1 {(HEADER.pack(Op.EXISTS, 0, 0, len(exists), 0, 2) + exists).hex()}",
+        f"send 2 {HEADER.pack(Op.EXISTS, 0, 0, 0, 0, 3).hex()}",  # before HELLO: refused
+        "close 1",
+    ]
+    path = tmp_path / "failure.txt"
+    path.write_text("\n".join(lines) + "\n")
+    assert replay(path) == 0
+    out = capsys.readouterr().out
+    assert "send c1: op=136 OK req_id=2" in out
+    assert "NOT_AUTHENTICATED" in out and "node alive" in out
+
+
+# -- node bugs the fuzzer found, fixed (their reproducers stay as regression tests) --------
+
+
+def _hello(node: NodeProcess) -> Channel:
+    sock = socket.create_connection(node.address, timeout=10)
+    ch = Channel(sock)
+    payload = encode_hello(None)
+    sock.sendall(HEADER.pack(Op.HELLO, 0, 0, len(payload), 0, 1) + payload)
+    hdr = ch.recv_header()
+    ch.recv_payload(hdr)
+    assert hdr.status == Status.OK
+    return ch
+
+
+@pytest.mark.timeout(60)
+def test_bug_control_request_bulk_is_parsed_as_a_frame(
+    node_factory: Callable[..., NodeProcess],
+) -> None:
+    ch = _hello(node_factory(block_size="16KiB"))
+    payload = encode_keys([b"a"])
+    smuggled = HEADER.pack(Op.STATS, 0, 0, 0, 0, 777)  # 24 bulk bytes that look like a frame
+    ch.sock.sendall(HEADER.pack(Op.EXISTS, 0, 0, len(payload), len(smuggled), 2)
+                    + payload + smuggled)
+    hdr = ch.recv_header()
+    ch.recv_payload(hdr)
+    assert hdr.req_id == 2
+    ch.sock.settimeout(1.0)
+    with pytest.raises(TimeoutError):  # nothing else may come: the bulk is not a request
+        extra = ch.recv_header()
+        pytest.fail(f"the node answered the bulk as a request: {extra}")
+
+
+@pytest.mark.timeout(120)
+def test_bug_read_answer_over_max_bulk(node_factory: Callable[..., NodeProcess]) -> None:
+    block = 128 * 1024
+    ch = _hello(node_factory(pool_size="4MiB", block_size="128KiB"))
+    item = (b"k", block, bytes(16), (value_checksum(b"v" * block),) * ALLOC_EXTRA)
+    _, payload = ch.call(Op.ALLOC, raw_alloc([item]), "ALLOC")
+    ext = decode_extents(payload, 1)[0].extent
+    assert ext is not None
+    ch.send(Op.WRITE, encode_data_ops([(ext.addr, block)]), req_id=ch.next_req_id(),
+            bulk=[memoryview(b"v" * block)], bulk_len=block)
+    hdr = ch.recv_header()
+    assert hdr.status == Status.OK
+    ch.call(Op.COMMIT, encode_keys([b"k"]), "COMMIT")
+    ch.call(Op.LOOKUP, encode_keys([b"k"]), "LOOKUP", flags=LOOKUP_FLAG_LEASE)
+    ops = [(ext.addr, block)] * 4096
+    ch.send(Op.READ, encode_data_ops(ops), req_id=999)
+    hdr = ch.recv_header()  # raises FrameTooLarge on a bulk over the limit
+    assert hdr.status == Status.LIMIT_EXCEEDED and hdr.bulk_len == 0
