@@ -90,7 +90,9 @@ def attacker(kind: str, count: int, host: str, port: int, drip_s: float) -> None
         time.sleep(0.05)
 
 
-def good_round(host: str, port: int, slab: Slab, handles: list[int], tag: bytes) -> bool:
+def good_round(
+    host: str, port: int, slab: Slab, handles: list[int], tag: bytes, errors: list[str]
+) -> bool:
     src, dst = handles[:BLOCKS_PER_ROUND], handles[BLOCKS_PER_ROUND:]
     keys = [b"good-%s-%d" % (tag, i) for i in range(BLOCKS_PER_ROUND)]  # new keys every round
     for h in dst:
@@ -101,7 +103,8 @@ def good_round(host: str, port: int, slab: Slab, handles: list[int], tag: bytes)
                 return False
             if not all(c.get(keys, dst, [DIGEST] * len(keys))):
                 return False
-    except RdmakvError:
+    except RdmakvError as e:
+        errors.append(f"{type(e).__name__}: {e}")
         return False
     return all(bytes(slab.view(a)) == bytes(slab.view(b)) for a, b in zip(src, dst, strict=True))
 
@@ -123,10 +126,11 @@ def run_phase(
         handles = [slab.alloc() for _ in range(2 * BLOCKS_PER_ROUND)]
         for i, h in enumerate(handles[:BLOCKS_PER_ROUND]):
             slab.view(h)[:] = os.urandom(BLOCK) if i else bytes([i]) * BLOCK
-        lat, ok = [], 0
+        lat, ok, errors = [], 0, []
         for r in range(args.rounds):
             t0 = time.perf_counter()
-            good = good_round(node.host, node.port, slab, handles, b"%s-%d" % (name.encode(), r))
+            tag = b"%s-%d" % (name.encode(), r)
+            good = good_round(node.host, node.port, slab, handles, tag, errors)
             lat.append((time.perf_counter() - t0) * 1e3)
             ok += good
         slab.close()
@@ -143,6 +147,7 @@ def run_phase(
         "p99_ms": round(float(np.percentile(lat, 99)), 3),
         "attackers": dict(attackers),
         "node_connections_at_end": open_now,
+        "errors": errors[:5],
     }
     print(f"[flood] {name}: {json.dumps(out)}", file=sys.stderr, flush=True)
     return out

@@ -6,7 +6,7 @@ Run it on an RDMA device (on hosts without one, inside the soft-RoCE VM:
 ``deploy/softroce/run-in-vm.sh -- .venv/bin/python bench/rdma_windows.py``).
 
 Each node is its own process (``KVNode`` started by a small inline script, as
-``rdmakv serve`` does; the CLI has no confinement flag). A put is ALLOC (the
+``rdmakv serve`` does with ``node.rdma_confinement``). A put is ALLOC (the
 node binds a window per contiguous run of extents on the client's QP) + RDMA
 WRITEs + COMMIT (the node deallocates it); a get is LOOKUP with a lease (a
 window per run, READ only) + RDMA READs + RELEASE. Client slab blocks are

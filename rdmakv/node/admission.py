@@ -17,8 +17,9 @@ and by a periodic sweep:
   goes -- a real client finishes HELLO in a round trip, so it is never the
   oldest for long, while a flood only displaces itself. Over
   ``max_sessions_per_source`` or ``max_sessions``, an unauthenticated one goes
-  if there is one, else the longest-idle authenticated one idle for at least
-  ``MIN_IDLE_TO_SHED_S``; only when every connection is busy is the new one
+  if there is one, else an authenticated one idle for at least
+  ``MIN_IDLE_TO_SHED_S``: one that never sent a request first, then the
+  longest idle; only when every connection is busy is the new one
   refused.
 
 Nothing here touches sockets: :meth:`Admission.admit` and
@@ -36,7 +37,9 @@ from rdmakv.errors import ConfigError
 
 MIN_IDLE_TO_SHED_S = 1.0
 """An authenticated connection idle for less than this is never shed to admit another:
-it is in active use between two requests."""
+it is in active use between two requests. (Measured with bench/flood.py: 0.1 s let a
+same-address idle flood that re-opens every shed connection churn through the slots
+faster than a good client's round, shedding it mid-put.)"""
 
 SHED_OVER_LIMIT = "over_limit"
 SHED_TIMEOUT = "timeout"
@@ -77,6 +80,7 @@ class Tracked(Protocol):
     authenticated: bool
     busy: bool
     closing: bool
+    requests: int  # served since HELLO
 
     def shed(self) -> None:
         """Close the connection (from any thread)."""
@@ -162,5 +166,7 @@ def _oldest_unauthenticated(conns: list[Tracked]) -> Tracked | None:
 
 
 def _longest_idle(conns: list[Tracked], now: float) -> Tracked | None:
+    """Connections that never sent a request after HELLO go first (an idle flood holds
+    slots that way), then the longest idle."""
     idle = [c for c in conns if not c.busy and now - c.last_active >= MIN_IDLE_TO_SHED_S]
-    return min(idle, key=lambda c: c.last_active, default=None)
+    return min(idle, key=lambda c: (c.requests > 0, c.last_active), default=None)

@@ -117,6 +117,7 @@ class Session:
         self.authenticated = False
         self.busy = False
         self.closing = False
+        self.requests = 0
 
     def shed(self) -> None:
         """Close the connection from another thread: the session's blocked read returns."""
@@ -174,6 +175,7 @@ class Session:
                 if not self._serve_one():
                     return
                 self.busy = False
+                self.requests += 1
                 self.last_active = time.monotonic()
         except (OSError, ConnectionLost) as e:
             log.debug("session %d (%s) ended: %s", self.session_id, self.peer, e)

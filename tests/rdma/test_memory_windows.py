@@ -16,9 +16,6 @@ test here relies on the range check.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -27,6 +24,7 @@ from typing import Any
 import pytest
 
 from rdmakv.client import KVClient
+from rdmakv.node.process import LocalNodeProcess
 from rdmakv.node.server import KVNode
 from rdmakv.protocol import (
     LOOKUP_FLAG_LEASE,
@@ -49,32 +47,13 @@ POOL = 128 * BLOCK
 CLIENT_TIMEOUT = 20.0  # soft-RoCE under emulation is slow; never a timing assertion
 
 
-class Node:
-    """A real ``rdmakv serve --transport rdma`` subprocess (confinement: the default)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rdmakv.cli", "serve", "--port", "0", "--pool-size",
-             str(POOL), "--block-size", str(BLOCK), "--transport", "rdma"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "ready on" not in line:
-            self.proc.kill()
-            _, err = self.proc.communicate(timeout=90)
-            raise AssertionError(f"node did not start: {line!r} {err}")
-        self.port = int(line.split("ready on ", 1)[1].split()[0].rsplit(":", 1)[1])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
 @pytest.fixture()
-def node() -> Iterator[Node]:
-    n = Node()
+def node() -> Iterator[LocalNodeProcess]:
+    """A real ``rdmakv serve --transport rdma`` process (confinement: the default)."""
+    n = LocalNodeProcess(
+        {"pool-size": str(POOL), "block-size": str(BLOCK), "transport": "rdma"},
+        extra_args=["--no-lock"],
+    )
     yield n
     n.kill()
 
@@ -144,7 +123,7 @@ def refused(tp: RdmaTransport, opcode: int, ops: list[IoOp]) -> bool:
     return False
 
 
-def test_own_extents_round_trip_through_windows(node: Node, slab: Slab) -> None:
+def test_own_extents_round_trip_through_windows(node: LocalNodeProcess, slab: Slab) -> None:
     src = slab.alloc_many(NBLOCKS)
     dst = slab.alloc_many(NBLOCKS)
     fill(slab, src)
@@ -164,7 +143,7 @@ def test_own_extents_round_trip_through_windows(node: Node, slab: Slab) -> None:
         assert c.stats()["leases_active"] == 0
 
 
-def test_other_clients_and_revoked_rkeys_are_refused(node: Node, slab: Slab) -> None:
+def test_other_clients_and_revoked_rkeys_are_refused(node: LocalNodeProcess, slab: Slab) -> None:
     src = slab.alloc_many(4)
     junk = slab.alloc_many(4)
     dst = slab.alloc_many(4)
@@ -232,7 +211,7 @@ def test_other_clients_and_revoked_rkeys_are_refused(node: Node, slab: Slab) -> 
             assert bytes(slab.view(d)) == bytes(slab.view(s))
 
 
-def test_windows_are_revoked_at_abort_and_disconnect(node: Node, slab: Slab) -> None:
+def test_windows_are_revoked_at_abort_and_disconnect(node: LocalNodeProcess, slab: Slab) -> None:
     src = slab.alloc_many(2)
     fill(slab, src)
     with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as a:
