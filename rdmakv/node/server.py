@@ -168,8 +168,6 @@ class Session:
             limits = self.node.admission.limits
             if not self._wait_readable(limits.handshake_timeout_s) or not self._handshake():
                 return
-            self.authenticated = True
-            self.last_active = time.monotonic()
             while self._wait_readable(None):
                 self.busy = True
                 if not self._serve_one():
@@ -219,6 +217,11 @@ class Session:
             self.node.refuse("bad_token")
             self.reply_error(hdr, Status.AUTH_FAILED, "wrong or missing shared-secret token")
             return False
+        # Authenticated before the answer leaves: once the client has it, it may
+        # send a request at once, and admission must never mistake this session
+        # for one still in its handshake (the oldest of those get shed).
+        self.authenticated = True
+        self.last_active = time.monotonic()
         self.reply(hdr, encode_node_info(self.node.info(self.session_id)))
         return True
 
