@@ -112,7 +112,12 @@ class BenchConfig:
         return QUICK_BLOCKS if self.quick else max(1, min(MAX_BLOCKS, MAX_BYTES // size))
 
     def output_name(self) -> str:
-        return self.name or f"peers_{self.transport}"
+        """``peers_<transport>`` for the full comparison; a run narrowed by --systems,
+        --sizes, --blocks or --repeats gets ``_partial`` so it never replaces that."""
+        if self.name:
+            return self.name
+        narrowed = self.systems or self.sizes or self.blocks or self.repeats
+        return f"peers_{self.transport}" + ("_partial" if narrowed else "")
 
     def output_dir(self) -> Path | None:
         """Where files go; None for --quick without --out (nothing written)."""
