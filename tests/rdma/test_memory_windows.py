@@ -9,7 +9,7 @@ ops (rkeys of other clients, revoked rkeys, the pool MR's rkey) and check that
 the device refuses them and the stored bytes stay as they were.
 
 soft-RoCE (rxe) enforces a window's rkey, QP and lifetime but not its address
-range (see .scratch-ops/MW.md / rdmakv.transport.rdma.RdmaNodeDataPath), so no
+range (docs/security.md, rdmakv.transport.rdma.RdmaNodeDataPath), so no
 test here relies on the range check.
 """
 
