@@ -47,7 +47,7 @@ class OptionalBuildExt(build_ext):
 
 kwargs: dict[str, object] = {"cmdclass": {"build_ext": OptionalBuildExt}}
 # The native TCP loop needs only libc: built on every host (else tcp runs in Python).
-cffi_modules = ["native/build_tcp.py:ffibuilder"]
+cffi_modules = ["native/build.py:tcp_ffibuilder"]
 if os.environ.get("RDMAKV_NO_NATIVE"):
     print("rdmakv: RDMAKV_NO_NATIVE set: no native modules (TCP-only)", file=sys.stderr)
     cffi_modules = []
@@ -58,7 +58,7 @@ elif not _have_verbs_headers():
         file=sys.stderr,
     )
 else:
-    cffi_modules.append("native/build_verbs.py:ffibuilder")
+    cffi_modules.append("native/build.py:verbs_ffibuilder")
 if cffi_modules:
     kwargs["cffi_modules"] = cffi_modules
 

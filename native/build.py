@@ -1,0 +1,64 @@
+"""cffi builders for the native core; ``setup.py`` names them in ``cffi_modules``.
+
+* ``tcp_ffibuilder`` -> ``rdmakv._native_tcp`` (the tcp transport's per-block
+  loop): plain libc only, built on every host (with or without libibverbs); if
+  it cannot be built, :mod:`rdmakv.transport.tcp` falls back to its
+  pure-Python socket loop.
+* ``verbs_ffibuilder`` -> ``rdmakv._native_verbs`` (the RDMA hot loop): built
+  only when the libibverbs headers are present; without them the package
+  installs TCP-only and :mod:`rdmakv.transport.verbs` reports why RDMA is
+  unavailable.
+
+Each module's cdef is its header's public declarations, so the C header stays
+the one place its API is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMPILE_ARGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+
+def _cdef(header: str) -> str:
+    """The public declarations of ``header``, minus preprocessor lines (but its
+    ``#define RK_*`` constants)."""
+    with open(os.path.join(HERE, header)) as f:
+        text = f.read()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("#define RK_") and len(line.split()) >= 3:
+            name, value = line.split()[1:3]
+            lines.append(f"#define {name} {value}")
+        elif not line.startswith("#"):
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _builder(module: str, stem: str, libraries: Sequence[str] = ()) -> FFI:
+    """The builder of ``rdmakv.<module>`` from ``<stem>.h`` / ``<stem>.c``."""
+    ffi = FFI()
+    ffi.cdef(_cdef(f"{stem}.h"))
+    ffi.set_source(
+        f"rdmakv.{module}",
+        f'#include "{stem}.h"',
+        sources=[os.path.relpath(os.path.join(HERE, f"{stem}.c"))],
+        include_dirs=[os.path.relpath(HERE)],
+        libraries=list(libraries),
+        extra_compile_args=COMPILE_ARGS,
+    )
+    return ffi
+
+
+tcp_ffibuilder = _builder("_native_tcp", "rk_tcp")
+verbs_ffibuilder = _builder("_native_verbs", "rk_verbs", libraries=["ibverbs"])
+
+if __name__ == "__main__":
+    tcp_ffibuilder.compile(verbose=True)
+    verbs_ffibuilder.compile(verbose=True)
