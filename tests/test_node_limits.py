@@ -8,12 +8,13 @@ hostile ones must be closed by the limits (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,29 +44,24 @@ CLOSE_WAIT_S = 15.0
 
 
 @pytest.fixture
-def limited_node(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
-    made: list[NodeProcess] = []
+def limited_node(
+    tmp_path: Path, node_factory: Callable[..., NodeProcess]
+) -> Callable[..., NodeProcess]:
+    """``node_factory`` with a token, 4 KiB blocks and ``limits`` as a config file."""
+    configs = itertools.count()
 
     def make(pool_blocks: int = 256, **limits: Any) -> NodeProcess:
-        cfg = tmp_path / f"node-{len(made)}.yaml"
+        cfg = tmp_path / f"limits-{next(configs)}.yaml"
         cfg.write_text(yaml.safe_dump({"node": limits}))
-        n = NodeProcess(
-            tmp_path,
-            {
-                "pool_size": pool_blocks * BLOCK,
-                "block_size": BLOCK,
-                "transport": "tcp",
-                "token": TOKEN,
-                "config": str(cfg),
-            },
+        return node_factory(
+            pool_size=pool_blocks * BLOCK,
+            block_size=BLOCK,
+            transport="tcp",
+            token=TOKEN,
+            config=str(cfg),
         )
-        made.append(n)
-        return n
 
-    yield make
-    for n in made:
-        n.kill()
-        n.close()
+    return make
 
 
 def good_round(node: NodeProcess, tag: int) -> None:
