@@ -1,6 +1,31 @@
-"""The KV node: pool + index + leases (:mod:`store`), served over the wire (:mod:`server`)."""
+"""The KV node: pool + index + leases (:mod:`store`), served over the wire (:mod:`server`).
 
-from rdmakv.node.server import DEFAULT_HOST, DEFAULT_PORT, KVNode
-from rdmakv.node.store import KVStore
+``KVNode`` and ``KVStore`` are loaded on first use: the settings modules
+(:mod:`rdmakv.config` reads the defaults of :mod:`.admission` and :mod:`.store`)
+must not pull in the server, its metrics and the transports with them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rdmakv.node.server import DEFAULT_HOST, DEFAULT_PORT, KVNode
+    from rdmakv.node.store import KVStore
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "KVNode", "KVStore"]
+
+_HOME = {
+    "DEFAULT_HOST": "rdmakv.node.server",
+    "DEFAULT_PORT": "rdmakv.node.server",
+    "KVNode": "rdmakv.node.server",
+    "KVStore": "rdmakv.node.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'rdmakv.node' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
