@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import struct
 from collections import deque
@@ -113,6 +114,10 @@ IOV_MAX = 1024
 # what one call can move through a loopback socket buffer, small enough that
 # building the iovec stays cheap.
 IO_CHUNK_BYTES = 2 * 1024 * 1024
+RECV_AHEAD_BYTES = 8192
+"""Bytes a :class:`Channel` reads ahead: a control frame (header and payload)
+then arrives in one system call instead of two. At most this much of a frame's
+bulk is copied out of the read-ahead buffer; the rest lands in place."""
 
 RESPONSE_BIT = 0x80
 LOOKUP_FLAG_LEASE = 0x01
@@ -335,6 +340,13 @@ def check_digest(digest: bytes) -> None:
 
 
 def encode_keys(keys: Sequence[bytes]) -> bytes:
+    if keys and set(map(type, keys)) == {bytes}:
+        lengths = set(map(len, keys))
+        if len(lengths) == 1:  # one digest size: one C-level join, no per-key Python
+            (n,) = lengths
+            if 0 < n <= MAX_KEY_LEN:
+                prefix = U16.pack(n)
+                return U32.pack(len(keys)) + prefix + prefix.join(keys)
     parts = [U32.pack(len(keys))]
     pack = U16.pack
     for k in keys:
@@ -344,6 +356,29 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
         parts.append(pack(n))
         parts.append(k)
     return b"".join(parts)
+
+
+def _uniform_keys(buf: bytes, n: int, trailer: int) -> tuple[list[bytes], range] | None:
+    """Keys and trailer offsets when all ``n`` keys have the first one's length and
+    the payload is exactly their size; None sends the caller to :func:`_scan_keys`.
+
+    An engine's keys are all one digest size, so this is the common case: the
+    length fields are checked with two strided slices, not per key.
+    """
+    if n == 0 or len(buf) < U32.size + U16.size:
+        return None
+    (klen,) = U16.unpack_from(buf, U32.size)
+    stride = U16.size + klen + trailer
+    if not 0 < klen <= MAX_KEY_LEN or len(buf) != U32.size + n * stride:
+        return None
+    first = U32.size
+    if buf[first::stride] != bytes((klen & 0xFF,)) * n or buf[first + 1 :: stride] != bytes(
+        (klen >> 8,)
+    ) * n:
+        return None
+    start = first + U16.size
+    keys = [buf[p : p + klen] for p in range(start, len(buf), stride)]
+    return keys, range(start + klen, len(buf), stride)
 
 
 def _scan_keys(buf: bytes, n: int, trailer: int, what: str) -> Iterator[tuple[bytes, int]]:
@@ -374,6 +409,9 @@ def _scan_keys(buf: bytes, n: int, trailer: int, what: str) -> Iterator[tuple[by
 def decode_keys(payload: Buffer, what: str) -> list[bytes]:
     buf = bytes(payload)
     n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
+    uniform = _uniform_keys(buf, n, 0)
+    if uniform is not None:
+        return uniform[0]
     return [k for k, _ in _scan_keys(buf, n, 0, what)]
 
 
@@ -467,6 +505,10 @@ def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes, int]]:
     buf = bytes(payload)
     n = Reader(buf, "ALLOC").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
     unpack = ALLOC_ITEM.unpack_from
+    uniform = _uniform_keys(buf, n, ALLOC_ITEM.size)
+    if uniform is not None:
+        keys, offsets = uniform
+        return [(k, *unpack(buf, pos)) for k, pos in zip(keys, offsets, strict=True)]
     out = []
     for k, pos in _scan_keys(buf, n, ALLOC_ITEM.size, "ALLOC"):
         size, digest, checksum = unpack(buf, pos)
@@ -511,11 +553,11 @@ def decode_extents(payload: Buffer, expected: int) -> list[AllocResult]:
 
 
 def encode_flags(values: Sequence[bool]) -> bytes:
-    return U32.pack(len(values)) + bytes(1 if v else 0 for v in values)
+    return U32.pack(len(values)) + bytes(map(bool, values))
 
 
 def decode_flags(payload: Buffer, expected: int, what: str) -> list[bool]:
-    return [b != 0 for b in _per_key_entries(payload, what, 1, expected, "flags")]
+    return list(map(bool, _per_key_entries(payload, what, 1, expected, "flags")))
 
 
 _NO_DIGEST = bytes(DIGEST_LEN)
@@ -620,34 +662,49 @@ def _advance(bufs: list[memoryview], i: int, done: int) -> int:
 
 
 def send_views(sock: socket.socket, views: Sequence[Buffer]) -> None:
-    """Send every buffer in order with as few ``sendmsg`` calls as possible.
+    """Send every buffer in order with as few system calls as possible.
 
     Each call gathers at most IOV_MAX buffers / IO_CHUNK_BYTES: the window
     slides forward as bytes go out, so the work per call stays bounded however
-    many small blocks a batch has.
+    many small blocks a batch has. A socket with a timeout is non-blocking
+    underneath, and Python polls it before every call; ``os.writev`` tries
+    first without that poll, and only a full socket buffer waits (in
+    ``sendmsg``, under the socket's timeout).
     """
     bufs = [memoryview(v).cast("B") for v in views if len(v)]
     n = len(bufs)
+    fd = sock.fileno()
     i = end = window = 0
     while i < n:
         while end < n and end - i < IOV_MAX and window < IO_CHUNK_BYTES:
             window += len(bufs[end])
             end += 1
-        sent = sock.sendmsg(bufs[i:end])
+        try:
+            sent = os.writev(fd, bufs[i:end])
+        except BlockingIOError:
+            sent = sock.sendmsg(bufs[i:end])
         window -= sent
         i = _advance(bufs, i, sent)
 
 
 def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Fill every writable buffer in order, straight from the socket (no copies)."""
+    """Fill every writable buffer in order, straight from the socket (no copies).
+
+    Like :func:`send_views`, reads first without Python's poll and waits (under
+    the socket's timeout) only when nothing has arrived.
+    """
     bufs = [v for v in views if len(v)]
     n = len(bufs)
+    fd = sock.fileno()
     i = end = window = 0
     while i < n:
         while end < n and end - i < IOV_MAX and window < IO_CHUNK_BYTES:
             window += len(bufs[end])
             end += 1
-        got = sock.recvmsg_into(bufs[i:end])[0] if end - i > 1 else sock.recv_into(bufs[i])
+        try:
+            got = os.readv(fd, bufs[i:end])
+        except BlockingIOError:
+            got = sock.recvmsg_into(bufs[i:end])[0] if end - i > 1 else sock.recv_into(bufs[i])
         if got == 0:
             raise ConnectionLost("peer closed the connection mid-frame")
         window -= got
@@ -713,12 +770,21 @@ class Channel:
     ``bulk_pending`` counts the bulk bytes of the last received header not yet
     consumed, so a handler that fails early can :meth:`skip_bulk` and keep the
     stream in sync.
+
+    Receiving reads ahead up to :data:`RECV_AHEAD_BYTES`, so the bytes after
+    a header may already sit in the channel, not in the socket: whoever reads
+    the stream past a header goes through the channel (:meth:`recv_payload`,
+    :meth:`recv_bulk`, :meth:`take_buffered`), and whoever waits for the
+    socket to become readable first checks :attr:`buffered`.
     """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._hdr = bytearray(HEADER.size)
-        self._hdr_view = memoryview(self._hdr)
+        self._ahead = bytearray(RECV_AHEAD_BYTES)
+        self._ahead_view = memoryview(self._ahead)
+        self._pos = 0
+        """Next unread byte of ``_ahead``; ``_end`` is one past the last."""
+        self._end = 0
         self.bulk_pending = 0
         self._next_id = 1
         self._queue: deque[Reply] = deque()
@@ -742,10 +808,57 @@ class Channel:
         hdr = HEADER.pack(opcode, flags, status, len(payload), bulk_len, req_id)
         send_views(self.sock, [hdr, payload, *bulk])
 
+    @property
+    def buffered(self) -> int:
+        """Bytes already read from the socket and not yet consumed."""
+        return self._end - self._pos
+
+    def _read_ahead(self, need: int) -> None:
+        """Read until at least ``need`` (<= RECV_AHEAD_BYTES) bytes are buffered."""
+        if self._end - self._pos >= need:
+            return
+        if self._pos:  # keep the unread tail at the front: room for a whole frame start
+            tail = self._end - self._pos
+            self._ahead[:tail] = self._ahead_view[self._pos : self._end]
+            self._pos, self._end = 0, tail
+        fd = self.sock.fileno()
+        while self._end < need:
+            room = self._ahead_view[self._end :]
+            try:
+                got = os.readv(fd, [room])
+            except BlockingIOError:
+                got = self.sock.recv_into(room)  # waits under the socket's timeout
+            if got == 0:
+                raise ConnectionLost("peer closed the connection mid-frame")
+            self._end += got
+
+    def take_buffered(self, limit: int) -> memoryview:
+        """Consume up to ``limit`` read-ahead bytes (a view valid until the next read)."""
+        n = min(limit, self._end - self._pos)
+        view = self._ahead_view[self._pos : self._pos + n]
+        self._pos += n
+        return view
+
+    def _recv_into(self, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order: read-ahead bytes first, then straight from the socket."""
+        rest = [v for v in views if len(v)]
+        i = 0
+        while i < len(rest) and self._pos < self._end:
+            v = rest[i]
+            chunk = self.take_buffered(len(v))
+            v[: len(chunk)] = chunk
+            if len(chunk) == len(v):
+                i += 1
+            else:
+                rest[i] = v[len(chunk) :]
+        if i < len(rest):
+            recv_views(self.sock, rest[i:])
+
     def recv_header(self) -> Header:
         """Read one header and check its sizes against the limits."""
-        recv_views(self.sock, [self._hdr_view])
-        hdr = Header(*HEADER.unpack(self._hdr))
+        self._read_ahead(HEADER.size)
+        hdr = Header(*HEADER.unpack_from(self._ahead, self._pos))
+        self._pos += HEADER.size
         if hdr.payload_len > MAX_PAYLOAD:
             raise FrameTooLarge(
                 f"frame payload of {hdr.payload_len} bytes exceeds the limit of {MAX_PAYLOAD}"
@@ -758,9 +871,12 @@ class Channel:
         return hdr
 
     def recv_payload(self, hdr: Header) -> bytearray:
-        buf = bytearray(hdr.payload_len)
-        if hdr.payload_len:
-            recv_views(self.sock, [memoryview(buf)])
+        n = hdr.payload_len
+        if n <= RECV_AHEAD_BYTES:
+            self._read_ahead(n)
+            return bytearray(self.take_buffered(n))
+        buf = bytearray(n)
+        self._recv_into([memoryview(buf)])
         return buf
 
     def recv_bulk(self, views: Sequence[memoryview]) -> None:
@@ -769,11 +885,12 @@ class Channel:
             raise ProtocolError(
                 f"bulk of {self.bulk_pending} bytes does not match the {total} bytes the ops name"
             )
-        recv_views(self.sock, views)
+        self._recv_into(views)
         self.bulk_pending = 0
 
     def skip_bulk(self) -> None:
         """Drain unconsumed bulk bytes (bounded by MAX_BULK_BYTES) to stay in sync."""
+        self.bulk_pending -= len(self.take_buffered(self.bulk_pending))
         scratch = memoryview(bytearray(min(self.bulk_pending, IO_CHUNK_BYTES) or 1))
         while self.bulk_pending:
             n = self.sock.recv_into(scratch, min(self.bulk_pending, len(scratch)))

@@ -18,6 +18,7 @@ import numpy.typing as npt
 import pytest
 
 from rdmakv.errors import ConnectionLost
+from rdmakv.protocol import HEADER, Channel, Op
 from rdmakv.transport import tcp
 
 pytestmark = [
@@ -158,3 +159,39 @@ def test_shutdown_from_another_thread_wakes_a_blocked_receive(
     threading.Timer(0.3, lambda: b.shutdown(socket.SHUT_RDWR)).start()
     with pytest.raises(ConnectionLost):
         tcp.recv_iov(b, table([np.zeros(10, np.uint8)]))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bulk_read_ahead_with_its_header_lands_in_place_and_the_next_frame_stays_whole(
+    pair: tuple[socket.socket, socket.socket], native: bool
+) -> None:
+    """A Channel reads ahead past a header: the first bulk bytes (and the start
+    of the next, pipelined frame) sit in its buffer, not in the socket. Both
+    bulk receivers must take them from there, in order, and leave exactly the
+    next frame behind."""
+    a, b = pair
+    a.settimeout(5)
+    b.settimeout(5)
+    rng = np.random.default_rng(7)
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in (3, 5000, 1, 20_000, 700)]
+    total = sum(x.nbytes for x in src)
+    # one write: header, bulk and a whole second frame arrive together
+    a.sendall(
+        HEADER.pack(Op.WRITE, 0, 0, 0, total, 1)
+        + b"".join(x.tobytes() for x in src)
+        + HEADER.pack(Op.STATS, 0, 0, 2, 0, 2)
+        + b"{}"
+    )
+    ch = Channel(b)
+    hdr = ch.recv_header()
+    assert hdr.bulk_len == total and ch.buffered > 0  # bulk bytes were read ahead
+    dst = [np.zeros(x.nbytes, np.uint8) for x in src]
+    if native:
+        tcp.recv_iov_from(ch, table(dst))
+    else:
+        ch.recv_bulk([memoryview(d) for d in dst])
+    assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
+    nxt = ch.recv_header()
+    assert (nxt.opcode, nxt.req_id) == (Op.STATS, 2)
+    assert ch.recv_payload(nxt) == b"{}"
+    assert ch.buffered == 0

@@ -15,12 +15,16 @@ and by a periodic sweep:
   while someone can make room for it: over ``max_unauthenticated_per_source``
   (or ``max_unauthenticated`` in all) the *oldest* unauthenticated connection
   goes -- a real client finishes HELLO in a round trip, so it is never the
-  oldest for long, while a flood only displaces itself. Over
-  ``max_sessions_per_source`` or ``max_sessions``, an unauthenticated one goes
-  if there is one, else an authenticated one idle for at least
-  ``MIN_IDLE_TO_SHED_S``: one that never sent a request first, then the
-  longest idle; only when every connection is busy is the new one
-  refused.
+  oldest for long, while a flood only displaces itself.
+* **Over ``max_sessions_per_source`` or ``max_sessions``** the victim is, in
+  order: a handshake stalled for ``MIN_IDLE_TO_SHED_S``; an authenticated
+  connection idle that long with no request waiting unread (one that never
+  sent a request first, then the longest idle); a younger handshake, oldest
+  first. Only when every connection is busy is the new one refused. A young
+  handshake comes after the idle ones because it is most likely a real client
+  one round trip from authenticated: a token holder re-opening idle
+  connections as fast as they are shed would otherwise shed every good
+  client mid-HELLO (bench/flood.py, same address: 195 of 200 rounds).
 
 Nothing here touches sockets: :meth:`Admission.admit` and
 :meth:`Admission.expired` say whom to close and why; the node closes them.
@@ -36,8 +40,9 @@ from typing import Protocol
 from rdmakv.errors import ConfigError
 
 MIN_IDLE_TO_SHED_S = 1.0
-"""An authenticated connection idle for less than this is never shed to admit another:
-it is in active use between two requests. (Measured with bench/flood.py: 0.1 s let a
+"""An authenticated connection idle for less than this is never shed to admit another
+(it is in active use between two requests), nor is one in a handshake this young
+while an idle one can go. (Measured with bench/flood.py: 0.1 s let a
 same-address idle flood that re-opens every shed connection churn through the slots
 faster than a good client's round, shedding it mid-put.)"""
 
@@ -85,6 +90,10 @@ class Tracked(Protocol):
     def shed(self) -> None:
         """Close the connection (from any thread)."""
 
+    def has_input(self) -> bool:
+        """Whether a request has arrived and waits unread: the connection only
+        looks idle because its turn to be served has not come (a loaded node)."""
+
 
 class Admission:
     """Live connections by source address, and the rules above."""
@@ -118,12 +127,20 @@ class Admission:
         everyone = self._all()
         if sum(not c.authenticated for c in everyone) >= lim.max_unauthenticated:
             drop(_oldest_unauthenticated(everyone))
-        for pool, cap in (
-            (self._live(self._by_source.get(new.source, ())), lim.max_sessions_per_source),
-            (self._all(), lim.max_sessions),
-        ):
+        for per_source in (True, False):
+            # listed after the previous victim is marked closing: one victim can
+            # make room under both caps, and none is shed twice
+            if per_source:
+                pool = self._live(self._by_source.get(new.source, ()))
+                cap = lim.max_sessions_per_source
+            else:
+                pool, cap = self._all(), lim.max_sessions
             if len(pool) >= cap:
-                victim = _oldest_unauthenticated(pool) or _longest_idle(pool, now)
+                victim = (
+                    _oldest_unauthenticated(pool, older_than=now - MIN_IDLE_TO_SHED_S)
+                    or _longest_idle(pool, now)
+                    or _oldest_unauthenticated(pool)
+                )
                 if not drop(victim):
                     return False, shed
         self._by_source.setdefault(new.source, []).append(new)
@@ -161,12 +178,21 @@ class Admission:
         }
 
 
-def _oldest_unauthenticated(conns: list[Tracked]) -> Tracked | None:
-    return next((c for c in conns if not c.authenticated), None)
+def _oldest_unauthenticated(
+    conns: list[Tracked], older_than: float = float("inf")
+) -> Tracked | None:
+    """The first (oldest) connection still in its handshake, if it was opened before
+    ``older_than``."""
+    return next((c for c in conns if not c.authenticated and c.opened < older_than), None)
 
 
 def _longest_idle(conns: list[Tracked], now: float) -> Tracked | None:
     """Connections that never sent a request after HELLO go first (an idle flood holds
-    slots that way), then the longest idle."""
-    idle = [c for c in conns if not c.busy and now - c.last_active >= MIN_IDLE_TO_SHED_S]
-    return min(idle, key=lambda c: (c.requests > 0, c.last_active), default=None)
+    slots that way), then the longest idle; never one with a request waiting."""
+    idle = [
+        c
+        for c in conns
+        if c.authenticated and not c.busy and now - c.last_active >= MIN_IDLE_TO_SHED_S
+    ]
+    idle.sort(key=lambda c: (c.requests > 0, c.last_active))
+    return next((c for c in idle if not c.has_input()), None)

@@ -124,6 +124,19 @@ class Session:
         with contextlib.suppress(OSError):
             self.channel.sock.shutdown(socket.SHUT_RDWR)
 
+    def has_input(self) -> bool:
+        if self.channel.buffered:
+            return True
+        # A zero-timeout poll from the accept loop reads nothing, so the session's
+        # own reads are untouched (a recv with MSG_PEEK would first wait the
+        # socket's timeout: Python polls before every call on such a socket).
+        poller = select.poll()
+        try:
+            poller.register(self.channel.sock, select.POLLIN)
+        except (OSError, ValueError):  # closed meanwhile: nothing to protect
+            return False
+        return bool(poller.poll(0))
+
     # -- NodeSession -------------------------------------------------------------
     def open_write(
         self, ops: Sequence[tuple[int, int]]
@@ -151,6 +164,8 @@ class Session:
     # -- loop -------------------------------------------------------------------------
     def _wait_readable(self, limit: float | None) -> bool:
         """Block until a frame starts, the node stops (False) or ``limit`` passes (False)."""
+        if self.channel.buffered:  # a pipelined request already read ahead
+            return True
         poller = select.poll()
         poller.register(self.channel.sock, select.POLLIN)
         deadline = None if limit is None else time.monotonic() + limit

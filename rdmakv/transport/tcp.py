@@ -108,8 +108,9 @@ def _timeout_ms(sock: socket.socket) -> int:
     return -1 if t is None else max(0, int(t * 1000 + 0.999))
 
 
-def _native_io(sock: socket.socket, iov: np.ndarray, sending: bool) -> None:
-    """Move every ``(addr, len)`` row of ``iov`` through ``sock`` in one native call.
+def _native_io(sock: socket.socket, iov: np.ndarray, sending: bool, skip: int = 0) -> None:
+    """Move every ``(addr, len)`` row of ``iov`` (from byte ``skip`` of the
+    list on) through ``sock`` in one native call.
 
     The GIL is released for the call. A signal interrupting a wait returns
     here so Python runs its handlers (which may raise), then the call resumes.
@@ -121,7 +122,6 @@ def _native_io(sock: socket.socket, iov: np.ndarray, sending: bool) -> None:
     ptr = _ffi.cast("const uint64_t *", iov.ctypes.data)
     done = _ffi.new("uint64_t *")
     err = _ffi.new("int *")
-    skip = 0
     while True:
         rc = fn(sock.fileno(), ptr, n, skip, _timeout_ms(sock), done, err)
         if rc == _RK_TCP_OK:
@@ -145,9 +145,27 @@ def send_iov(sock: socket.socket, iov: np.ndarray) -> None:
     _native_io(sock, iov, True)
 
 
-def recv_iov(sock: socket.socket, iov: np.ndarray) -> None:
-    """Fill the memory at each ``(addr, len)`` row from ``sock`` (see :func:`send_iov`)."""
-    _native_io(sock, iov, False)
+def recv_iov(sock: socket.socket, iov: np.ndarray, skip: int = 0) -> None:
+    """Fill the memory at each ``(addr, len)`` row from ``sock``, from byte
+    ``skip`` of the list on (see :func:`send_iov`)."""
+    _native_io(sock, iov, False, skip)
+
+
+def recv_iov_from(channel: Channel, iov: np.ndarray) -> None:
+    """Fill the memory at each ``(addr, len)`` row from ``channel``.
+
+    The first bytes may already sit in the channel's read-ahead buffer (at
+    most :data:`~rdmakv.protocol.RECV_AHEAD_BYTES`): they are copied in, and
+    the native loop reads the rest straight from the socket.
+    """
+    skip = 0
+    for addr, length in iov:
+        if not channel.buffered:
+            break
+        chunk = channel.take_buffered(int(length))
+        _ffi.memmove(_ffi.cast("char *", int(addr)), chunk, len(chunk))
+        skip += len(chunk)
+    recv_iov(channel.sock, iov, skip)
 
 
 def _u64(values: Sequence[int]) -> np.ndarray:
@@ -290,7 +308,7 @@ class TcpTransport(Transport):
                     raise ProtocolError(
                         f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
                     )
-                recv_iov(ch.sock, iov)  # `local` keeps the slab mapped meanwhile
+                recv_iov_from(ch, iov)  # `local` keeps the slab mapped meanwhile
                 ch.bulk_pending = 0
 
             return on_ok
@@ -365,7 +383,7 @@ class TcpNodeDataPath(NodeDataPath):
                     f"bulk of {ch.bulk_pending} bytes does not match the {total} bytes "
                     "the ops name"
                 )
-            recv_iov(ch.sock, iov)  # `views` keep the pool mapped meanwhile
+            recv_iov_from(ch, iov)  # `views` keep the pool mapped meanwhile
             ch.bulk_pending = 0
         else:
             ch.recv_bulk(views)
