@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rdmakv.node.admission import MIN_IDLE_TO_SHED_S, Admission, SessionLimits
+from rdmakv.node.admission import (
+    MIN_IDLE_TO_SHED_S,
+    MIN_UNUSED_TO_SHED_S,
+    Admission,
+    SessionLimits,
+)
 
 NOW = 1000.0
 
@@ -98,4 +103,14 @@ def test_refused_only_when_every_connection_is_busy_or_recent() -> None:
     busy = idle("busy", 60.0)
     busy.busy = True
     adm = full_node(busy, idle("recent", MIN_IDLE_TO_SHED_S / 2), idle("queued", 9.0, waiting=True))
+    assert admit_new(adm) == (False, [])
+
+
+def test_a_connection_that_never_sent_a_request_is_sheddable_sooner() -> None:
+    """A same-address idle flood keeps every slot younger than 1 s: its never-used
+    connections must still make room, while a used one that young is kept."""
+    between = (MIN_UNUSED_TO_SHED_S + MIN_IDLE_TO_SHED_S) / 2
+    adm = full_node(idle("user", between), idle("flood", between, requests=0))
+    assert admit_new(adm) == (True, ["flood"])
+    adm = full_node(idle("user", between), idle("fresh", MIN_UNUSED_TO_SHED_S / 2, requests=0))
     assert admit_new(adm) == (False, [])

@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
+from rdmakv import doctor
 from rdmakv.client import KVClient
+from rdmakv.errors import RdmaUnavailable
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.node.server import KVNode
 from rdmakv.protocol import (
@@ -257,3 +259,31 @@ def test_confinement_none_exposes_the_pool_by_choice(slab: Slab) -> None:
     finally:
         n.stop()
         t.join(30)
+
+
+def test_a_device_without_windows_is_named_and_served_only_by_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rxe has type-2 windows, so a device without them is injected: the real
+    device, answering "no windows" (the one thing such an HCA answers differently).
+
+    Default confinement: rdma refuses to start, naming the setting (auto serves
+    tcp alone); ``rdma_confinement="none"`` serves rdma with the pool-wide rkey;
+    ``rdmakv doctor`` says NOT supported."""
+    monkeypatch.setattr(verbs.Device, "supports_windows", property(lambda self: False))
+    common: dict[str, Any] = dict(
+        pool_size=POOL, block_size=BLOCK, host="127.0.0.1", port=0, lock_pool=False
+    )
+    with pytest.raises(RdmaUnavailable, match="rdma_confinement='none'"):
+        KVNode(transports=("rdma",), **common)
+    auto = KVNode(transports=("rdma",), optional_transports=True, **common)
+    opted = KVNode(transports=("rdma",), rdma_confinement="none", **common)
+    try:
+        assert auto.transports == ("tcp",)
+        assert opted.transports == ("tcp", "rdma")
+    finally:
+        for n in (auto, opted):  # never started: release what construction took
+            for dp in n.datapaths:
+                dp.close()
+            n.pool.close()
+    assert doctor._windows(verbs.select()).startswith("NOT supported")
