@@ -95,6 +95,7 @@ ACTIONS = (
     ("close", 1),
     ("handshake", 2),
     ("mutate", 1),
+    ("leased_read", 1),
 )
 ACTION_STRATEGY = st.sampled_from([a for a, w in ACTIONS for _ in range(w)])
 CONN_INDEX = st.integers(0, MAX_CONNS - 1)
@@ -369,6 +370,9 @@ class Target:
             other_pending=other,
             committed=tuple((e.addr, e.length) for e in m.committed.values()),
             own_leased=leased,
+            victim_extents=tuple(
+                (k, e.addr, e.length) for k, e in m.committed.items() if k in m.victim
+            ) if destructive_ok else (),
             own_leases=own_ids,
             other_leases=others,
             destructive_ok=destructive_ok,
@@ -466,6 +470,11 @@ class Target:
             self._handshake(data, ex)
         elif action == "mutate":
             self._mutate(data, ex)
+        elif action == "leased_read":
+            conn = self._authed(data, ex)
+            reqs = data.draw(S.leased_read(self.view(conn)), label="leased read")
+            if reqs:
+                self._send(ex, conn, reqs)
 
     def _send(self, ex: Example, conn: Conn, reqs: list[Req]) -> None:
         """Send ``reqs`` at once and check each answer in order (see the module doc)."""

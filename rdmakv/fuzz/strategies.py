@@ -110,6 +110,7 @@ class View:
     other_pending: tuple[tuple[int, int], ...] = ()
     committed: tuple[tuple[int, int], ...] = ()  # every committed extent, the victim's too
     own_leased: tuple[tuple[int, int], ...] = ()
+    victim_extents: tuple[tuple[bytes, int, int], ...] = ()  # (key, addr, length) of each
     own_leases: tuple[int, ...] = ()  # live lease ids of this connection
     other_leases: tuple[int, ...] = ()  # other connections' ids, and released/dead ones
     destructive_ok: bool = True  # False: no victim keys at all (mutation bases)
@@ -559,6 +560,28 @@ def control_bulk(draw: st.DrawFn, inner: st.SearchStrategy[Req]) -> Req:
     req.bulk = pattern(draw(st.integers(0, 2**32)), draw(st.integers(1, 256)))
     req.note = (req.note + " +bulk").strip()
     return req
+
+
+@st.composite
+def leased_read(draw: st.DrawFn, view: View) -> list[Req]:
+    """A correct client's get of one victim value, pipelined: LOOKUP with a
+    lease, then one READ of the whole extent (empty when there is no victim).
+
+    The model knows the victim's bytes, so every run checks bytes read back
+    through the node; the hostile strategies reach a clean leased READ of
+    known bytes only by chance. Same draws whatever the view (choice shapes
+    must not depend on state)."""
+    index = draw(st.integers(0, 2**16))
+    lookup_id, read_id = draw(st.tuples(st.integers(0, U64_MAX), st.integers(0, U64_MAX)))
+    if not view.victim_extents:
+        return []
+    key, addr, length = view.victim_extents[index % len(view.victim_extents)]
+    ops = [(addr, length)]
+    return [
+        Req(Op.LOOKUP, raw_keys([key]), "keys", flags=LOOKUP_FLAG_LEASE, keys=[key],
+            req_id=lookup_id, note="clean leased lookup"),
+        Req(Op.READ, raw_ops(ops), "data", ops=ops, req_id=read_id, note="clean read"),
+    ]
 
 
 FRAME_KINDS = (

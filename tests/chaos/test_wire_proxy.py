@@ -97,5 +97,8 @@ def test_flip_at_changes_exactly_one_bit_at_the_offset(peer: Peer) -> None:
 def test_cut_after_delivers_exactly_the_bytes_before_the_offset(peer: Peer) -> None:
     with WireProxy(peer.address) as proxy:
         proxy.cut_after(Direction.DOWN, 300_000)
-        back = exchange(proxy, os.urandom(1000))
+        # Nothing goes up: bytes reaching the proxy's socket after the cut closed
+        # it would draw a reset, which drops forwarded bytes still queued for the
+        # client (a race the client loses under load), not what this test checks.
+        back = exchange(proxy, b"")
     assert back == peer.out[:300_000]
