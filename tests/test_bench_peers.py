@@ -77,3 +77,17 @@ def test_mooncake_te_driver_round_trip() -> None:
     finally:
         driver.close()
     assert driver.server is None
+
+
+def test_perftest_result_line_is_parsed_and_a_zero_rate_is_named() -> None:
+    """perftest's own report (what ib_write_bw prints); a 0.00 Gb/sec line is an
+    error naming it, not a division by zero deep in the bench."""
+    from rdmakv.bench.drivers.perftest import parse_gbps
+
+    head = " #bytes  #iterations  BW peak[Gb/sec]  BW average[Gb/sec]  MsgRate[Mpps]\n"
+    line = " {}  128  {}  {}  0.000458\n"
+    assert parse_gbps(head + line.format(65536, 0.25, 0.24), 65536) == pytest.approx(0.24 / 8)
+    with pytest.raises(RuntimeError, match=r"reported 0\.00 Gb/sec for 16384-byte"):
+        parse_gbps(head + line.format(16384, "0.00", "0.00"), 16384)
+    with pytest.raises(RuntimeError, match="no result line for 4096"):
+        parse_gbps(head, 4096)

@@ -53,7 +53,13 @@ def parse_gbps(out: str, size: int) -> float:
     for line in out.splitlines():
         f = line.split()
         if len(f) >= 4 and f[0] == str(size):
-            return float(f[3]) * GBIT / GB
+            gbps = float(f[3]) * GBIT / GB
+            if gbps <= 0:  # no ceiling to divide by: say what perftest printed
+                raise RuntimeError(
+                    f"perftest reported {f[3]} Gb/sec for {size}-byte messages "
+                    f"(below its 0.01 Gb/sec resolution, or a failed run): {line.strip()!r}"
+                )
+            return gbps
     raise RuntimeError(f"no result line for {size} bytes in perftest output:\n{out}")
 
 
