@@ -20,15 +20,16 @@ and by a periodic sweep:
   order: a handshake stalled for ``MIN_IDLE_TO_SHED_S``; an authenticated
   connection idle that long (``MIN_UNUSED_TO_SHED_S`` if it never sent a
   request) with no request waiting unread (never-used ones first, then the
-  longest idle); a younger handshake, oldest
-  first. Only when every connection is busy is the new one refused. A young
-  handshake comes after the idle ones because it is most likely a real client
-  one round trip from authenticated: a token holder re-opening idle
-  connections as fast as they are shed would otherwise shed every good
-  client mid-HELLO (bench/flood.py, same address: 195 of 200 rounds).
+  longest idle); a younger handshake, oldest first. Only when every
+  connection is busy, recently active or has a request waiting is the new one
+  refused. A young handshake comes after the idle ones because it is most
+  likely a real client one round trip from authenticated: a token holder
+  re-opening idle connections as fast as they are shed would otherwise shed
+  every good client mid-HELLO (bench/flood.py, same address: 195 of 200 rounds).
 
 Nothing here touches sockets: :meth:`Admission.admit` and
-:meth:`Admission.expired` say whom to close and why; the node closes them.
+:meth:`Admission.expired` say whom to close and why, asking a candidate only
+whether input waits (:meth:`Tracked.has_input`); the node closes them.
 Not thread-safe: the node's lock guards it.
 """
 
