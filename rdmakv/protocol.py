@@ -687,26 +687,29 @@ def send_views(sock: socket.socket, views: Sequence[Buffer]) -> None:
         i = _advance(bufs, i, sent)
 
 
-def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Fill every writable buffer in order, straight from the socket (no copies).
+def _recv_some(sock: socket.socket, bufs: list[memoryview]) -> int:
+    """One receive into ``bufs`` (at least one byte): first without Python's poll
+    (see :func:`send_views`), waiting under the socket's timeout only when
+    nothing has arrived."""
+    try:
+        got = os.readv(sock.fileno(), bufs)
+    except BlockingIOError:
+        got = sock.recvmsg_into(bufs)[0] if len(bufs) > 1 else sock.recv_into(bufs[0])
+    if got == 0:
+        raise ConnectionLost("peer closed the connection mid-frame")
+    return got
 
-    Like :func:`send_views`, reads first without Python's poll and waits (under
-    the socket's timeout) only when nothing has arrived.
-    """
+
+def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every writable buffer in order, straight from the socket (no copies)."""
     bufs = [v for v in views if len(v)]
     n = len(bufs)
-    fd = sock.fileno()
     i = end = window = 0
     while i < n:
         while end < n and end - i < IOV_MAX and window < IO_CHUNK_BYTES:
             window += len(bufs[end])
             end += 1
-        try:
-            got = os.readv(fd, bufs[i:end])
-        except BlockingIOError:
-            got = sock.recvmsg_into(bufs[i:end])[0] if end - i > 1 else sock.recv_into(bufs[i])
-        if got == 0:
-            raise ConnectionLost("peer closed the connection mid-frame")
+        got = _recv_some(sock, bufs[i:end])
         window -= got
         i = _advance(bufs, i, got)
 
@@ -821,16 +824,8 @@ class Channel:
             tail = self._end - self._pos
             self._ahead[:tail] = self._ahead_view[self._pos : self._end]
             self._pos, self._end = 0, tail
-        fd = self.sock.fileno()
         while self._end < need:
-            room = self._ahead_view[self._end :]
-            try:
-                got = os.readv(fd, [room])
-            except BlockingIOError:
-                got = self.sock.recv_into(room)  # waits under the socket's timeout
-            if got == 0:
-                raise ConnectionLost("peer closed the connection mid-frame")
-            self._end += got
+            self._end += _recv_some(self.sock, [self._ahead_view[self._end :]])
 
     def take_buffered(self, limit: int) -> memoryview:
         """Consume up to ``limit`` read-ahead bytes (a view valid until the next read)."""
@@ -879,12 +874,15 @@ class Channel:
         self._recv_into([memoryview(buf)])
         return buf
 
-    def recv_bulk(self, views: Sequence[memoryview]) -> None:
-        total = sum(len(v) for v in views)
+    def check_bulk(self, total: int) -> None:
+        """ProtocolError unless the frame just received carries exactly ``total`` bulk bytes."""
         if total != self.bulk_pending:
             raise ProtocolError(
                 f"bulk of {self.bulk_pending} bytes does not match the {total} bytes the ops name"
             )
+
+    def recv_bulk(self, views: Sequence[memoryview]) -> None:
+        self.check_bulk(sum(len(v) for v in views))
         self._recv_into(views)
         self.bulk_pending = 0
 

@@ -187,7 +187,7 @@ def test_bulk_read_ahead_with_its_header_lands_in_place_and_the_next_frame_stays
     assert hdr.bulk_len == total and ch.buffered > 0  # bulk bytes were read ahead
     dst = [np.zeros(x.nbytes, np.uint8) for x in src]
     if native:
-        tcp.recv_iov_from(ch, table(dst))
+        tcp.recv_iov_from(ch, table(dst), total)
     else:
         ch.recv_bulk([memoryview(d) for d in dst])
     assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))

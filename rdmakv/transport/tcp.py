@@ -151,13 +151,15 @@ def recv_iov(sock: socket.socket, iov: np.ndarray, skip: int = 0) -> None:
     _native_io(sock, iov, False, skip)
 
 
-def recv_iov_from(channel: Channel, iov: np.ndarray) -> None:
-    """Fill the memory at each ``(addr, len)`` row from ``channel``.
+def recv_iov_from(channel: Channel, iov: np.ndarray, total: int) -> None:
+    """The native :meth:`Channel.recv_bulk`: fill the memory at each ``(addr, len)``
+    row (``total`` bytes) with the bulk of the frame just received.
 
     The first bytes may already sit in the channel's read-ahead buffer (at
     most :data:`~rdmakv.protocol.RECV_AHEAD_BYTES`): they are copied in, and
     the native loop reads the rest straight from the socket.
     """
+    channel.check_bulk(total)
     skip = 0
     for addr, length in iov:
         if not channel.buffered:
@@ -166,6 +168,7 @@ def recv_iov_from(channel: Channel, iov: np.ndarray) -> None:
         _ffi.memmove(_ffi.cast("char *", int(addr)), chunk, len(chunk))
         skip += len(chunk)
     recv_iov(channel.sock, iov, skip)
+    channel.bulk_pending = 0
 
 
 def _u64(values: Sequence[int]) -> np.ndarray:
@@ -308,8 +311,7 @@ class TcpTransport(Transport):
                     raise ProtocolError(
                         f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
                     )
-                recv_iov_from(ch, iov)  # `local` keeps the slab mapped meanwhile
-                ch.bulk_pending = 0
+                recv_iov_from(ch, iov, want)  # `local` keeps the slab mapped meanwhile
 
             return on_ok
 
@@ -378,13 +380,7 @@ class TcpNodeDataPath(NodeDataPath):
         ch = session.channel
         if use_native:
             iov = _node_iov(payload, len(ops), self.pool)
-            if total != ch.bulk_pending:
-                raise ProtocolError(
-                    f"bulk of {ch.bulk_pending} bytes does not match the {total} bytes "
-                    "the ops name"
-                )
-            recv_iov_from(ch, iov)  # `views` keep the pool mapped meanwhile
-            ch.bulk_pending = 0
+            recv_iov_from(ch, iov, total)  # `views` keep the pool mapped meanwhile
         else:
             ch.recv_bulk(views)
         written()  # only now: every byte of the ops is in the pool
