@@ -16,6 +16,9 @@
 #include <stddef.h>
 
 #define RK_TCP_IOV_MAX 1024
+/* Bytes per system call when hashing: a range is hashed and moved within one
+ * such window, so the second pass over it hits the CPU cache, not memory. */
+#define RK_TCP_HASH_WINDOW 524288
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -32,5 +35,22 @@ int rk_tcp_sendv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeo
                  uint64_t *done, int *err);
 int rk_tcp_recvv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
                  uint64_t *done, int *err);
+
+/* A 64-bit hash of one range (the caller passes XXH3_64bits: the value
+ * checksum of the wire protocol). */
+typedef uint64_t (*rk_hash_fn)(const void *data, size_t len);
+
+/* Like rk_tcp_sendv / rk_tcp_recvv, and also hashes[i] = hash(range i) for
+ * every range: sendv hashes a range just before its first byte goes out,
+ * recvv as soon as its last byte arrived, so the bytes are read from cache
+ * (windows of at most RK_TCP_HASH_WINDOW bytes, at least one range).
+ * *hashed: ranges hashed so far (in/out: 0 on the first call, kept across a
+ * call resumed after RK_TCP_EINTR). On RK_TCP_OK, *hashed == n. */
+int rk_tcp_sendv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
+                        rk_hash_fn hash, uint64_t *hashes, uint64_t *hashed,
+                        uint64_t *done, int *err);
+int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
+                        rk_hash_fn hash, uint64_t *hashes, uint64_t *hashed,
+                        uint64_t *done, int *err);
 
 #endif

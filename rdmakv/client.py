@@ -540,11 +540,13 @@ class KVClient:
                 log.warning("get: %d of %d reads failed; those keys are misses: %s",
                             len(exc.failed), len(hits), exc)
                 failed = set(exc.failed)
+            sums = fut.checksums  # hashed on the way in, when the transport could
             for j, (i, length, checksum) in enumerate(hits):
                 if j in failed:
                     continue
                 off = handles[i] * bs
-                if value_checksum(arena[off : off + length]) != checksum:
+                got = value_checksum(arena[off : off + length]) if sums is None else sums[j]
+                if got != checksum:
                     corrupt.append(keys[i])  # corrupted on the way or in the pool: a miss
                     continue
                 out[i] = length

@@ -18,7 +18,7 @@ import numpy.typing as npt
 import pytest
 
 from rdmakv.errors import ConnectionLost
-from rdmakv.protocol import HEADER, Channel, Op
+from rdmakv.protocol import HEADER, Channel, Op, value_checksum
 from rdmakv.transport import tcp
 
 pytestmark = [
@@ -195,3 +195,66 @@ def test_bulk_read_ahead_with_its_header_lands_in_place_and_the_next_frame_stays
     assert (nxt.opcode, nxt.req_id) == (Op.STATS, 2)
     assert ch.recv_payload(nxt) == b"{}"
     assert ch.buffered == 0
+
+
+needs_checksums = pytest.mark.skipif(
+    not tcp.native_checksums(), reason="the xxhash module exports no XXH3_64bits to call"
+)
+
+
+@needs_checksums
+def test_each_range_is_hashed_on_the_way_out_and_in_as_value_checksum_would(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Hashed send and receive give every range's value_checksum, for ranges
+    smaller and larger than the hashing window, empty ones, and a receive
+    whose first bytes were already placed (``skip``, as after a read-ahead)."""
+    a, b = pair
+    a.settimeout(10)
+    b.settimeout(10)
+    rng = np.random.default_rng(3)
+    sizes = [int(n) for n in rng.integers(0, 40_000, 200)]
+    sizes[5] = sizes[-1] = 0
+    sizes[17] = 3 * tcp._lib.RK_TCP_HASH_WINDOW + 5
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    dst = [np.zeros(n, np.uint8) for n in sizes]
+    want = [value_checksum(x.tobytes()) for x in src]
+    sent = np.zeros(len(src), np.uint64)
+    got = np.zeros(len(src), np.uint64)
+    sender = threading.Thread(target=tcp.send_iov, args=(a, table(src), sent))
+    sender.start()
+    first = np.zeros(sizes[0] + 7, np.uint8)  # the first range and a bit of the next
+    tcp.recv_iov(b, table([first]))
+    dst[0][:] = first[: sizes[0]]
+    dst[1][:7] = first[sizes[0] :]
+    tcp.recv_iov(b, table(dst), skip=first.nbytes, checksums=got)
+    sender.join()
+    assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
+    assert [int(x) for x in sent] == want
+    assert [int(x) for x in got] == want
+
+
+@needs_checksums
+def test_hashing_resumes_where_a_signal_interrupted_it(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    b.settimeout(5)
+    hits = [0]
+    old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
+    src = [np.full(3000, i, np.uint8) for i in range(4)]
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        # the first two ranges now, the rest after several interruptions
+        a.sendall(src[0].tobytes() + src[1].tobytes())
+        late = threading.Timer(0.5, lambda: a.sendall(src[2].tobytes() + src[3].tobytes()))
+        late.start()
+        dst = [np.zeros(3000, np.uint8) for _ in src]
+        got = np.zeros(4, np.uint64)
+        tcp.recv_iov(b, table(dst), checksums=got)
+        late.join()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert hits[0] > 0
+    assert [int(x) for x in got] == [value_checksum(x.tobytes()) for x in src]

@@ -63,6 +63,11 @@ class IoFuture:
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._default_timeout = default_timeout
+        self.checksums: Sequence[int] | None = None
+        """Per op, the :func:`~rdmakv.protocol.value_checksum` of the bytes it
+        moved, when the transport computed it on the way (tcp's native loop
+        hashes each block while it is in cache); valid once the batch
+        completed without error. None: the caller hashes the slab itself."""
 
     @classmethod
     def completed(cls, error: BaseException | None = None) -> IoFuture:

@@ -30,6 +30,7 @@ mid-transfer raises ``ConnectionLost``). Without the native module, or with
 from __future__ import annotations
 
 import array
+import ctypes
 import importlib
 import os
 import socket
@@ -53,6 +54,7 @@ from rdmakv.protocol import (
     chunk_ops,
     decode_data_ops,
     encode_data_ops,
+    value_checksum,
     wrap_socket_errors,
 )
 from rdmakv.slab import Slab
@@ -103,14 +105,48 @@ def native_available() -> bool:
     return _lib is not None
 
 
+def _find_native_checksum() -> Any:
+    """``XXH3_64bits`` as a C function pointer for the native loop, or None.
+
+    It is taken from the ``xxhash`` module that :func:`value_checksum` itself
+    calls (its extension exports the C API), so both hash with the same code;
+    and it is checked against :func:`value_checksum` before it is trusted.
+    """
+    if _lib is None:
+        return None
+    try:
+        sym = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)["XXH3_64bits"]
+        fn = _ffi.cast("rk_hash_fn", ctypes.cast(sym, ctypes.c_void_p).value)
+        probe = os.urandom(4099)
+        return fn if fn(_ffi.from_buffer(probe), len(probe)) == value_checksum(probe) else None
+    except (AttributeError, ImportError, OSError, TypeError):
+        return None
+
+
+_checksum_fn: Any = _find_native_checksum()
+
+
+def native_checksums() -> bool:
+    """True when the native loop also computes each block's value checksum as
+    it moves (see :func:`send_iov`); False: callers hash the slab themselves."""
+    return use_native and _checksum_fn is not None
+
+
 def _timeout_ms(sock: socket.socket) -> int:
     t = sock.gettimeout()
     return -1 if t is None else max(0, int(t * 1000 + 0.999))
 
 
-def _native_io(sock: socket.socket, iov: np.ndarray, sending: bool, skip: int = 0) -> None:
+def _native_io(
+    sock: socket.socket,
+    iov: np.ndarray,
+    sending: bool,
+    skip: int = 0,
+    checksums: np.ndarray | None = None,
+) -> None:
     """Move every ``(addr, len)`` row of ``iov`` (from byte ``skip`` of the
-    list on) through ``sock`` in one native call.
+    list on) through ``sock`` in one native call; with ``checksums`` (uint64,
+    one per row) also store each row's :func:`value_checksum` there.
 
     The GIL is released for the call. A signal interrupting a wait returns
     here so Python runs its handlers (which may raise), then the call resumes.
@@ -118,12 +154,26 @@ def _native_io(sock: socket.socket, iov: np.ndarray, sending: bool, skip: int = 
     n = len(iov)
     if not n:
         return
-    fn = _lib.rk_tcp_sendv if sending else _lib.rk_tcp_recvv
     ptr = _ffi.cast("const uint64_t *", iov.ctypes.data)
     done = _ffi.new("uint64_t *")
     err = _ffi.new("int *")
+    fd = sock.fileno()
+    if checksums is None:
+        fn = _lib.rk_tcp_sendv if sending else _lib.rk_tcp_recvv
+
+        def call() -> int:
+            return int(fn(fd, ptr, n, skip, _timeout_ms(sock), done, err))
+    else:
+        assert _checksum_fn is not None and len(checksums) == n
+        hfn = _lib.rk_tcp_sendv_hashed if sending else _lib.rk_tcp_recvv_hashed
+        out = _ffi.cast("uint64_t *", checksums.ctypes.data)
+        hashed = _ffi.new("uint64_t *")
+
+        def call() -> int:
+            return int(hfn(fd, ptr, n, skip, _timeout_ms(sock), _checksum_fn, out, hashed,
+                           done, err))
     while True:
-        rc = fn(sock.fileno(), ptr, n, skip, _timeout_ms(sock), done, err)
+        rc = call()
         if rc == _RK_TCP_OK:
             return
         if rc == _RK_TCP_EINTR:
@@ -137,21 +187,28 @@ def _native_io(sock: socket.socket, iov: np.ndarray, sending: bool, skip: int = 
         raise OSError(code, os.strerror(code))
 
 
-def send_iov(sock: socket.socket, iov: np.ndarray) -> None:
+def send_iov(sock: socket.socket, iov: np.ndarray, checksums: np.ndarray | None = None) -> None:
     """Send the bytes at each ``(addr, len)`` row of a C-contiguous uint64 (n, 2) table.
 
+    With ``checksums`` (a uint64 array of n, only when :func:`native_checksums`),
+    each row is hashed just before it is sent, while it is in cache.
     The caller keeps the memory alive (holds a view of it) until this returns.
     """
-    _native_io(sock, iov, True)
+    _native_io(sock, iov, True, 0, checksums)
 
 
-def recv_iov(sock: socket.socket, iov: np.ndarray, skip: int = 0) -> None:
+def recv_iov(
+    sock: socket.socket, iov: np.ndarray, skip: int = 0, checksums: np.ndarray | None = None
+) -> None:
     """Fill the memory at each ``(addr, len)`` row from ``sock``, from byte
-    ``skip`` of the list on (see :func:`send_iov`)."""
-    _native_io(sock, iov, False, skip)
+    ``skip`` of the list on (see :func:`send_iov`; a row is hashed as soon as
+    its last byte arrived)."""
+    _native_io(sock, iov, False, skip, checksums)
 
 
-def recv_iov_from(channel: Channel, iov: np.ndarray, total: int) -> None:
+def recv_iov_from(
+    channel: Channel, iov: np.ndarray, total: int, checksums: np.ndarray | None = None
+) -> None:
     """The native :meth:`Channel.recv_bulk`: fill the memory at each ``(addr, len)``
     row (``total`` bytes) with the bulk of the frame just received.
 
@@ -167,7 +224,7 @@ def recv_iov_from(channel: Channel, iov: np.ndarray, total: int) -> None:
         chunk = channel.take_buffered(int(length))
         _ffi.memmove(_ffi.cast("char *", int(addr)), chunk, len(chunk))
         skip += len(chunk)
-    recv_iov(channel.sock, iov, skip)
+    recv_iov(channel.sock, iov, skip, checksums)
     channel.bulk_pending = 0
 
 
@@ -305,13 +362,19 @@ class TcpTransport(Transport):
         first: RdmakvError | None = None
         pending: list[Reply] = []
 
-        def native_receiver(iov: np.ndarray, want: int) -> Callable[[Header], None]:
+        hashing = native_checksums()
+        sums = np.empty(len(ops), dtype=np.uint64) if hashing else None
+
+        def native_receiver(
+            iov: np.ndarray, want: int, chunk_sums: np.ndarray | None
+        ) -> Callable[[Header], None]:
             def on_ok(hdr: Header) -> None:
                 if hdr.bulk_len != want:
                     raise ProtocolError(
                         f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
                     )
-                recv_iov_from(ch, iov, want)  # `local` keeps the slab mapped meanwhile
+                # `local` keeps the slab mapped meanwhile
+                recv_iov_from(ch, iov, want, chunk_sums)
 
             return on_ok
 
@@ -343,7 +406,7 @@ class TcpTransport(Transport):
                 if use_native:
                     assert self._slab is not None
                     payload, iov, want = _client_batch(batch, self._slab.base_addr)
-                    on_ok = native_receiver(iov, want)
+                    on_ok = native_receiver(iov, want, None if sums is None else sums[start:end])
                 else:
                     payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
                     on_ok = receiver(batch)
@@ -354,7 +417,9 @@ class TcpTransport(Transport):
                 finish(pending.pop(0))
         except OSError as e:
             raise wrap_socket_errors("READ", e) from e
-        return IoFuture.completed(first)
+        fut = IoFuture.completed(first)
+        fut.checksums = None if sums is None else sums.tolist()
+        return fut
 
     def close(self) -> None:
         self._slab = None
