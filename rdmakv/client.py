@@ -1,7 +1,8 @@
 """KVClient: batched put/get/exists/delete against one KV node.
 
 Put of a batch = ``ALLOC`` (node reserves extents) -> one-sided ``write`` of
-the slab blocks into them -> ``COMMIT`` (values become visible). Get = ``LOOKUP``
+the slab blocks into them -> ``COMMIT`` with each value's checksum (values
+become visible). Get = ``LOOKUP``
 with leases -> digest check -> one-sided ``read`` into the caller's slab
 blocks -> ``RELEASE``. A value whose stored digest differs from the digest the
 caller expects is a miss: never wrong KV.
@@ -71,6 +72,7 @@ from rdmakv.protocol import (
     decode_lookup_results,
     decode_node_info,
     encode_alloc,
+    encode_commit,
     encode_hello,
     encode_keys,
     encode_u64_list,
@@ -368,13 +370,16 @@ class KVClient:
             nonlocal nxt
             s, e = subs[nxt]
             nxt += 1
-            # Checksums of this sub-batch only: computed while the previous one moves.
-            sums = [
-                value_checksum(arena[h * bs : h * bs + n])
-                for h, n in zip(handles[s:e], sizes[s:e], strict=True)
-            ]
-            payload = encode_alloc(keys[s:e], sizes[s:e], digests[s:e], sums)
+            payload = encode_alloc(keys[s:e], sizes[s:e], digests[s:e])
             allocs.append((s, e, ch.submit(Op.ALLOC, payload, "ALLOC")))
+
+        def checksums(fut: IoFuture, idx: list[int]) -> list[int]:
+            # The transport's, hashed as each block went out (tcp); else hashed
+            # here while the device reads the blocks (rdma).
+            if fut.checksums is not None:
+                return list(fut.checksums)
+            offs = [handles[i] * bs for i in idx]
+            return [value_checksum(arena[o : o + sizes[i]]) for o, i in zip(offs, idx, strict=True)]
 
         try:
             while nxt < len(subs) and len(allocs) < PIPELINE_WINDOW:
@@ -398,12 +403,13 @@ class KVClient:
                     if nxt < len(subs):
                         submit_alloc()
                     continue
-                stage = _PutStage(tp.write(ops, self.timeout), idx, [keys[i] for i in idx])
+                fut = tp.write(ops, self.timeout)
+                stage = _PutStage(fut, idx, [keys[i] for i in idx], checksums(fut, idx))
                 if nxt < len(subs):
                     submit_alloc()  # the node allocates it while this write moves
                 if tp.node_verifies_writes:
                     stage.commit = ch.submit(
-                        Op.COMMIT, encode_keys(stage.keys), "COMMIT",
+                        Op.COMMIT, encode_commit(stage.keys, stage.sums), "COMMIT",
                         flags=COMMIT_FLAG_REQUIRE_WRITTEN,
                     )
                 writing.append(stage)
@@ -456,7 +462,8 @@ class KVClient:
         stage.commit_idx = [j for j in range(len(stage.keys)) if j not in failed]
         if stage.refused is None and stage.commit_idx:
             commit_keys = [stage.keys[j] for j in stage.commit_idx]
-            stage.commit = ch.submit(Op.COMMIT, encode_keys(commit_keys), "COMMIT")
+            sums = [stage.sums[j] for j in stage.commit_idx]
+            stage.commit = ch.submit(Op.COMMIT, encode_commit(commit_keys, sums), "COMMIT")
         else:
             stage.commit_idx = []
         if failed:
@@ -754,13 +761,15 @@ def sub_batch_sizes(n: int, max_keys: int) -> list[int]:
 class _PutStage:
     """One put sub-batch: its write, and the control requests that follow it.
 
-    ``keys`` / ``idx`` are the written keys and their positions in the put;
-    ``commit_idx`` indexes ``keys`` and says which keys ``commit`` carries.
+    ``keys`` / ``idx`` are the written keys and their positions in the put,
+    ``sums`` their values' checksums (sent with COMMIT); ``commit_idx``
+    indexes ``keys`` and says which keys ``commit`` carries.
     """
 
     fut: IoFuture
     idx: list[int]
     keys: list[bytes]
+    sums: list[int]
     commit: Reply | None = None
     commit_idx: list[int] = dataclasses.field(default_factory=list)
     abort: Reply | None = None

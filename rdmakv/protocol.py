@@ -28,9 +28,9 @@ Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
 
     HELLO     req: 4s magic, u16 version, u16 token_len, token
               resp: NodeInfo (see NODE_INFO)
-    ALLOC     req: u32 n, n x (u16 klen, key, u32 size, 16s digest, u64 checksum)
+    ALLOC     req: u32 n, n x (u16 klen, key, u32 size, 16s digest)
               resp: u32 n, n x EXTENT (u8 status AllocStatus, u64 addr, u32 len, u32 rkey)
-    COMMIT    req: keys (flags: COMMIT_FLAG_REQUIRE_WRITTEN)
+    COMMIT    req: keys, then n x u64 checksum (flags: COMMIT_FLAG_REQUIRE_WRITTEN)
               resp: u32 n, n x u8 (1 = committed)
     ABORT     req: keys           resp: u32 n, n x u8 (1 = freed)
     LOOKUP    req: keys (flags: LOOKUP_FLAG_LEASE)
@@ -53,9 +53,12 @@ of: a reader expecting other tokens treats it as a miss); ``checksum`` is
 own source block and checked by every reader on the bytes it received, so a
 value corrupted anywhere between the two (on the wire, in the pool, by another
 client's stray RDMA write) is a miss, never wrong KV. The node stores both
-opaquely.
+opaquely. The checksum travels with COMMIT, after the bytes: the writer hashes
+each block as it sends it (tcp) or while the NIC reads it (rdma), not in a
+pass of its own before ALLOC.
 
-Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP.
+Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP;
+3 = ``checksum`` moved from ALLOC to COMMIT.
 
 Addresses are ABSOLUTE virtual addresses inside the node's pool
 (``pool_base + offset``) so an RDMA transport can use them as-is; the node
@@ -92,7 +95,7 @@ log = logging.getLogger("rdmakv.protocol")
 
 # -- versioning ---------------------------------------------------------------
 MAGIC = b"RDKV"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # -- limits: every count and length is checked against these BEFORE allocating --
 MAX_PAYLOAD = 8 * 1024 * 1024
@@ -185,7 +188,7 @@ U16 = struct.Struct("<H")
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 HELLO_FIXED = struct.Struct("<4sHH")
-ALLOC_ITEM = struct.Struct("<I16sQ")  # after the key: size, digest, checksum
+ALLOC_ITEM = struct.Struct("<I16s")  # after the key: size, digest
 EXTENT = struct.Struct("<BQII")
 LOOKUP_ENTRY = struct.Struct("<BQIIQ16sQ")
 DATA_OP = struct.Struct("<QI")
@@ -480,15 +483,10 @@ def decode_node_info(payload: Buffer) -> NodeInfo:
     )
 
 
-def encode_alloc(
-    keys: Sequence[bytes],
-    sizes: Sequence[int],
-    digests: Sequence[bytes],
-    checksums: Sequence[int],
-) -> bytes:
+def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]) -> bytes:
     parts = [U32.pack(len(keys))]
     pack_len, pack_item = U16.pack, ALLOC_ITEM.pack
-    for k, size, d, c in zip(keys, sizes, digests, checksums, strict=True):
+    for k, size, d in zip(keys, sizes, digests, strict=True):
         n = len(k)
         if type(k) is not bytes or not 0 < n <= MAX_KEY_LEN:
             check_key(k)
@@ -497,11 +495,11 @@ def encode_alloc(
             d = bytes(d)
         parts.append(pack_len(n))
         parts.append(k)
-        parts.append(pack_item(size, d, c))
+        parts.append(pack_item(size, d))
     return b"".join(parts)
 
 
-def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes, int]]:
+def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes]]:
     buf = bytes(payload)
     n = Reader(buf, "ALLOC").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
     unpack = ALLOC_ITEM.unpack_from
@@ -511,9 +509,25 @@ def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes, int]]:
         return [(k, *unpack(buf, pos)) for k, pos in zip(keys, offsets, strict=True)]
     out = []
     for k, pos in _scan_keys(buf, n, ALLOC_ITEM.size, "ALLOC"):
-        size, digest, checksum = unpack(buf, pos)
-        out.append((k, size, digest, checksum))
+        size, digest = unpack(buf, pos)
+        out.append((k, size, digest))
     return out
+
+
+def encode_commit(keys: Sequence[bytes], checksums: Sequence[int]) -> bytes:
+    """COMMIT's payload: the keys, then each value's checksum (same order)."""
+    if len(checksums) != len(keys):
+        raise ProtocolError(f"COMMIT of {len(keys)} keys with {len(checksums)} checksums")
+    return encode_keys(keys) + struct.pack(f"<{len(keys)}Q", *checksums)
+
+
+def decode_commit(payload: Buffer) -> tuple[list[bytes], list[int]]:
+    """(keys, checksums) of a COMMIT payload; the count is checked before the split."""
+    buf = bytes(payload)
+    n = Reader(buf, "COMMIT").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + U64.size, "keys")
+    split = len(buf) - n * U64.size
+    keys = decode_keys(buf[:split], "COMMIT")
+    return keys, list(struct.unpack_from(f"<{n}Q", buf, split))
 
 
 def encode_extents(results: Sequence[AllocResult]) -> bytes:

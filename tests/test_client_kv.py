@@ -206,7 +206,7 @@ def test_uncommitted_extents_are_invisible_and_reclaimed_on_disconnect(
     from rdmakv.protocol import decode_extents, encode_alloc
 
     with KVClient(*node.address, client_slab) as c, KVClient(*node.address, None) as watcher:
-        payload = c._call(Op.ALLOC, encode_alloc([b"half"], [BLOCK], [bytes(16)], [0]), "ALLOC")
+        payload = c._call(Op.ALLOC, encode_alloc([b"half"], [BLOCK], [bytes(16)]), "ALLOC")
         assert decode_extents(payload, 1)[0].extent is not None
         assert watcher.exists([b"half"]) == [False]
         assert watcher.stats()["pending"] == 1

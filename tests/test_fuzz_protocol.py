@@ -45,10 +45,12 @@ from rdmakv.protocol import (
     Op,
     Status,
     decode_alloc,
+    decode_commit,
     decode_data_ops,
     decode_extents,
     decode_keys,
     decode_u64_list,
+    encode_commit,
     encode_data_ops,
     encode_flags,
     encode_hello,
@@ -118,6 +120,8 @@ def test_cli_runs_and_prints_totals(tmp_path: Path) -> None:
 def _decode(req: Req) -> object:
     if req.kind == "keys":
         return decode_keys(req.payload, "keys")
+    if req.kind == "commit":
+        return decode_commit(req.payload)
     if req.kind == "alloc":
         return decode_alloc(req.payload)
     if req.kind == "ids":
@@ -135,11 +139,12 @@ def test_strategy_tags_match_the_protocol_decoders(data: st.DataObject) -> None:
     another ProtocolError, or it is a WRITE whose bulk disagrees with its ops
     (the node answers those statuses for exactly these errors)."""
     req = data.draw(S.frames(VIEW))
-    if req.kind not in ("keys", "alloc", "ids", "data") or req.fatal:
+    if req.kind not in ("keys", "commit", "alloc", "ids", "data") or req.fatal:
         return
     if req.expect is None:
         items = [(k, n, d, *extra) for k, n, d, extra in req.items or []]
-        want = {"keys": req.keys, "ids": req.ids, "data": req.ops, "alloc": items}[req.kind]
+        want = {"keys": req.keys, "ids": req.ids, "data": req.ops, "alloc": items,
+                "commit": (req.keys, req.sums)}[req.kind]
         assert _decode(req) == want
     elif req.expect == Status.LIMIT_EXCEEDED:
         with pytest.raises(LimitExceeded):
@@ -299,7 +304,7 @@ def test_bug_control_request_bulk_is_parsed_as_a_frame(
 def test_bug_read_answer_over_max_bulk(node_factory: Callable[..., NodeProcess]) -> None:
     block = 128 * 1024
     ch = _hello(node_factory(pool_size="4MiB", block_size="128KiB"))
-    item = (b"k", block, bytes(16), (value_checksum(b"v" * block),) * ALLOC_EXTRA)
+    item = (b"k", block, bytes(16), (0,) * ALLOC_EXTRA)
     _, payload = ch.call(Op.ALLOC, raw_alloc([item]), "ALLOC")
     ext = decode_extents(payload, 1)[0].extent
     assert ext is not None
@@ -307,7 +312,7 @@ def test_bug_read_answer_over_max_bulk(node_factory: Callable[..., NodeProcess])
             bulk=[memoryview(b"v" * block)], bulk_len=block)
     hdr = ch.recv_header()
     assert hdr.status == Status.OK
-    ch.call(Op.COMMIT, encode_keys([b"k"]), "COMMIT")
+    ch.call(Op.COMMIT, encode_commit([b"k"], [value_checksum(b"v" * block)]), "COMMIT")
     ch.call(Op.LOOKUP, encode_keys([b"k"]), "LOOKUP", flags=LOOKUP_FLAG_LEASE)
     ops = [(ext.addr, block)] * 4096
     ch.send(Op.READ, encode_data_ops(ops), req_id=999)

@@ -34,6 +34,7 @@ from rdmakv.protocol import (
     decode_flags,
     decode_node_info,
     encode_alloc,
+    encode_commit,
     encode_data_ops,
     encode_hello,
     encode_keys,
@@ -252,7 +253,7 @@ def test_data_ops_outside_own_extents_are_refused(
     status, msg, _ = r.call(Op.WRITE, encode_data_ops([(base, 10)]), bulk=b"z" * 20)
     assert status == Status.BAD_REQUEST and b"20" in msg
     # an extent this client allocated: writing inside is fine, past its length is not
-    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"mine"], [1000], [bytes(16)], [0]))
+    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"mine"], [1000], [bytes(16)]))
     (res,) = decode_extents(payload, 1)
     assert status == Status.OK and res.extent is not None
     ext = res.extent
@@ -266,7 +267,7 @@ def test_data_ops_outside_own_extents_are_refused(
     status, msg, _ = other.call(Op.WRITE, encode_data_ops([(ext.addr, 10)]), bulk=b"o" * 10)
     assert status == Status.BAD_ADDRESS and b"allocated to this client" in msg
     # after commit the extent is read-only for everyone, its owner included
-    status, payload, _ = r.call(Op.COMMIT, encode_keys([b"mine"]))
+    status, payload, _ = r.call(Op.COMMIT, encode_commit([b"mine"], [0]))
     assert decode_flags(payload, 1, "COMMIT") == [True]
     status, _, _ = r.call(Op.WRITE, encode_data_ops([(ext.addr, 10)]), bulk=b"x" * 10)
     assert status == Status.BAD_ADDRESS
@@ -274,7 +275,7 @@ def test_data_ops_outside_own_extents_are_refused(
     status, _, _ = other.call(Op.READ, encode_data_ops([(ext.addr, 10)]))
     assert status == Status.BAD_ADDRESS
     # commit of a key this client does not own is a per-key False, not an error
-    status, payload, _ = other.call(Op.COMMIT, encode_keys([b"victim-0", b"nope"]))
+    status, payload, _ = other.call(Op.COMMIT, encode_commit([b"victim-0", b"nope"], [0, 0]))
     assert status == Status.OK and decode_flags(payload, 2, "COMMIT") == [False, False]
     victim()
 

@@ -36,27 +36,27 @@ def pool() -> Iterator[Slab]:
 
 
 def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
-    (res,) = store.alloc(session, [(key, size, D, 0)])
+    (res,) = store.alloc(session, [(key, size, D)])
     if res.status != AllocStatus.OK:
         return False
-    return store.commit(session, [key]) == [True]
+    return store.commit(session, [key], [0]) == [True]
 
 
 def test_alloc_statuses(pool: Slab) -> None:
     s = KVStore(pool)
-    assert s.alloc(1, [(b"a", 0, D, 0)])[0].status == AllocStatus.TOO_LARGE
-    assert s.alloc(1, [(b"a", BLOCK + 1, D, 0)])[0].status == AllocStatus.TOO_LARGE
-    res = s.alloc(1, [(b"a", 10, D, 0)])[0]
+    assert s.alloc(1, [(b"a", 0, D)])[0].status == AllocStatus.TOO_LARGE
+    assert s.alloc(1, [(b"a", BLOCK + 1, D)])[0].status == AllocStatus.TOO_LARGE
+    res = s.alloc(1, [(b"a", 10, D)])[0]
     assert res.status == AllocStatus.OK and res.extent is not None
     assert res.extent.addr == pool.base_addr + pool.offset(
         pool.handle_at(res.extent.addr - pool.base_addr)
     )
-    assert s.alloc(2, [(b"a", 10, D, 0)])[0].status == AllocStatus.BUSY
+    assert s.alloc(2, [(b"a", 10, D)])[0].status == AllocStatus.BUSY
     assert s.exists([b"a"]) == [False]  # uncommitted is invisible
     assert s.lookup(2, [b"a"], lease=True) == [None]
-    assert s.commit(2, [b"a"]) == [False]  # not the owner
-    assert s.commit(1, [b"a"]) == [True]
-    assert s.alloc(2, [(b"a", 10, D, 0)])[0].status == AllocStatus.EXISTS
+    assert s.commit(2, [b"a"], [0]) == [False]  # not the owner
+    assert s.commit(1, [b"a"], [0]) == [True]
+    assert s.alloc(2, [(b"a", 10, D)])[0].status == AllocStatus.EXISTS
 
 
 def test_leased_and_uncommitted_extents_are_never_evicted(pool: Slab) -> None:
@@ -65,15 +65,15 @@ def test_leased_and_uncommitted_extents_are_never_evicted(pool: Slab) -> None:
         assert put(s, 1, k)
     (hit,) = s.lookup(1, [b"a"], lease=True)
     assert hit is not None
-    assert s.alloc(1, [(b"pending", 10, D, 0)])[0].status == AllocStatus.OK  # 4th block
+    assert s.alloc(1, [(b"pending", 10, D)])[0].status == AllocStatus.OK  # 4th block
     # pool full: new allocs evict b then c (LRU), never a (leased) or the pending one
-    assert s.alloc(2, [(b"x", 10, D, 0), (b"y", 10, D, 0)])[1].status == AllocStatus.OK
+    assert s.alloc(2, [(b"x", 10, D), (b"y", 10, D)])[1].status == AllocStatus.OK
     assert s.exists([b"a", b"b", b"c"]) == [True, False, False]
-    assert s.alloc(2, [(b"z", 10, D, 0)])[0].status == AllocStatus.NO_SPACE
+    assert s.alloc(2, [(b"z", 10, D)])[0].status == AllocStatus.NO_SPACE
     assert s.exists([b"a"]) == [True]  # the leased value survived the full pool
     assert s.stats()["no_space"] == 1
     assert s.release(1, [hit.lease_id]) == 1
-    assert s.alloc(2, [(b"z", 10, D, 0)])[0].status == AllocStatus.OK  # a is evictable now
+    assert s.alloc(2, [(b"z", 10, D)])[0].status == AllocStatus.OK  # a is evictable now
     assert s.exists([b"a"]) == [False]
 
 
@@ -82,7 +82,7 @@ def test_exists_and_lookup_make_keys_recent_alloc_does_not(pool: Slab) -> None:
     for k in (b"a", b"b", b"c", b"d"):
         assert put(s, 1, k)
     assert s.exists([b"a", b"zz"]) == [True, False]  # a: asked by a scheduler, keep it
-    assert s.alloc(1, [(b"b", 10, D, 0)])[0].status == AllocStatus.EXISTS  # no touch
+    assert s.alloc(1, [(b"b", 10, D)])[0].status == AllocStatus.EXISTS  # no touch
     assert put(s, 1, b"e")  # full: evicts b, now the least recent
     assert s.exists([b"a", b"b", b"c"]) == [True, False, True]
     assert s.lookup(2, [b"d"], lease=False)[0] is not None  # d recent too
@@ -107,7 +107,7 @@ def test_lease_expiry_and_session_end_release_pins(pool: Slab) -> None:
     assert s.release(7, [hit.lease_id]) == 0  # already gone
     # a departed session's leases and uncommitted extents are reclaimed
     s.lookup(8, [b"a"], lease=True)
-    s.alloc(8, [(b"half", 10, D, 0)])
+    s.alloc(8, [(b"half", 10, D)])
     assert pool.used_blocks == 2 and pool.refcount(blk) == 2
     s.session_closed(8)
     assert pool.used_blocks == 1 and pool.refcount(blk) == 1
@@ -140,7 +140,7 @@ def test_delete_of_leased_value_keeps_bytes_until_release(pool: Slab) -> None:
 
 def test_data_path_checks(pool: Slab) -> None:
     s = KVStore(pool)
-    (res,) = s.alloc(1, [(b"a", 100, D, 0)])
+    (res,) = s.alloc(1, [(b"a", 100, D)])
     assert res.extent is not None
     a = res.extent.addr
     views, _written = s.open_write(1, [(a, 100), (a + 50, 50)])
@@ -152,7 +152,7 @@ def test_data_path_checks(pool: Slab) -> None:
         s.open_write(2, [(a, 10)])
     with pytest.raises(BadAddress, match="lease"):
         s.pin_readable(1, [(a, 10)])
-    s.commit(1, [b"a"])
+    s.commit(1, [b"a"], [0])
     with pytest.raises(BadAddress):
         s.open_write(1, [(a, 10)])  # committed values are immutable
     s.lookup(1, [b"a"], lease=True)
@@ -168,15 +168,16 @@ def test_data_path_checks(pool: Slab) -> None:
 def test_strict_commit_needs_a_complete_write(pool: Slab) -> None:
     """COMMIT_FLAG_REQUIRE_WRITTEN: never publish an extent the node did not fill."""
     s = KVStore(pool)
-    res = s.alloc(1, [(b"a", 100, D, 0), (b"b", 100, D, 0), (b"c", 100, D, 0)])
+    res = s.alloc(1, [(b"a", 100, D), (b"b", 100, D), (b"c", 100, D)])
     a, b, _c = (r.extent.addr for r in res if r.extent is not None)
     _, done_a = s.open_write(1, [(a, 100)])
     done_a()
     s.open_write(1, [(b, 100)])  # bytes never arrived: callback not run
     _, done_b_half = s.open_write(1, [(b, 50)])
     done_b_half()  # only half of b
-    assert s.commit(1, [b"a", b"b", b"c"], require_written=True) == [True, False, False]
-    assert s.commit(1, [b"b", b"c"]) == [True, True]  # the trusting commit (rdma) still works
+    done = s.commit(1, [b"a", b"b", b"c"], [0] * 3, require_written=True)
+    assert done == [True, False, False]
+    assert s.commit(1, [b"b", b"c"], [0, 0]) == [True, True]  # the trusting commit (rdma) works
 
 
 def test_bad_lease_timeout() -> None:
@@ -208,14 +209,14 @@ class StoreMachine(RuleBasedStateMachine):
     def alloc(self, session: int, keys: list[bytes], commit: bool) -> None:
         index = self.store._index
         before = {k: e.block for k in KEYS if (e := index.get(k)) is not None}
-        res = self.store.alloc(session, [(k, 100, D, 0) for k in keys])
+        res = self.store.alloc(session, [(k, 100, D) for k in keys])
         leased = {blk for (_, _, blk) in self.leases.values()}
         for k, blk in before.items():
             if index.get(k) is None:  # evicted by this alloc
                 assert blk not in leased, f"evicted {k!r} while its block {blk} was leased"
         ok = [k for k, r in zip(keys, res, strict=True) if r.status == AllocStatus.OK]
         if commit:
-            assert self.store.commit(session, ok) == [True] * len(ok)
+            assert self.store.commit(session, ok, [0] * len(ok)) == [True] * len(ok)
 
     @rule(session=st.integers(1, 3), key=st.sampled_from([b"a", b"b", b"c", b"d"]))
     def lookup(self, session: int, key: bytes) -> None:
@@ -338,3 +339,16 @@ def test_repeats_inside_one_lookup_count_toward_the_per_block_cap(pool: Slab) ->
     with pytest.raises(LeaseQuotaExceeded, match="asks for 5 more"):
         s.lookup(2, [b"a"] * 5, lease=True)
     assert s.lookup(2, [b"a"] * 4, lease=True)[0] is not None
+
+
+def test_lookup_gives_back_the_checksum_commit_stored(pool: Slab) -> None:
+    """Protocol v3: ALLOC carries no checksum; COMMIT sets it, per key, in order."""
+    s = KVStore(pool)
+    s.alloc(1, [(b"a", 10, D), (b"b", 20, D)])
+    assert s.commit(1, [b"b", b"a"], [2**64 - 1, 7]) == [True, True]
+    found = s.lookup(1, [b"a", b"b"], lease=False)
+    assert [r.checksum for r in found if r is not None] == [7, 2**64 - 1]
+    s.alloc(1, [(b"c", 10, D), (b"d", 10, D)])
+    with pytest.raises(ValueError, match="2 keys with 1 checksums"):
+        s.commit(1, [b"c", b"d"], [1])
+    assert s.exists([b"c", b"d"]) == [False, False]  # nothing was committed

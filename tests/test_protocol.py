@@ -31,6 +31,7 @@ from rdmakv.protocol import (
     Status,
     chunk_ops,
     decode_alloc,
+    decode_commit,
     decode_data_ops,
     decode_extents,
     decode_flags,
@@ -40,6 +41,7 @@ from rdmakv.protocol import (
     decode_node_info,
     decode_u64_list,
     encode_alloc,
+    encode_commit,
     encode_data_ops,
     encode_extents,
     encode_flags,
@@ -64,12 +66,25 @@ def test_keys_roundtrip(keys: list[bytes]) -> None:
     assert decode_keys(encode_keys(keys), "t") == keys
 
 
-@given(
-    st.lists(st.tuples(st.binary(min_size=1, max_size=64), u32, digest_st, u64), max_size=40)
-)
-def test_alloc_roundtrip(items: list[tuple[bytes, int, bytes, int]]) -> None:
-    keys, sizes, digests, sums = ([x[i] for x in items] for i in range(4))
-    assert decode_alloc(encode_alloc(keys, sizes, digests, sums)) == items
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=64), u32, digest_st), max_size=40))
+def test_alloc_roundtrip(items: list[tuple[bytes, int, bytes]]) -> None:
+    keys, sizes, digests = ([x[i] for x in items] for i in range(3))
+    assert decode_alloc(encode_alloc(keys, sizes, digests)) == items
+
+
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=64), u64), max_size=40))
+def test_commit_roundtrip(items: list[tuple[bytes, int]]) -> None:
+    keys, sums = [k for k, _ in items], [c for _, c in items]
+    assert decode_commit(encode_commit(keys, sums)) == (keys, sums)
+
+
+def test_commit_payload_that_does_not_split_into_keys_and_checksums_is_refused() -> None:
+    good = encode_commit([b"ab", b"c"], [1, 2])
+    for bad in (good[:-1], good + b"x", U32.pack(3) + good[4:], U32.pack(1) + good[4:]):
+        with pytest.raises(ProtocolError):
+            decode_commit(bad)
+    with pytest.raises(ProtocolError, match="2 keys with 1 checksums"):
+        encode_commit([b"a", b"b"], [1])
 
 
 @given(st.lists(st.tuples(st.sampled_from(list(AllocStatus)), u64, u32, u32), max_size=40))
@@ -120,6 +135,7 @@ def test_decoders_never_raise_anything_but_protocol_errors(junk: bytes) -> None:
     for decode in (
         lambda b: decode_keys(b, "t"),
         decode_alloc,
+        decode_commit,
         lambda b: decode_extents(b, 1),
         lambda b: decode_lookup_results(b, 1),
         lambda b: decode_flags(b, 1, "t"),
@@ -141,7 +157,7 @@ def test_bad_keys_and_digests_refused_on_encode() -> None:
     with pytest.raises(ProtocolError, match="key length"):
         encode_keys([b"x" * (MAX_KEY_LEN + 1)])
     with pytest.raises(ProtocolError, match="digest"):
-        encode_alloc([b"k"], [1], [b"short"], [0])
+        encode_alloc([b"k"], [1], [b"short"])
 
 
 @given(st.lists(st.integers(1, 100), max_size=60), st.integers(1, 7), st.integers(1, 300))

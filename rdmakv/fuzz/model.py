@@ -24,7 +24,7 @@ block) and checks every answer:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rdmakv.errors import ProtocolError
 from rdmakv.fuzz.wire import AllocItem, FuzzFailure, Req, Resp
@@ -49,8 +49,9 @@ from rdmakv.protocol import (
 
 @dataclass
 class Ext:
-    """A value's extent as the node handed it out; ``extra``: the ALLOC item's fields
-    after the digest (the checksum), which LOOKUP must give back as stored."""
+    """A value's extent as the node handed it out; ``extra``: the fields LOOKUP
+    must give back after the digest (the checksum COMMIT stored; the ALLOC
+    item's fields after the digest until then, none since protocol v3)."""
 
     addr: int
     length: int
@@ -199,17 +200,17 @@ class Model:
             assert req.items is not None
             self._alloc(cid, req.items, resp)
         elif op == Op.COMMIT:
-            assert req.keys is not None
+            assert req.keys is not None and req.sums is not None
             strict = bool(req.flags & COMMIT_FLAG_REQUIRE_WRITTEN)
             got = decode_flags(resp.payload, len(req.keys), "COMMIT")
-            for key, ok in zip(req.keys, got, strict=True):
+            for key, checksum, ok in zip(req.keys, req.sums, got, strict=True):
                 p = self.pending.get(key)
                 want = p is not None and p.cid == cid and (p.written or not strict)
                 _same("COMMIT", key, want, ok)
                 if ok:
                     assert p is not None
                     del self.pending[key]
-                    self.committed[key] = p.ext
+                    self.committed[key] = replace(p.ext, extra=(checksum,))
         elif op == Op.ABORT:
             assert req.keys is not None
             got = decode_flags(resp.payload, len(req.keys), "ABORT")

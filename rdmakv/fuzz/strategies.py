@@ -43,7 +43,16 @@ from typing import TypeVar
 
 from hypothesis import strategies as st
 
-from rdmakv.fuzz.wire import ALLOC_EXTRA, AllocItem, Req, raw_alloc, raw_ids, raw_keys, raw_ops
+from rdmakv.fuzz.wire import (
+    ALLOC_EXTRA,
+    AllocItem,
+    Req,
+    raw_alloc,
+    raw_commit,
+    raw_ids,
+    raw_keys,
+    raw_ops,
+)
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
     DIGEST_LEN,
@@ -294,22 +303,36 @@ KEY_OPS: dict[int, bool] = {  # opcode -> destructive
 
 @st.composite
 def keys_frame(draw: st.DrawFn, view: View, opcode: int) -> Req:
-    """COMMIT / ABORT / LOOKUP / EXISTS / DELETE, with any flags."""
+    """COMMIT / ABORT / LOOKUP / EXISTS / DELETE, with any flags (COMMIT's keys
+    followed by a checksum each)."""
     destructive = KEY_OPS[opcode] or not view.destructive_ok
     flags = draw(FLAG_CHOICES.get(opcode, st.just(0)))
+    commit = opcode == Op.COMMIT
+    kind = "commit" if commit else "keys"
     if draw(SELDOM):  # at / over the key-count limit: one key repeated
         key = draw(valid_key(view, destructive=destructive))
         n = draw(AT_KEY_LIMIT)
-        req = Req(opcode, raw_keys([key], repeat=n), "keys", keys=[key] * n, note=f"{n} keys")
+        c = draw(_EXTRA_FIELD)
+        payload = raw_commit([key], [c], repeat=n) if commit else raw_keys([key], repeat=n)
+        req = Req(opcode, payload, kind, keys=[key] * n, sums=[c] * n if commit else None,
+                  note=f"{n} keys")
         req.expect = Status.LIMIT_EXCEEDED if n > MAX_KEYS_PER_REQUEST else None
         return _flags(_finish(req, draw(header_noise())), opcode, flags)
     keys, ok = draw(key_list(view, destructive=destructive))
     count = draw(count_field(len(keys), MAX_KEYS_PER_REQUEST))
-    payload, broken = draw(_damage(raw_keys(keys, count), count))
+    sums = [draw(_EXTRA_FIELD) for _ in keys] if commit else None
+    raw = raw_keys(keys, count) if sums is None else raw_commit(keys, sums, count)
+    payload, broken = draw(_damage(raw, count))
     lied = count is not None and count != len(keys)
     expect = _list_status(payload, lied, MAX_KEYS_PER_REQUEST, broken or not ok)
-    req = Req(opcode, payload, "keys", keys=keys if expect is None else None, expect=expect)
+    well_formed = expect is None
+    req = Req(opcode, payload, kind, keys=keys if well_formed else None,
+              sums=sums if well_formed else None, expect=expect)
     return _flags(_finish(req, draw(header_noise())), opcode, flags)
+
+
+_EXTRA_FIELD = _weighted((2, st.integers(0, U64_MAX)), (1, st.just(0)))
+"""A checksum field: any u64, often 0."""
 
 
 @functools.cache
@@ -328,9 +351,6 @@ def digest_value() -> st.SearchStrategy[bytes]:
         (3, st.binary(min_size=DIGEST_LEN, max_size=DIGEST_LEN)),
         (1, st.just(bytes(DIGEST_LEN))),
     )
-
-
-_EXTRA_FIELD = _weighted((2, st.integers(0, U64_MAX)), (1, st.just(0)))
 
 
 @st.composite

@@ -58,13 +58,14 @@ class FuzzFailure(RdmakvError):
 class Req:
     """One request frame and its meaning.
 
-    ``kind`` names the payload encoding (``keys``, ``alloc``, ``ids``,
-    ``data``, ``stats``, ``hello``, ``raw``). ``expect`` is set when the frame
+    ``kind`` names the payload encoding (``keys``, ``commit``, ``alloc``,
+    ``ids``, ``data``, ``stats``, ``hello``, ``raw``). ``expect`` is set when the frame
     is malformed on purpose and the status it must get is known without the
     model (``BAD_REQUEST``, ``LIMIT_EXCEEDED``, ``UNKNOWN_OPCODE``,
     ``FRAME_TOO_LARGE``...); None means the model decides. ``fatal``: the node
     must answer and close the connection. ``keys`` / ``items`` / ``ops`` /
-    ``ids`` are the decoded contents of a well-formed payload.
+    ``ids`` (and COMMIT's ``sums``) are the decoded contents of a well-formed
+    payload.
     """
 
     opcode: int
@@ -82,6 +83,7 @@ class Req:
     items: list[AllocItem] | None = None
     ops: list[tuple[int, int]] | None = None
     ids: list[int] | None = None
+    sums: list[int] | None = None
     note: str = ""
     send_payload: bool = True  # False: only the header goes out (an oversize announcement)
 
@@ -294,8 +296,9 @@ def raw_keys(keys: Sequence[bytes], count: int | None = None, *, repeat: int = 1
 
 
 ALLOC_EXTRA = len(ALLOC_ITEM.unpack(bytes(ALLOC_ITEM.size))) - 2
-"""Fields of an ALLOC item after size and digest (protocol v2: the value checksum):
-taken from rdmakv.protocol, so the fuzzer follows the format wherever it goes."""
+"""Fields of an ALLOC item after size and digest (none since protocol v3, which
+moved the value checksum to COMMIT): taken from rdmakv.protocol, so the fuzzer
+follows the format wherever it goes."""
 LOOKUP_EXTRA = len(LOOKUP_ENTRY.unpack(bytes(LOOKUP_ENTRY.size))) - 6
 """Fields of a LOOKUP entry after found, addr, len, rkey, lease id and digest."""
 
@@ -306,6 +309,15 @@ def raw_alloc(items: Sequence[AllocItem], count: int | None = None, *, repeat: i
         for k, size, digest, extra in items
     )
     return _items(count, len(items) * repeat, body * repeat)
+
+
+def raw_commit(
+    keys: Sequence[bytes], sums: Sequence[int], count: int | None = None, *, repeat: int = 1
+) -> bytes:
+    """COMMIT's payload: ``keys`` as :func:`raw_keys` gives them, then one u64
+    checksum per key (both repeated ``repeat`` times)."""
+    tail = b"".join(struct.pack("<Q", c & 0xFFFFFFFFFFFFFFFF) for c in sums)
+    return raw_keys(keys, count, repeat=repeat) + tail * repeat
 
 
 def raw_ids(ids: Sequence[int], count: int | None = None, *, repeat: int = 1) -> bytes:

@@ -12,6 +12,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+NO_CHECKSUM = 0
+"""An uncommitted entry's checksum: the writer sends the real one with COMMIT."""
+
 
 @dataclass(slots=True)
 class Entry:
@@ -21,7 +24,7 @@ class Entry:
     block: int
     length: int
     digest: bytes
-    checksum: int  # the writer's value_checksum of the value bytes (stored opaquely)
+    checksum: int  # the writer's value_checksum of the value bytes (opaque; set by COMMIT)
     owner: int  # session that allocated it; meaningful while uncommitted
     committed: bool = False
     written: bool = False  # the node received all ``length`` bytes through WRITE

@@ -54,6 +54,7 @@ from rdmakv.protocol import (
     Op,
     Status,
     decode_alloc,
+    decode_commit,
     decode_hello,
     decode_keys,
     decode_u64_list,
@@ -598,9 +599,10 @@ class KVNode:
         s.reply(req, encode_extents(self.store.alloc(s.session_id, items)))
 
     def _commit(self, s: NodeSession, req: Header, payload: bytearray) -> None:
-        keys = decode_keys(payload, "COMMIT")
+        keys, checksums = decode_commit(payload)
         strict = bool(req.flags & COMMIT_FLAG_REQUIRE_WRITTEN)
-        s.reply(req, encode_flags(self.store.commit(s.session_id, keys, require_written=strict)))
+        done = self.store.commit(s.session_id, keys, checksums, require_written=strict)
+        s.reply(req, encode_flags(done))
 
     def _abort(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         keys = decode_keys(payload, "ABORT")

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import Entry, Index
+from rdmakv.node.index import NO_CHECKSUM, Entry, Index
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.protocol import (
     MAX_BULK_BYTES,
@@ -165,9 +165,9 @@ class KVStore:
 
     # -- control operations ----------------------------------------------------------
     def alloc(
-        self, session: int, items: Sequence[tuple[bytes, int, bytes, int]]
+        self, session: int, items: Sequence[tuple[bytes, int, bytes]]
     ) -> list[AllocResult]:
-        """Reserve one extent per (key, size, digest, checksum); invisible until commit."""
+        """Reserve one extent per (key, size, digest); invisible until commit."""
         out: list[AllocResult] = []
         too_large = AllocResult(AllocStatus.TOO_LARGE, None)
         exists = AllocResult(AllocStatus.EXISTS, None)
@@ -180,7 +180,7 @@ class KVStore:
             pool = self.pool
             base, bs, rkey = self._base, self.block_size, self.rkey
             self.counters.allocs += len(items)
-            for key, size, digest, checksum in items:
+            for key, size, digest in items:
                 if not (0 < size <= bs):
                     out.append(too_large)
                 elif committed(key) is not None:
@@ -193,7 +193,7 @@ class KVStore:
                         self.counters.no_space += 1
                         out.append(no_space)
                         continue
-                    e = Entry(key, block, size, digest, checksum, owner=session)
+                    e = Entry(key, block, size, digest, NO_CHECKSUM, owner=session)
                     add_pending(e)
                     mine[block] = e
                     out.append(AllocResult(AllocStatus.OK, Extent(base + block * bs, size, rkey)))
@@ -207,23 +207,32 @@ class KVStore:
         return out
 
     def commit(
-        self, session: int, keys: Sequence[bytes], *, require_written: bool = False
+        self,
+        session: int,
+        keys: Sequence[bytes],
+        checksums: Sequence[int],
+        *,
+        require_written: bool = False,
     ) -> list[bool]:
-        """Make this session's uncommitted extents visible; False for any other key.
+        """Make this session's uncommitted extents visible, each with the
+        writer's checksum of its bytes; False for any other key.
 
         With ``require_written`` an extent the node did not receive in full
         through WRITE stays uncommitted (False): its bytes may be stale.
         """
+        if len(checksums) != len(keys):
+            raise ValueError(f"commit of {len(keys)} keys with {len(checksums)} checksums")
         out = []
         with self._lock:
             mine = self._pending_by_session.get(session, {})
-            for key in keys:
+            for key, checksum in zip(keys, checksums, strict=True):
                 e = self._index.pending(key)
                 if e is None or e.owner != session or (require_written and not e.written):
                     out.append(False)
                     continue
                 self._revoke_write(session, e)  # before anyone else can see it
                 del mine[e.block]
+                e.checksum = checksum
                 self._index.commit(key)
                 self.counters.commits += 1
                 if not e.written:

@@ -20,6 +20,10 @@ The per-block loop runs in the native core when it is built
 request's bulk -- ``sendmsg`` / ``readv`` of up to 1024 blocks per system
 call, resuming after short transfers, waiting with ``poll`` on EAGAIN -- with
 the GIL released, so the client's and the node's Python threads keep running.
+The same loop hashes each block with XXH3 (the protocol's value checksum)
+right before sending it and right after receiving it, while the block is in
+cache: the writer's checksums for COMMIT and the reader's verification come
+from that pass instead of one more read of every block from memory.
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
 raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
 mid-transfer raises ``ConnectionLost``). Without the native module, or with
@@ -332,6 +336,7 @@ class TcpTransport(Transport):
         local = self._local
         ch = self._ch
         replies = []
+        sums = np.empty(len(ops), dtype=np.uint64) if native_checksums() else None
         try:
             ch.sock.settimeout(timeout)
             for start, end in chunks:
@@ -341,7 +346,8 @@ class TcpTransport(Transport):
                     payload, iov, total = _client_batch(batch, self._slab.base_addr)
                     # header + payload first, then the bulk straight from the slab
                     replies.append(ch.submit(Op.WRITE, payload, "WRITE", bulk_len=total))
-                    send_iov(ch.sock, iov)  # `local` keeps the slab mapped meanwhile
+                    # `local` keeps the slab mapped meanwhile
+                    send_iov(ch.sock, iov, None if sums is None else sums[start:end])
                     continue
                 views = [local[op.local_offset : op.local_offset + op.length] for op in batch]
                 payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
@@ -352,7 +358,9 @@ class TcpTransport(Transport):
                 )
         except OSError as e:
             raise wrap_socket_errors("WRITE", e) from e
-        return TcpWriteFuture(ch, replies, timeout)
+        fut = TcpWriteFuture(ch, replies, timeout)
+        fut.checksums = None if sums is None else sums.tolist()
+        return fut
 
     def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
         chunks = self._chunks(ops)
