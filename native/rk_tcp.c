@@ -38,66 +38,80 @@ static int wait_fd(int fd, short events, int timeout_ms, int64_t deadline, int *
 }
 
 /* Fill win[] with up to RK_TCP_IOV_MAX ranges starting at range i, offset off,
- * and at most `cap` bytes unless the first range alone is longer. *end: the
- * index past the last range the window reaches. */
+ * and at most `cap` bytes (a range longer than that is cut at `cap`).
+ * *bytes: the window's size. */
 static int fill_window(struct iovec *win, const uint64_t *iov, size_t n, size_t i, uint64_t off,
-                       uint64_t cap, size_t *end) {
+                       uint64_t cap, uint64_t *bytes) {
     int k = 0;
-    uint64_t bytes = 0;
-    for (; i < n && k < RK_TCP_IOV_MAX; i++) {
+    uint64_t total = 0;
+    for (; i < n && k < RK_TCP_IOV_MAX && total < cap; i++) {
         uint64_t len = iov[2 * i + 1] - off;
         if (len) {
-            if (k && len > cap - bytes) break;
+            if (len > cap - total) {
+                if (k) break;
+                len = cap;
+            }
             win[k].iov_base = (void *)(uintptr_t)(iov[2 * i] + off);
             win[k].iov_len = (size_t)len;
-            bytes += len;
+            total += len;
             k++;
         }
         off = 0;
     }
-    *end = i;
+    *bytes = total;
     return k;
 }
 
-/* Per-range hashing (NULL: none). count: ranges hashed so far, in order;
- * pos: the list offset where range *count starts. */
+/* Hashing state of one call. Ranges [0, *count) are hashed; range *count
+ * starts at list offset `pos` and is hashed up to offset `at` (streamed
+ * through `state` when pos < at). */
 struct hashing {
-    rk_hash_fn fn;
+    const rk_hasher *fn;
     uint64_t *out;
     uint64_t *count;
-    uint64_t pos;
+    uint64_t pos, at;
+    void *state;
 };
 
-/* Hash ranges [*count, upto) (sending: before their bytes go out). */
-static void hash_upto(struct hashing *h, const uint64_t *iov, size_t upto) {
-    for (uint64_t j = *h->count; j < upto; j++) {
-        h->out[j] = h->fn((const void *)(uintptr_t)iov[2 * j], (size_t)iov[2 * j + 1]);
-        h->pos += iov[2 * j + 1];
+/* Hash the list up to offset `target`: whole ranges in one shot, a range that
+ * ends past `target` streamed up to it. 0, or -1 when no stream state could
+ * be allocated. */
+static int hash_to(struct hashing *h, const uint64_t *iov, size_t n, uint64_t target) {
+    while (*h->count < n) {
+        uint64_t j = *h->count, len = iov[2 * j + 1], end = h->pos + len;
+        const char *base = (const char *)(uintptr_t)iov[2 * j];
+        if (h->at == h->pos && end <= target) {
+            h->out[j] = h->fn->oneshot(base, (size_t)len);
+        } else {
+            if (h->at >= target) return 0;
+            if (!h->state && !(h->state = h->fn->create_state())) return -1;
+            if (h->at == h->pos) h->fn->reset(h->state);
+            uint64_t stop = end < target ? end : target;
+            h->fn->update(h->state, base + (h->at - h->pos), (size_t)(stop - h->at));
+            h->at = stop;
+            if (stop < end) return 0;
+            h->out[j] = h->fn->digest(h->state);
+        }
+        h->pos = h->at = end;
         *h->count = j + 1;
     }
-}
-
-/* Hash every range that lies within the first `moved` bytes of the list
- * (receiving: as soon as its last byte arrived). */
-static void hash_received(struct hashing *h, const uint64_t *iov, size_t n, uint64_t moved) {
-    size_t upto = *h->count;
-    uint64_t end = h->pos;
-    while (upto < n && end + iov[2 * upto + 1] <= moved) end += iov[2 * upto++ + 1];
-    hash_upto(h, iov, upto);
+    return 0;
 }
 
 static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
                int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
     struct iovec win[RK_TCP_IOV_MAX];
-    size_t i = 0, end;
-    uint64_t off = skip, moved = skip;
+    size_t i = 0;
+    uint64_t off = skip, moved = skip, bytes;
     uint64_t cap = h ? RK_TCP_HASH_WINDOW : UINT64_MAX;
     *err = 0;
     *done = skip;
     int64_t deadline = timeout_ms >= 0 ? now_ms() + timeout_ms : 0;
     if (h) {
         for (uint64_t j = 0; j < *h->count; j++) h->pos += iov[2 * j + 1];
-        if (!sending) hash_received(h, iov, n, moved); /* bytes the caller placed */
+        h->at = h->pos;
+        /* receiving: the bytes the caller placed before the call */
+        if (!sending && hash_to(h, iov, n, moved)) goto nomem;
     }
     for (;;) {
         while (i < n && off >= iov[2 * i + 1]) { /* skip moved / empty ranges (and `skip`) */
@@ -105,13 +119,13 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             i++;
         }
         if (i >= n) {
-            if (h) hash_upto(h, iov, n); /* trailing empty ranges */
+            if (h && hash_to(h, iov, n, UINT64_MAX)) goto nomem; /* trailing empty ranges */
             return RK_TCP_OK;
         }
-        int k = fill_window(win, iov, n, i, off, cap, &end);
+        int k = fill_window(win, iov, n, i, off, cap, &bytes);
         ssize_t r;
         if (sending) {
-            if (h) hash_upto(h, iov, end);
+            if (h && hash_to(h, iov, n, moved + bytes)) goto nomem;
             struct msghdr msg;
             memset(&msg, 0, sizeof msg);
             msg.msg_iov = win;
@@ -124,7 +138,7 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             moved += (uint64_t)r;
             *done = moved;
             off += (uint64_t)r;
-            if (h && !sending) hash_received(h, iov, n, moved);
+            if (h && !sending && hash_to(h, iov, n, moved)) goto nomem;
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
             continue;
         }
@@ -138,6 +152,9 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
         int w = wait_fd(fd, sending ? POLLOUT : POLLIN, timeout_ms, deadline, err);
         if (w != RK_TCP_OK) return w;
     }
+nomem:
+    *err = ENOMEM;
+    return RK_TCP_ERRNO;
 }
 
 int rk_tcp_sendv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
@@ -150,16 +167,23 @@ int rk_tcp_recvv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeo
     return run(fd, 0, iov, n, skip, timeout_ms, NULL, done, err);
 }
 
+static int run_hashed(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
+                      int timeout_ms, const rk_hasher *hasher, uint64_t *hashes,
+                      uint64_t *hashed, uint64_t *done, int *err) {
+    struct hashing h = {hasher, hashes, hashed, 0, 0, NULL};
+    int rc = run(fd, sending, iov, n, skip, timeout_ms, &h, done, err);
+    if (h.state) hasher->free_state(h.state);
+    return rc;
+}
+
 int rk_tcp_sendv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
-                        rk_hash_fn hash, uint64_t *hashes, uint64_t *hashed,
+                        const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err) {
-    struct hashing h = {hash, hashes, hashed, 0};
-    return run(fd, 1, iov, n, skip, timeout_ms, &h, done, err);
+    return run_hashed(fd, 1, iov, n, skip, timeout_ms, hasher, hashes, hashed, done, err);
 }
 
 int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
-                        rk_hash_fn hash, uint64_t *hashes, uint64_t *hashed,
+                        const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err) {
-    struct hashing h = {hash, hashes, hashed, 0};
-    return run(fd, 0, iov, n, skip, timeout_ms, &h, done, err);
+    return run_hashed(fd, 0, iov, n, skip, timeout_ms, hasher, hashes, hashed, done, err);
 }

@@ -36,21 +36,31 @@ int rk_tcp_sendv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeo
 int rk_tcp_recvv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
                  uint64_t *done, int *err);
 
-/* A 64-bit hash of one range (the caller passes XXH3_64bits: the value
- * checksum of the wire protocol). */
-typedef uint64_t (*rk_hash_fn)(const void *data, size_t len);
+/* The 64-bit hash the loop computes per range (the caller passes XXH3-64,
+ * the wire protocol's value checksum): one-shot for a range that fits in a
+ * window, streamed piece by piece for a longer one. */
+typedef struct {
+    uint64_t (*oneshot)(const void *data, size_t len);
+    void *(*create_state)(void);
+    int (*free_state)(void *state);
+    int (*reset)(void *state);
+    int (*update)(void *state, const void *data, size_t len);
+    uint64_t (*digest)(const void *state);
+} rk_hasher;
 
 /* Like rk_tcp_sendv / rk_tcp_recvv, and also hashes[i] = hash(range i) for
- * every range: sendv hashes a range just before its first byte goes out,
- * recvv as soon as its last byte arrived, so the bytes are read from cache
- * (windows of at most RK_TCP_HASH_WINDOW bytes, at least one range).
- * *hashed: ranges hashed so far (in/out: 0 on the first call, kept across a
- * call resumed after RK_TCP_EINTR). On RK_TCP_OK, *hashed == n. */
+ * every range: sendv hashes bytes just before they go out, recvv as soon as
+ * they arrived, at most RK_TCP_HASH_WINDOW bytes per system call, so the
+ * second pass over them reads the CPU cache, not memory (a longer range moves
+ * in window-sized pieces). *hashed: ranges hashed so far (in/out: 0 on the
+ * first call, kept across a call resumed after RK_TCP_EINTR, which hashes a
+ * range it had started again from its first byte). On RK_TCP_OK,
+ * *hashed == n. */
 int rk_tcp_sendv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
-                        rk_hash_fn hash, uint64_t *hashes, uint64_t *hashed,
+                        const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err);
 int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
-                        rk_hash_fn hash, uint64_t *hashes, uint64_t *hashed,
+                        const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err);
 
 #endif

@@ -242,19 +242,27 @@ def test_hashing_resumes_where_a_signal_interrupted_it(
     b.settimeout(5)
     hits = [0]
     old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
-    src = [np.full(3000, i, np.uint8) for i in range(4)]
+    rng = np.random.default_rng(5)
+    # the second range is streamed through the hash in pieces (longer than a window)
+    sizes = [3000, 3 * tcp._lib.RK_TCP_HASH_WINDOW + 5, 3000, 3000]
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    wire = b"".join(x.tobytes() for x in src)
+    early = sizes[0] + tcp._lib.RK_TCP_HASH_WINDOW + 1000  # stops inside the long range
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
-        # the first two ranges now, the rest after several interruptions
-        a.sendall(src[0].tobytes() + src[1].tobytes())
-        late = threading.Timer(0.5, lambda: a.sendall(src[2].tobytes() + src[3].tobytes()))
+        # a range and a half now, the rest after several interruptions
+        sender = threading.Thread(target=a.sendall, args=(wire[:early],))
+        sender.start()
+        late = threading.Timer(0.5, lambda: (sender.join(), a.sendall(wire[early:])))
         late.start()
-        dst = [np.zeros(3000, np.uint8) for _ in src]
+        dst = [np.zeros(n, np.uint8) for n in sizes]
         got = np.zeros(4, np.uint64)
         tcp.recv_iov(b, table(dst), checksums=got)
         late.join()
+        sender.join()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert hits[0] > 0
+    assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
     assert [int(x) for x in got] == [value_checksum(x.tobytes()) for x in src]

@@ -109,25 +109,53 @@ def native_available() -> bool:
     return _lib is not None
 
 
-def _find_native_checksum() -> Any:
-    """``XXH3_64bits`` as a C function pointer for the native loop, or None.
+_XXH3 = {  # rk_hasher field -> the xxhash C API names for it, fastest first
+    "oneshot": ("XXH3_64bits_dispatch", "XXH3_64bits"),  # _dispatch: AVX2 when the CPU has it
+    "create_state": ("XXH3_createState",),
+    "free_state": ("XXH3_freeState",),
+    "reset": ("XXH3_64bits_reset",),
+    "update": ("XXH3_64bits_update_dispatch", "XXH3_64bits_update"),
+    "digest": ("XXH3_64bits_digest",),
+}
 
-    It is taken from the ``xxhash`` module that :func:`value_checksum` itself
-    calls (its extension exports the C API), so both hash with the same code;
-    and it is checked against :func:`value_checksum` before it is trusted.
+
+def _find_native_checksum() -> Any:
+    """An ``rk_hasher`` of XXH3-64 for the native loop, or None.
+
+    Its functions are taken from the ``xxhash`` module that
+    :func:`value_checksum` itself calls (its extension exports the C API), so
+    both hash with the same code; one-shot and streamed hashes are checked
+    against :func:`value_checksum` before they are trusted.
     """
     if _lib is None:
         return None
     try:
-        sym = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)["XXH3_64bits"]
-        fn = _ffi.cast("rk_hash_fn", ctypes.cast(sym, ctypes.c_void_p).value)
+        so = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
+        hasher = _ffi.new("rk_hasher *")
+        for field, names in _XXH3.items():
+            name = next((n for n in names if hasattr(so, n)), None)
+            if name is None:
+                return None
+            addr = ctypes.cast(so[name], ctypes.c_void_p).value
+            setattr(hasher, field, _ffi.cast(_ffi.typeof(getattr(hasher, field)), addr))
         probe = os.urandom(4099)
-        return fn if fn(_ffi.from_buffer(probe), len(probe)) == value_checksum(probe) else None
+        buf = _ffi.from_buffer(probe)
+        state = hasher.create_state()
+        try:
+            hasher.reset(state)
+            hasher.update(state, buf, 1000)
+            hasher.update(state, buf + 1000, len(probe) - 1000)
+            streamed = hasher.digest(state)
+        finally:
+            hasher.free_state(state)
+        want = value_checksum(probe)
+        return hasher if hasher.oneshot(buf, len(probe)) == want == streamed else None
     except (AttributeError, ImportError, OSError, TypeError):
         return None
 
 
 _checksum_fn: Any = _find_native_checksum()
+"""The ``rk_hasher *`` the native loop hashes with (None: no native checksums)."""
 
 
 def native_checksums() -> bool:
