@@ -81,7 +81,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import Transport, get_transport, resolve_transport
-from rdmakv.transport.base import IoFuture, IoOp
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, IoOp
 
 log = logging.getLogger("rdmakv.client")
 _T = TypeVar("_T")
@@ -533,6 +533,8 @@ class KVClient:
             s, e = subs[nxt]
             nxt += 1
             payload = encode_keys(keys[s:e])
+            while reading and len(payload) > REQUEST_BYTES_AHEAD:  # see Transport.read
+                finish(*reading.popleft())
             lookups.append((s, e, ch.submit(Op.LOOKUP, payload, "LOOKUP", flags=LOOKUP_FLAG_LEASE)))
 
         def finish(fut: IoFuture, hits: list[tuple[int, int, int]], leases: list[int]) -> None:

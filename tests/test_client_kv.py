@@ -19,14 +19,17 @@ from hypothesis import strategies as st
 from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient, sub_batch_sizes
 from rdmakv.errors import AuthError, ConfigError, RdmakvError, RemoteError, TransportError
 from rdmakv.protocol import (
+    DATA_OP,
     LOOKUP_FLAG_LEASE,
+    MAX_KEYS_PER_REQUEST,
     Op,
     decode_lookup_results,
     encode_keys,
     encode_u64_list,
 )
 from rdmakv.slab import Slab
-from rdmakv.transport.base import IoFuture, IoOp, Transport
+from rdmakv.transport import tcp
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, IoOp, Transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -449,6 +452,36 @@ def test_auto_transport_falls_back_to_tcp_without_rdma(
     with KVClient(*node.address, client_slab, transport="auto") as c:
         assert c.transport_name == "tcp"
         assert c.exists([b"x"]) == [False]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
+    node_factory: Callable[..., NodeProcess], native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12,000 small values: the ramp's sub-batches are small enough to be read
+    lazily (their answers read while the next sub-batch is prepared), the
+    middle ones are not, and their LOOKUPs are larger than a caller may send
+    behind unread answers. Every value must land in its own block."""
+    monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
+    n, block = 12_000, 512
+    node = node_factory(block_size=block, pool_size=2 * n * block)
+    plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST)
+    read_bytes = [k * DATA_OP.size for k in plan]
+    assert min(read_bytes) <= tcp.LAZY_READ_REQUEST_BYTES < max(read_bytes)
+    keys = [hashlib.sha256(k).digest() for k in keys_for("mix", n)]  # engine-like keys
+    assert len(encode_keys(keys[: max(plan)])) > REQUEST_BYTES_AHEAD
+    with Slab(2 * n * block, block, lock=False) as slab:
+        src, dst = slab.alloc_many(n), slab.alloc_many(n)
+        digests = fill(slab, src, seed=9)
+        with KVClient(*node.address, slab) as c:
+            assert all(c.put(keys, src, block, digests))
+            for h in dst:
+                slab.numpy(h)[:] = 0
+            assert all(c.get(keys, dst, digests))
+            # interleaved with the next call's traffic nothing stays unread
+            assert c.exists(keys[:3]) == [True] * 3
+        for s_, d in zip(src, dst, strict=True):
+            assert slab.view(s_) == slab.view(d)
 
 
 @given(n=st.integers(0, 200_000), max_keys=st.integers(1, 8192))

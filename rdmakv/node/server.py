@@ -119,6 +119,9 @@ class Session:
         self.busy = False
         self.closing = False
         self.requests = 0
+        self._poller = select.poll()
+        """The session thread's own (a poll object is not shared across threads)."""
+        self._poller.register(sock, select.POLLIN)
 
     def shed(self) -> None:
         """Close the connection from another thread: the session's blocked read returns."""
@@ -167,11 +170,9 @@ class Session:
         """Block until a frame starts, the node stops (False) or ``limit`` passes (False)."""
         if self.channel.buffered:  # a pipelined request already read ahead
             return True
-        poller = select.poll()
-        poller.register(self.channel.sock, select.POLLIN)
         deadline = None if limit is None else time.monotonic() + limit
         while not self.node.stopping:
-            if poller.poll(POLL_INTERVAL * 1000):
+            if self._poller.poll(POLL_INTERVAL * 1000):
                 return True
             if deadline is not None and time.monotonic() > deadline:
                 return False

@@ -35,6 +35,13 @@ from rdmakv.errors import ConfigError, TransportError, TransportTimeout
 from rdmakv.protocol import Channel, Header, NodeInfo
 from rdmakv.slab import Slab
 
+REQUEST_BYTES_AHEAD = 32 * 1024
+"""While a read's future is not yet collected, its bytes may still be on their
+way over the connection (tcp), with the node blocked sending them: a caller
+sends at most this many bytes of further requests on that connection before
+collecting it, so they fit the node's receive buffer and neither end waits
+for the other forever."""
+
 
 class IoOp(NamedTuple):
     """One contiguous transfer.
@@ -120,7 +127,10 @@ class Transport(ABC):
 
     @abstractmethod
     def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
-        """One-sided read: remote extents leased to this client -> slab ranges."""
+        """One-sided read: remote extents leased to this client -> slab ranges.
+
+        Until the future is collected, the caller sends at most
+        :data:`REQUEST_BYTES_AHEAD` bytes of further requests on this connection."""
 
     @abstractmethod
     def close(self) -> None:

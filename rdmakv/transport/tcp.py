@@ -5,8 +5,10 @@ lists. Bytes move with scatter-gather socket calls straight between the
 socket and slab/pool blocks (``sendmsg`` of block views, ``recvmsg_into`` of
 block views): no intermediate ``bytes``. A batch is split into requests within
 the node's advertised limits (ops and bulk bytes per request); WRITEs are all
-sent before their acknowledgements are read, READs run ``READ_PIPELINE_DEPTH``
-deep, so the socket never idles between requests.
+sent before their acknowledgements are read; a small batch's READs are all
+sent at once and their answers read when the caller collects the future (so
+the node already moves this batch while the caller prepares the next), a large
+batch's run ``READ_PIPELINE_DEPTH`` deep before ``read`` returns.
 
 The data ops share the control socket, so control and data stay ordered and
 the node can tie every op to the session that received the extents. Because
@@ -34,6 +36,7 @@ mid-transfer raises ``ConnectionLost``). Without the native module, or with
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import importlib
 import os
@@ -46,6 +49,7 @@ import numpy as np
 from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError
 from rdmakv.protocol import (
     DATA_OP,
+    HEADER,
     MAX_BULK_BYTES,
     RESPONSE_BIT,
     U32,
@@ -73,10 +77,20 @@ from rdmakv.transport.base import (
 )
 
 READ_PIPELINE_DEPTH = 2
-"""READ requests in flight. Two keeps the socket busy while the previous
+"""READ requests in flight for a batch too large to send at once (see
+:data:`LAZY_READ_REQUEST_BYTES`). Two keeps the socket busy while the previous
 response is parsed; more only adds buffered request bytes (deadlock risk with
 READ replies filling the other direction). WRITE responses are 24 bytes, so
 every WRITE of a batch is sent before any response is read."""
+
+
+LAZY_READ_REQUEST_BYTES = 16 * 1024
+"""A read batch whose READ requests take at most this many bytes is sent at
+once and received when its future is collected (:class:`TcpBatchFuture`).
+Until then the node may be blocked sending its answers, so whatever the
+client sends meanwhile waits in the node's receive buffer (Linux: 128 KiB by
+default): these requests plus the caller's (at most
+:data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD`) stay well inside it."""
 
 
 ENV_NATIVE = "RDMAKV_TCP_NATIVE"
@@ -301,19 +315,30 @@ def _node_iov(payload: bytearray, count: int, pool: Slab) -> np.ndarray:
     return iov
 
 
-class TcpWriteFuture(IoFuture):
-    """Completes when the node has acknowledged every WRITE of the batch."""
+class TcpBatchFuture(IoFuture):
+    """Requests of one batch already sent; completes when the node has answered
+    every one of them, in order (a READ answer's bytes land in the slab as it
+    is read). ``sums`` (READ with native checksums) fills ``checksums`` then."""
 
-    def __init__(self, channel: Channel, replies: list[Reply], timeout: float) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        replies: list[Reply],
+        timeout: float,
+        what: str,
+        sums: np.ndarray | None = None,
+    ) -> None:
         super().__init__(timeout)
         self._ch = channel
         self._replies = replies
+        self._what = what
+        self._sums = sums
 
     def done(self) -> bool:
-        return all(r.done for r in self._replies)
+        return self._event.is_set() or all(r.done for r in self._replies)
 
     def result(self, timeout: float | None = None) -> None:
-        if not self.done():
+        if not self._event.is_set():
             self._ch.sock.settimeout(self._default_timeout if timeout is None else timeout)
             first: RdmakvError | None = None
             try:
@@ -325,7 +350,9 @@ class TcpWriteFuture(IoFuture):
                     except RdmakvError as e:  # node refused one request; stream in sync
                         first = first or e
             except OSError as e:
-                raise wrap_socket_errors("WRITE", e) from e
+                raise wrap_socket_errors(self._what, e) from e
+            if self._sums is not None:
+                self.checksums = self._sums.tolist()
             self.set_result(first)
         super().result(0)
 
@@ -335,8 +362,10 @@ class TcpTransport(Transport):
 
     ``write`` sends every WRITE request of the batch at once and returns a
     future that reads the acknowledgements, so the caller can queue COMMIT
-    behind the writes (``node_verifies_writes``). ``read`` completes before it
-    returns. On a socket failure the channel is unusable and the error raised;
+    behind the writes (``node_verifies_writes``). ``read`` of a small batch
+    sends its requests and returns; the future reads the answers (and the
+    next large read or any write reads them first). A larger ``read``
+    completes before it returns. On a socket failure the channel is unusable and the error raised;
     the owner (KVClient) drops the connection and reconnects on the next call.
     """
 
@@ -349,6 +378,8 @@ class TcpTransport(Transport):
         self._timeout = timeout
         self._slab: Slab | None = None
         self._local: memoryview | None = None
+        self._lazy: list[TcpBatchFuture] = []
+        """Lazy READ batches whose answers may still be unread."""
 
     def register_local(self, slab: Slab) -> None:
         self._slab = slab
@@ -358,7 +389,16 @@ class TcpTransport(Transport):
         check_local_ops(ops, self._slab)
         return list(chunk_ops([op.length for op in ops], self._info.max_ops, self._info.max_bulk))
 
+    def _settle_lazy(self) -> None:
+        """Read the answers of earlier lazy READ batches before sending requests
+        too large to queue behind them (their errors stay with their futures)."""
+        for fut in self._lazy:
+            with contextlib.suppress(RdmakvError):
+                fut.result()
+        self._lazy = []
+
     def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+        self._settle_lazy()
         chunks = self._chunks(ops)
         assert self._local is not None
         local = self._local
@@ -386,8 +426,8 @@ class TcpTransport(Transport):
                 )
         except OSError as e:
             raise wrap_socket_errors("WRITE", e) from e
-        fut = TcpWriteFuture(ch, replies, timeout)
-        fut.checksums = None if sums is None else sums.tolist()
+        fut = TcpBatchFuture(ch, replies, timeout, "WRITE")
+        fut.checksums = None if sums is None else sums.tolist()  # hashed as they went out
         return fut
 
     def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
@@ -435,6 +475,15 @@ class TcpTransport(Transport):
             except RdmakvError as e:  # node refused this request; stream still in sync
                 first = first or e
 
+        # A small batch's requests all go out now and its answers are read
+        # when the caller collects the future, so the node moves these bytes
+        # while the caller prepares its next batch. A larger one is moved
+        # before read() returns: requests sent behind unread answers must fit
+        # the node's receive buffer (see LAZY_READ_REQUEST_BYTES).
+        request_bytes = len(chunks) * (HEADER.size + U32.size) + len(ops) * DATA_OP.size
+        lazy = request_bytes <= LAZY_READ_REQUEST_BYTES
+        if not lazy:
+            self._settle_lazy()
         try:
             ch.sock.settimeout(timeout)
             for start, end in chunks:
@@ -447,8 +496,12 @@ class TcpTransport(Transport):
                     payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
                     on_ok = receiver(batch)
                 pending.append(ch.submit(Op.READ, payload, "READ", on_ok=on_ok))
-                if len(pending) >= READ_PIPELINE_DEPTH:
+                if not lazy and len(pending) >= READ_PIPELINE_DEPTH:
                     finish(pending.pop(0))
+            if lazy:
+                later = TcpBatchFuture(ch, pending, timeout, "READ", sums)
+                self._lazy = [f for f in self._lazy if not f.done()] + [later]
+                return later
             while pending:
                 finish(pending.pop(0))
         except OSError as e:
@@ -460,6 +513,7 @@ class TcpTransport(Transport):
     def close(self) -> None:
         self._slab = None
         self._local = None
+        self._lazy = []
 
 
 class TcpNodeDataPath(NodeDataPath):
