@@ -256,8 +256,7 @@ class KVClient:
             self.reconnects += 1
             self._connect()
         assert self._ch is not None and self._tp is not None
-        if self._ch.sock.gettimeout() != self.timeout:  # settimeout is a system call
-            self._ch.sock.settimeout(self.timeout)
+        self._ch.set_timeout(self.timeout)
         return self._ch, self._tp
 
     def _call(self, opcode: Op, payload: bytes, what: str, flags: int = 0) -> bytearray:

@@ -806,6 +806,12 @@ class Channel:
         self._next_id = 1
         self._queue: deque[Reply] = deque()
 
+    def set_timeout(self, timeout: float | None) -> None:
+        """The socket's timeout for the waits that follow. ``settimeout`` is a
+        system call (ioctl FIONBIO) even when nothing changes: skip it then."""
+        if self.sock.gettimeout() != timeout:
+            self.sock.settimeout(timeout)
+
     def next_req_id(self) -> int:
         rid = self._next_id
         self._next_id += 1

@@ -59,6 +59,7 @@ from rdmakv.protocol import (
     NodeInfo,
     Op,
     Reply,
+    Status,
     chunk_ops,
     decode_data_ops,
     encode_data_ops,
@@ -298,12 +299,20 @@ def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, 
     return U32.pack(n) + wire.tobytes(), iov, int(lens.sum())
 
 
-def _node_iov(payload: bytearray, count: int, pool: Slab) -> np.ndarray:
+def _node_iov(
+    payload: bytearray, count: int, pool: Slab, head: np.ndarray | None = None
+) -> np.ndarray:
     """The iovec table of a WRITE/READ request whose ``count`` ops the store
     has already checked against this session's extents; checked again here
-    against the pool's bounds, as the native loop writes raw memory."""
+    against the pool's bounds, as the native loop writes raw memory. With
+    ``head`` (bytes the caller keeps alive) the table starts with it, so a
+    READ answer's header goes out in the same system call as its bytes."""
     wire = np.frombuffer(payload, dtype=_WIRE_OP, count=count, offset=U32.size)
-    iov = np.empty((count, 2), dtype=np.uint64)
+    first = 0 if head is None else 1
+    table = np.empty((first + count, 2), dtype=np.uint64)
+    if head is not None:
+        table[0] = (head.ctypes.data, head.nbytes)
+    iov = table[first:]
     iov[:, 0] = wire["addr"]
     iov[:, 1] = wire["len"]
     lo, hi = np.uint64(pool.base_addr), np.uint64(pool.base_addr + pool.nbytes)
@@ -312,7 +321,7 @@ def _node_iov(payload: bytearray, count: int, pool: Slab) -> np.ndarray:
     # hi - addr cannot wrap where addr <= hi; addr + length could, so it is never formed
     if count and not (inside.all() and (length <= hi - np.where(inside, addr, hi)).all()):
         raise ProtocolError("data op outside the node pool")  # unreachable: the store checked
-    return iov
+    return table
 
 
 class TcpBatchFuture(IoFuture):
@@ -339,7 +348,7 @@ class TcpBatchFuture(IoFuture):
 
     def result(self, timeout: float | None = None) -> None:
         if not self._event.is_set():
-            self._ch.sock.settimeout(self._default_timeout if timeout is None else timeout)
+            self._ch.set_timeout(self._default_timeout if timeout is None else timeout)
             first: RdmakvError | None = None
             try:
                 for r in self._replies:
@@ -406,7 +415,7 @@ class TcpTransport(Transport):
         replies = []
         sums = np.empty(len(ops), dtype=np.uint64) if native_checksums() else None
         try:
-            ch.sock.settimeout(timeout)
+            ch.set_timeout(timeout)
             for start, end in chunks:
                 batch = ops[start:end]
                 if use_native:
@@ -485,7 +494,7 @@ class TcpTransport(Transport):
         if not lazy:
             self._settle_lazy()
         try:
-            ch.sock.settimeout(timeout)
+            ch.set_timeout(timeout)
             for start, end in chunks:
                 batch = ops[start:end]
                 if use_native:
@@ -551,11 +560,13 @@ class TcpNodeDataPath(NodeDataPath):
         views, unpin = session.pin_readable(ops)
         try:
             if use_native:
-                iov = _node_iov(payload, len(ops), self.pool)
-                ch = session.channel
-                total = sum(n for _, n in ops)
-                ch.send(req.opcode | RESPONSE_BIT, b"", req_id=req.req_id, bulk_len=total)
-                send_iov(ch.sock, iov)  # `views` keep the pool mapped meanwhile
+                # header and bytes in one system call: the client wakes once
+                head = np.frombuffer(
+                    HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, 0, total, req.req_id),
+                    np.uint8,
+                )
+                iov = _node_iov(payload, len(ops), self.pool, head)
+                send_iov(session.channel.sock, iov)  # `views` keep the pool mapped meanwhile
             else:
                 session.reply(req, bulk=views)
         finally:
