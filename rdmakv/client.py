@@ -2,10 +2,10 @@
 
 Put of a batch = ``ALLOC`` (node reserves extents) -> one-sided ``write`` of
 the slab blocks into them -> ``COMMIT`` with each value's checksum (values
-become visible). Get = ``LOOKUP``
-with leases -> digest check -> one-sided ``read`` into the caller's slab
-blocks -> ``RELEASE``. A value whose stored digest differs from the digest the
-caller expects is a miss: never wrong KV.
+become visible). Get = ``LOOKUP`` with leases -> digest check -> one-sided
+``read`` into the caller's slab blocks -> checksum check -> ``RELEASE``. A
+value whose stored digest differs from the digest the caller expects, or
+whose bytes fail their checksum, is a miss: never wrong KV.
 
 A batch is split into up to ``PIPELINE_WINDOW`` sub-batches whose control
 requests go out ahead (the node answers in order), so the ALLOC/LOOKUP round

@@ -374,8 +374,9 @@ class TcpTransport(Transport):
     behind the writes (``node_verifies_writes``). ``read`` of a small batch
     sends its requests and returns; the future reads the answers (and the
     next large read or any write reads them first). A larger ``read``
-    completes before it returns. On a socket failure the channel is unusable and the error raised;
-    the owner (KVClient) drops the connection and reconnects on the next call.
+    completes before it returns. On a socket failure the channel is unusable
+    and the error raised; the owner (KVClient) drops the connection and
+    reconnects on the next call.
     """
 
     name = "tcp"
