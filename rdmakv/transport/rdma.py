@@ -251,7 +251,7 @@ class RdmaTransport(Transport):
     def _connect(self) -> None:
         """Exchange QP info with the node over the control channel, go to RTS."""
         mine = self._qp.local_info(self._mr if self._mr else _NO_REGION)
-        self._ch.sock.settimeout(self._timeout)
+        self._ch.set_timeout(self._timeout)
         _, payload = self._ch.call(
             Op.RDMA_CONNECT, encode_json({"conn": mine.to_dict()}), "RDMA_CONNECT"
         )

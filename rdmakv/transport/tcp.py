@@ -324,6 +324,19 @@ def _node_iov(
     return table
 
 
+def _await_answer(ch: Channel, reply: Reply) -> RdmakvError | None:
+    """Read answers in order up to ``reply``'s; the node's refusal of it (the
+    stream stays in sync and the refusal stays with the reply), or None. A
+    stream out of sync raises."""
+    try:
+        ch.wait(reply)
+    except ProtocolError:
+        raise
+    except RdmakvError as e:
+        return e
+    return None
+
+
 class TcpBatchFuture(IoFuture):
     """Requests of one batch already sent; completes when the node has answered
     every one of them, in order (a READ answer's bytes land in the slab as it
@@ -352,12 +365,7 @@ class TcpBatchFuture(IoFuture):
             first: RdmakvError | None = None
             try:
                 for r in self._replies:
-                    try:
-                        self._ch.wait(r)
-                    except ProtocolError:
-                        raise
-                    except RdmakvError as e:  # node refused one request; stream in sync
-                        first = first or e
+                    first = first or _await_answer(self._ch, r)
             except OSError as e:
                 raise wrap_socket_errors(self._what, e) from e
             if self._sums is not None:
@@ -445,11 +453,8 @@ class TcpTransport(Transport):
         assert self._local is not None
         local = self._local
         ch = self._ch
-        first: RdmakvError | None = None
-        pending: list[Reply] = []
-
-        hashing = native_checksums()
-        sums = np.empty(len(ops), dtype=np.uint64) if hashing else None
+        replies: list[Reply] = []
+        sums = np.empty(len(ops), dtype=np.uint64) if native_checksums() else None
 
         def native_receiver(
             iov: np.ndarray, want: int, chunk_sums: np.ndarray | None
@@ -476,15 +481,6 @@ class TcpTransport(Transport):
 
             return on_ok
 
-        def finish(reply: Reply) -> None:
-            nonlocal first
-            try:
-                ch.wait(reply)
-            except ProtocolError:
-                raise
-            except RdmakvError as e:  # node refused this request; stream still in sync
-                first = first or e
-
         # A small batch's requests all go out now and its answers are read
         # when the caller collects the future, so the node moves these bytes
         # while the caller prepares its next batch. A larger one is moved
@@ -505,19 +501,16 @@ class TcpTransport(Transport):
                 else:
                     payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
                     on_ok = receiver(batch)
-                pending.append(ch.submit(Op.READ, payload, "READ", on_ok=on_ok))
-                if not lazy and len(pending) >= READ_PIPELINE_DEPTH:
-                    finish(pending.pop(0))
+                replies.append(ch.submit(Op.READ, payload, "READ", on_ok=on_ok))
+                if not lazy and len(replies) >= READ_PIPELINE_DEPTH:
+                    _await_answer(ch, replies[-READ_PIPELINE_DEPTH])  # refusals: see below
+            fut = TcpBatchFuture(ch, replies, timeout, "READ", sums)
             if lazy:
-                later = TcpBatchFuture(ch, pending, timeout, "READ", sums)
-                self._lazy = [f for f in self._lazy if not f.done()] + [later]
-                return later
-            while pending:
-                finish(pending.pop(0))
+                self._lazy = [f for f in self._lazy if not f.done()] + [fut]
+            elif replies:
+                _await_answer(ch, replies[-1])  # every answer in; fut.result() reports refusals
         except OSError as e:
             raise wrap_socket_errors("READ", e) from e
-        fut = IoFuture.completed(first)
-        fut.checksums = None if sums is None else sums.tolist()
         return fut
 
     def close(self) -> None:
