@@ -3,7 +3,9 @@
 Put of a batch = ``ALLOC`` (node reserves extents) -> one-sided ``write`` of
 the slab blocks into them -> ``COMMIT`` with each value's checksum (values
 become visible). Get = ``LOOKUP`` with leases -> digest check -> one-sided
-``read`` into the caller's slab blocks -> checksum check -> ``RELEASE``. A
+``read`` into the caller's slab blocks -> checksum check -> ``RELEASE``; on
+a transport where the node moves the bytes itself (tcp) lookup and read are
+one ``GET`` per sub-batch (:meth:`Transport.fetch`), in one round trip. A
 value whose stored digest differs from the digest the caller expects, or
 whose bytes fail their checksum, is a miss: never wrong KV.
 
@@ -489,7 +491,14 @@ class KVClient:
         def run() -> list[int | None]:
             ch, tp = self._conn()
             try:
-                return self._get_pipelined(ch, tp, keys, handles, digests)
+                if not tp.fetches_by_key:
+                    return self._get_pipelined(ch, tp, keys, handles, digests)
+                got = tp.fetch(keys, handles, digests, self._sub_batches(len(keys)), self.timeout)
+                if got.corrupt:
+                    self._drop_corrupt(ch, got.corrupt)
+                if got.refused is not None:
+                    raise got.refused
+                return got.sizes
             except OSError as e:
                 self._drop()
                 raise wrap_socket_errors("get", e) from e

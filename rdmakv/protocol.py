@@ -14,7 +14,7 @@ Frame layout (all integers little-endian)::
       u16  status       0 in requests; Status in responses
       u32  payload_len  bytes of payload that follow (<= MAX_PAYLOAD)
       u64  bulk_len     raw data bytes after the payload (<= MAX_BULK_BYTES);
-                        only WRITE requests and READ responses carry bulk
+                        only WRITE requests and READ / GET responses carry bulk
       u64  req_id       chosen by the client, echoed in the response
     payload (payload_len bytes, opcode-specific, encoded below)
     bulk    (bulk_len bytes: block data, never copied through Python bytes)
@@ -44,6 +44,12 @@ Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
     WRITE     req: u32 n, n x DATA_OP (u64 addr, u32 len); bulk = the n ranges' bytes
               resp: empty
     READ      req: u32 n, n x DATA_OP     resp: empty payload; bulk = the ranges' bytes
+    GET       req: u32 n, n x (u16 klen, key, 16s digest)
+              resp: u32 n, n x u32 len (0 = miss), n x u64 checksum;
+                    bulk = the hits' values, in request order
+              (LOOKUP and READ in one round trip, tcp: a key is a hit when it is
+              committed with that digest; no lease, the node pins the blocks
+              while it sends them)
     RDMA_*    reserved for the RDMA transport's connection exchange (QPN, PSN, GID,
               LID, MTU, rkey); a node data path registers handlers for them.
 
@@ -58,7 +64,7 @@ each block as it sends it (tcp) or while the NIC reads it (rdma), not in a
 pass of its own before ALLOC.
 
 Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP;
-3 = ``checksum`` moved from ALLOC to COMMIT.
+3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET.
 
 Addresses are ABSOLUTE virtual addresses inside the node's pool
 (``pool_base + offset``) so an RDMA transport can use them as-is; the node
@@ -95,7 +101,7 @@ log = logging.getLogger("rdmakv.protocol")
 
 # -- versioning ---------------------------------------------------------------
 MAGIC = b"RDKV"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # -- limits: every count and length is checked against these BEFORE allocating --
 MAX_PAYLOAD = 8 * 1024 * 1024
@@ -143,6 +149,7 @@ class Op(IntEnum):
     # software one-sided data path (tcp transport)
     WRITE = 16
     READ = 17
+    GET = 18
     # reserved for the RDMA transport: QP info exchange and teardown
     RDMA_CONNECT = 32
     RDMA_DISCONNECT = 33
@@ -192,6 +199,8 @@ ALLOC_ITEM = struct.Struct("<I16s")  # after the key: size, digest
 EXTENT = struct.Struct("<BQII")
 LOOKUP_ENTRY = struct.Struct("<BQIIQ16sQ")
 DATA_OP = struct.Struct("<QI")
+GET_ENTRY_BYTES = U32.size + U64.size
+"""Answer bytes per key of a GET: its length, then (after all lengths) its checksum."""
 NODE_INFO = struct.Struct("<HIQQQ16sQIIIQ")
 
 
@@ -512,6 +521,53 @@ def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes]]:
         size, digest = unpack(buf, pos)
         out.append((k, size, digest))
     return out
+
+
+def encode_get(keys: Sequence[bytes], digests: Sequence[bytes]) -> bytes:
+    """GET's payload: each key followed by the digest it must be stored with."""
+    parts = [U32.pack(len(keys))]
+    pack_len = U16.pack
+    for k, d in zip(keys, digests, strict=True):
+        n = len(k)
+        if type(k) is not bytes or not 0 < n <= MAX_KEY_LEN:
+            check_key(k)
+        if type(d) is not bytes or len(d) != DIGEST_LEN:
+            check_digest(d)  # raises unless a bytearray of the right length
+        parts.append(pack_len(n))
+        parts.append(k)
+        parts.append(d)
+    return b"".join(parts)
+
+
+def decode_get(payload: Buffer) -> tuple[list[bytes], list[bytes]]:
+    """(keys, digests) of a GET request."""
+    buf = bytes(payload)
+    n = Reader(buf, "GET").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + DIGEST_LEN, "keys")
+    uniform = _uniform_keys(buf, n, DIGEST_LEN)
+    if uniform is not None:
+        keys, offsets = uniform
+        return keys, [buf[p : p + DIGEST_LEN] for p in offsets]
+    keys, digests = [], []
+    for k, pos in _scan_keys(buf, n, DIGEST_LEN, "GET"):
+        keys.append(k)
+        digests.append(buf[pos : pos + DIGEST_LEN])
+    return keys, digests
+
+
+def encode_get_answer(lengths: Sequence[int], checksums: Sequence[int]) -> bytes:
+    """A GET answer's payload: per key its value length (0 = miss), then per
+    key the value's checksum (0 for a miss); the hits' bytes follow as bulk."""
+    n = len(lengths)
+    if len(checksums) != n:
+        raise ProtocolError(f"GET answer of {n} lengths with {len(checksums)} checksums")
+    return U32.pack(n) + struct.pack(f"<{n}I{n}Q", *lengths, *checksums)
+
+
+def decode_get_answer(payload: Buffer, expected: int) -> tuple[list[int], list[int]]:
+    """(lengths, checksums) of a GET answer for ``expected`` keys."""
+    raw = _per_key_entries(payload, "GET response", GET_ENTRY_BYTES, expected, "entries")
+    values = struct.unpack(f"<{expected}I{expected}Q", raw)
+    return list(values[:expected]), list(values[expected:])
 
 
 def encode_commit(keys: Sequence[bytes], checksums: Sequence[int]) -> bytes:

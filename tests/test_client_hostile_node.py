@@ -25,11 +25,14 @@ from rdmakv.protocol import (
     LookupResult,
     NodeInfo,
     Op,
+    decode_get,
     decode_keys,
+    encode_get_answer,
     encode_lookup_results,
     encode_node_info,
 )
 from rdmakv.slab import Slab
+from rdmakv.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,8 +114,11 @@ def test_wrong_version_in_handshake_is_refused(
 
 
 def test_oversized_lookup_extent_is_a_miss_and_lying_reads_are_errors(
-    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the LOOKUP + read path (rdma's), taken here over tcp
+    monkeypatch.setattr(TcpTransport, "fetches_by_key", False)
+
     def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
         if hdr.opcode == Op.LOOKUP:
             keys = decode_keys(payload, "LOOKUP")
@@ -144,6 +150,35 @@ def test_oversized_lookup_extent_is_a_miss_and_lying_reads_are_errors(
         with pytest.raises(ProtocolError, match="READ response carries 5 bytes"):
             c.get([b"big", b"ok"], [h, h], [bytes(16)] * 2)
         # the oversized one never became a read op: only "ok"'s 100 bytes were asked for
+        assert (slab.numpy(h)[100:] == 0x5A).all()
+
+
+@pytest.mark.parametrize("lie", ["too_long", "bulk_short", "bulk_long", "entries"])
+def test_lying_get_answers_are_errors_and_touch_no_other_block(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], lie: str
+) -> None:
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        if hdr.opcode != Op.GET:
+            ch.send(hdr.opcode | RESPONSE_BIT, b"\x00\x00\x00\x00", req_id=hdr.req_id)
+            return True
+        keys, _ = decode_get(payload)
+        lengths = [BLOCK * 4 if lie == "too_long" else 100 for _ in keys]
+        sums = [0] * len(keys)
+        if lie == "entries":
+            lengths, sums = lengths[1:], sums[1:]
+        bulk = sum(lengths) + {"bulk_short": -5, "bulk_long": 5}.get(lie, 0)
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer(lengths, sums), req_id=hdr.req_id,
+                bulk=[memoryview(b"x" * bulk)], bulk_len=bulk)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        h, other = slab.alloc(), slab.alloc()
+        slab.numpy(h)[:] = 0x5A
+        slab.numpy(other)[:] = 0x33
+        with pytest.raises(ProtocolError, match="GET response"):
+            c.get([b"a", b"b"], [h, h], [bytes(16)] * 2)
+        assert (slab.numpy(other) == 0x33).all()  # nothing landed outside the asked blocks
         assert (slab.numpy(h)[100:] == 0x5A).all()
 
 

@@ -454,15 +454,19 @@ def test_auto_transport_falls_back_to_tcp_without_rdma(
         assert c.exists([b"x"]) == [False]
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["get", "lookup_read"])
 @pytest.mark.parametrize("native", [True, False])
 def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
-    node_factory: Callable[..., NodeProcess], native: bool, monkeypatch: pytest.MonkeyPatch
+    node_factory: Callable[..., NodeProcess], native: bool, keyed: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """12,000 small values: the ramp's sub-batches are small enough to be read
     lazily (their answers read while the next sub-batch is prepared), the
-    middle ones are not, and their LOOKUPs are larger than a caller may send
-    behind unread answers. Every value must land in its own block."""
+    middle ones are not, and their LOOKUPs (or GETs) are larger than a caller
+    may send behind unread answers. Every value must land in its own block.
+    ``lookup_read`` takes rdma's path (LOOKUP, then read) over tcp."""
     monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
+    monkeypatch.setattr(tcp.TcpTransport, "fetches_by_key", keyed)
     n, block = 12_000, 512
     node = node_factory(block_size=block, pool_size=2 * n * block)
     plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST)

@@ -32,12 +32,15 @@ from rdmakv.protocol import (
     Status,
     decode_extents,
     decode_flags,
+    decode_get_answer,
     decode_node_info,
     encode_alloc,
     encode_commit,
     encode_data_ops,
+    encode_get,
     encode_hello,
     encode_keys,
+    value_checksum,
 )
 from rdmakv.slab import Slab
 
@@ -226,6 +229,41 @@ def test_malformed_payloads_keep_the_connection(
     # still in sync: a good request works on the same connection
     status, payload, _ = r.call(Op.EXISTS, encode_keys([b"victim-0", b"nope"]))
     assert status == Status.OK and decode_flags(payload, 2, "EXISTS") == [True, False]
+    victim()
+
+
+def test_get_answers_committed_values_with_their_digest_only(
+    raw: Callable[[], Raw], victim: Callable[[], None], client_slab: Slab
+) -> None:
+    r = raw()
+    r.hello()
+    value = os.urandom(1000)
+    alloc = encode_alloc([b"g", b"pend"], [1000, 10], [b"d" * 16] * 2)
+    status, payload, _ = r.call(Op.ALLOC, alloc)
+    assert status == Status.OK
+    ext = decode_extents(payload, 2)[0].extent
+    assert ext is not None
+    assert r.call(Op.WRITE, encode_data_ops([(ext.addr, 1000)]), bulk=value)[0] == Status.OK
+    r.call(Op.COMMIT, encode_commit([b"g"], [value_checksum(value)]))
+    # a hit, a wrong digest, an uncommitted key, an unknown key, the hit again
+    keys = [b"g", b"g", b"pend", b"none", b"g"]
+    digests = [b"d" * 16, b"e" * 16, b"d" * 16, b"d" * 16, b"d" * 16]
+    status, payload, bulk = r.call(Op.GET, encode_get(keys, digests))
+    assert status == Status.OK
+    lengths, sums = decode_get_answer(payload, len(keys))
+    assert lengths == [1000, 0, 0, 0, 1000]
+    assert sums == [value_checksum(value), 0, 0, 0, value_checksum(value)]
+    assert bulk == value + value
+    # bad GETs get a clear error and the connection stays in sync
+    status, msg, _ = r.call(Op.GET, encode_get([b"g"], [b"d" * 16])[:-1])
+    assert status == Status.BAD_REQUEST and b"GET" in msg
+    status, msg, _ = r.call(Op.GET, encode_get([b"g"], [b"d" * 16]), bulk=b"x" * 64)
+    assert status == Status.BAD_REQUEST and b"no bulk" in msg
+    status, msg, _ = r.call(Op.GET, U32.pack(MAX_KEYS_PER_REQUEST + 1))
+    assert status == Status.LIMIT_EXCEEDED
+    status, payload, bulk = r.call(Op.GET, encode_get([b"victim-1"], [bytes(16)]))
+    assert status == Status.OK and decode_get_answer(payload, 1) == ([0], [0]) and bulk == b""
+    assert r.call(Op.STATS)[0] == Status.OK
     victim()
 
 

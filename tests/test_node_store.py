@@ -123,6 +123,28 @@ def test_release_only_own_leases(pool: Slab) -> None:
     assert s.release(1, [hit.lease_id, hit.lease_id]) == 1
 
 
+def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> None:
+    s = KVStore(pool)
+    (res,) = s.alloc(1, [(b"a", 100, D)])
+    assert res.extent is not None
+    assert s.commit(1, [b"a"], [77]) == [True]
+    assert s.alloc(1, [(b"p", 10, D)])[0].status == AllocStatus.OK  # uncommitted: invisible
+    other = bytes(range(16))
+    found, unpin = s.pin_values([b"a", b"a", b"p", b"zz"], [D, other, D, D])
+    assert found == [(res.extent.addr - pool.base_addr, 100, 77), None, None, None]
+    stats = s.stats()
+    assert (stats["hits"], stats["misses"], stats["bytes_read"]) == (1, 3, 100)
+    # pinned: neither delete nor eviction frees the block while it is being sent
+    assert s.delete([b"a"]) == [True]
+    block = pool.handle_at(res.extent.addr - pool.base_addr)
+    assert pool.refcount(block) == 1
+    statuses = [r.status for r in s.alloc(2, [(k, 10, D) for k in KEYS[1:5]])]
+    assert statuses.count(AllocStatus.NO_SPACE) == 2  # 4 blocks: pinned + pending + 2 new
+    unpin()
+    assert pool.refcount(block) == 0
+    assert s.alloc(2, [(b"g", 10, D)])[0].status == AllocStatus.OK
+
+
 def test_delete_of_leased_value_keeps_bytes_until_release(pool: Slab) -> None:
     s = KVStore(pool)
     assert put(s, 1, b"a")

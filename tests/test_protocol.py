@@ -35,6 +35,8 @@ from rdmakv.protocol import (
     decode_data_ops,
     decode_extents,
     decode_flags,
+    decode_get,
+    decode_get_answer,
     decode_hello,
     decode_keys,
     decode_lookup_results,
@@ -45,6 +47,8 @@ from rdmakv.protocol import (
     encode_data_ops,
     encode_extents,
     encode_flags,
+    encode_get,
+    encode_get_answer,
     encode_hello,
     encode_keys,
     encode_lookup_results,
@@ -85,6 +89,35 @@ def test_commit_payload_that_does_not_split_into_keys_and_checksums_is_refused()
             decode_commit(bad)
     with pytest.raises(ProtocolError, match="2 keys with 1 checksums"):
         encode_commit([b"a", b"b"], [1])
+
+
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=64), digest_st), max_size=40))
+def test_get_roundtrip(items: list[tuple[bytes, bytes]]) -> None:
+    keys, digests = [k for k, _ in items], [d for _, d in items]
+    assert decode_get(encode_get(keys, digests)) == (keys, digests)
+
+
+@given(st.lists(st.tuples(u32, u64), max_size=40))
+def test_get_answer_roundtrip(rows: list[tuple[int, int]]) -> None:
+    lengths, sums = [n for n, _ in rows], [c for _, c in rows]
+    assert decode_get_answer(encode_get_answer(lengths, sums), len(rows)) == (lengths, sums)
+
+
+def test_malformed_get_and_get_answers_are_refused() -> None:
+    good = encode_get([b"ab", b"c"], [bytes(16), bytes(range(16))])
+    for bad in (good[:-1], good + b"x", U32.pack(3) + good[4:], U32.pack(1) + good[4:]):
+        with pytest.raises(ProtocolError):
+            decode_get(bad)
+    with pytest.raises(ProtocolError, match="digest must be 16 bytes"):
+        encode_get([b"a"], [b"short"])
+    answer = encode_get_answer([5, 0], [9, 0])
+    with pytest.raises(ProtocolError, match="2 entries for 3 keys"):
+        decode_get_answer(answer, 3)
+    for bad in (answer[:-1], answer + b"x"):
+        with pytest.raises(ProtocolError):
+            decode_get_answer(bad, 2)
+    with pytest.raises(ProtocolError, match="2 lengths with 1 checksums"):
+        encode_get_answer([1, 2], [3])
 
 
 @given(st.lists(st.tuples(st.sampled_from(list(AllocStatus)), u64, u32, u32), max_size=40))
@@ -136,6 +169,8 @@ def test_decoders_never_raise_anything_but_protocol_errors(junk: bytes) -> None:
         lambda b: decode_keys(b, "t"),
         decode_alloc,
         decode_commit,
+        decode_get,
+        lambda b: decode_get_answer(b, 1),
         lambda b: decode_extents(b, 1),
         lambda b: decode_lookup_results(b, 1),
         lambda b: decode_flags(b, 1, "t"),

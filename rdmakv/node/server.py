@@ -152,6 +152,11 @@ class Session:
     ) -> tuple[list[memoryview], Callable[[], None]]:
         return self.node.store.pin_readable(self.session_id, ops)
 
+    def pin_values(
+        self, keys: Sequence[bytes], digests: Sequence[bytes]
+    ) -> tuple[list[tuple[int, int, int] | None], Callable[[], None]]:
+        return self.node.store.pin_values(keys, digests)
+
     def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:
         self.channel.send(
             req.opcode | RESPONSE_BIT,

@@ -476,6 +476,47 @@ class KVStore:
 
         return views, unpin
 
+    def pin_values(
+        self, keys: Sequence[bytes], digests: Sequence[bytes]
+    ) -> tuple[list[tuple[int, int, int] | None], Callable[[], None]]:
+        """Per key, ``(pool offset, length, checksum)`` of its committed value
+        when stored with that digest (else None: a miss), and unpin().
+
+        A lookup and a read in one step (GET): hits become most recently used
+        and their blocks are pinned, so nothing evicts or reuses them, until
+        unpin() -- the caller sends their bytes in between. No lease: the pin
+        never outlives the request.
+        """
+        found: list[tuple[int, int, int] | None] = []
+        blocks: list[int] = []
+        with self._lock:
+            touch = self._index.touch
+            incref = self.pool.incref
+            bs = self.block_size
+            nbytes = 0
+            for key, digest in zip(keys, digests, strict=True):
+                e = touch(key)
+                if e is None or e.digest != digest:
+                    found.append(None)
+                    continue
+                incref(e.block)
+                blocks.append(e.block)
+                found.append((e.block * bs, e.length, e.checksum))
+                nbytes += e.length
+            c = self.counters
+            c.lookups += len(keys)
+            c.hits += len(blocks)
+            c.misses += len(keys) - len(blocks)
+            c.bytes_read += nbytes
+
+        def unpin() -> None:
+            with self._lock:
+                decref = self.pool.decref
+                for b in blocks:
+                    decref(b)
+
+        return found, unpin
+
     # -- introspection ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
-from rdmakv.errors import ConfigError, TransportError, TransportTimeout
+from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
 from rdmakv.protocol import Channel, Header, NodeInfo
 from rdmakv.slab import Slab
 
@@ -55,6 +55,17 @@ class IoOp(NamedTuple):
     length: int
     rkey: int = 0
     """The extent's remote key as the node handed it out (0: the connection's)."""
+
+
+class Fetched(NamedTuple):
+    """What :meth:`Transport.fetch` brought in."""
+
+    sizes: list[int | None]
+    """Per key, the value's length where its bytes are now in the slab; None: a miss."""
+    corrupt: list[bytes]
+    """Keys whose bytes arrived but failed their checksum (misses, to be dropped)."""
+    refused: RemoteError | None
+    """The node's refusal of one of the requests (its keys are misses), if any."""
 
 
 class IoFuture:
@@ -132,6 +143,23 @@ class Transport(ABC):
         Until the future is collected, the caller sends at most
         :data:`REQUEST_BYTES_AHEAD` bytes of further requests on this connection."""
 
+    fetches_by_key: ClassVar[bool] = False
+    """True when :meth:`fetch` serves a get in one round trip per sub-batch (tcp's
+    GET); else the client LOOKUPs extents and :meth:`read` s them."""
+
+    def fetch(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        digests: Sequence[bytes],
+        batches: Sequence[tuple[int, int]],
+        timeout: float,
+    ) -> Fetched:
+        """Values of ``keys`` stored with ``digests`` into slab blocks ``handles``,
+        asked for in ``batches`` (``(start, end)`` ranges of the keys), each
+        checked against its checksum before it counts as a hit."""
+        raise NotImplementedError(f"the {self.name} transport reads by extent: LOOKUP, then read")
+
     @abstractmethod
     def close(self) -> None:
         """Release transport resources (the control channel is closed by its owner)."""
@@ -163,6 +191,14 @@ class NodeSession(Protocol):
     ) -> tuple[list[memoryview], Callable[[], None]]:
         """Pool views for ops inside extents this session holds leases on, pinned so
         no eviction/expiry reuses them until the returned unpin() is called."""
+        ...
+
+    def pin_values(
+        self, keys: Sequence[bytes], digests: Sequence[bytes]
+    ) -> tuple[list[tuple[int, int, int] | None], Callable[[], None]]:
+        """Per key, ``(pool offset, length, checksum)`` of the value committed
+        under it with that digest, or None (a miss); the hits' blocks stay
+        pinned until the returned unpin() is called."""
         ...
 
     def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:

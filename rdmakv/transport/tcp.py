@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError
+from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
     DATA_OP,
     HEADER,
@@ -62,12 +62,18 @@ from rdmakv.protocol import (
     Status,
     chunk_ops,
     decode_data_ops,
+    decode_get,
+    decode_get_answer,
     encode_data_ops,
+    encode_get,
+    encode_get_answer,
     value_checksum,
     wrap_socket_errors,
 )
 from rdmakv.slab import Slab
 from rdmakv.transport.base import (
+    REQUEST_BYTES_AHEAD,
+    Fetched,
     IoFuture,
     IoOp,
     NodeDataPath,
@@ -513,10 +519,119 @@ class TcpTransport(Transport):
             raise wrap_socket_errors("READ", e) from e
         return fut
 
+    fetches_by_key = True
+
+    def fetch(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        digests: Sequence[bytes],
+        batches: Sequence[tuple[int, int]],
+        timeout: float,
+    ) -> Fetched:
+        """One GET per batch (split so its hits fit one answer's bulk), sent
+        ahead while earlier answers are still arriving, but never more than
+        :data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD` of requests behind
+        an unread answer (the node may be blocked sending it). Each answer's
+        values land straight in their slab blocks; a value whose bytes fail
+        its checksum is a miss and reported in ``corrupt``."""
+        slab = self._slab
+        if slab is None:
+            raise ProtocolError("fetch before register_local")
+        self._settle_lazy()
+        bs = slab.block_size
+        per_answer = max(1, self._info.max_bulk // bs)
+        out: list[int | None] = [None] * len(keys)
+        corrupt: list[bytes] = []
+        refused: list[RemoteError] = []
+        ahead: list[tuple[Reply, int]] = []  # sent, answer not yet read; request bytes
+        ch = self._ch
+
+        def collect() -> None:
+            reply, _ = ahead.pop(0)
+            err = _await_answer(ch, reply)
+            if isinstance(err, RemoteError):
+                refused.append(err)
+            elif err is not None:
+                raise err
+
+        try:
+            ch.set_timeout(timeout)
+            for start, end in batches:
+                for s in range(start, end, per_answer):
+                    e = min(end, s + per_answer)
+                    payload = encode_get(keys[s:e], digests[s:e])
+                    while ahead and sum(n for _, n in ahead) + len(payload) > REQUEST_BYTES_AHEAD:
+                        collect()
+                    receiver = _GetReceiver(ch, slab, keys, handles, s, e, out, corrupt)
+                    receiver.reply = ch.submit(Op.GET, payload, "GET", on_ok=receiver)
+                    ahead.append((receiver.reply, len(payload) + HEADER.size))
+            while ahead:
+                collect()
+        except OSError as e:
+            raise wrap_socket_errors("GET", e) from e
+        return Fetched(out, corrupt, refused[0] if refused else None)
+
     def close(self) -> None:
         self._slab = None
         self._local = None
         self._lazy = []
+
+
+class _GetReceiver:
+    """Reads one GET answer's values into the slab (a :class:`Reply`'s on_ok):
+    hits of keys ``[start, end)`` go to their ``handles`` blocks, and those whose
+    bytes match their checksum are written into ``out`` as their lengths."""
+
+    def __init__(
+        self,
+        ch: Channel,
+        slab: Slab,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        start: int,
+        end: int,
+        out: list[int | None],
+        corrupt: list[bytes],
+    ) -> None:
+        self.ch, self.slab, self.keys, self.handles = ch, slab, keys, handles
+        self.start, self.end, self.out, self.corrupt = start, end, out, corrupt
+        self.reply: Reply | None = None
+
+    def __call__(self, hdr: Header) -> None:
+        assert self.reply is not None
+        s, e, bs = self.start, self.end, self.slab.block_size
+        lengths, sums = decode_get_answer(self.reply.payload, e - s)
+        hits = [j for j, n in enumerate(lengths) if n]
+        if any(lengths[j] > bs for j in hits):
+            raise ProtocolError(f"GET response names a value longer than the {bs}-byte blocks")
+        total = sum(lengths)
+        if hdr.bulk_len != total:
+            raise ProtocolError(
+                f"GET response carries {hdr.bulk_len} bytes, its entries name {total}"
+            )
+        offsets = [self.handles[s + j] * bs for j in hits]
+        got: Sequence[int] | None = None
+        if use_native:
+            iov = np.empty((len(hits), 2), dtype=np.uint64)
+            iov[:, 0] = _u64(offsets)
+            iov[:, 0] += np.uint64(self.slab.base_addr)
+            iov[:, 1] = _u64([lengths[j] for j in hits])
+            hashed = np.empty(len(hits), dtype=np.uint64) if native_checksums() else None
+            recv_iov_from(self.ch, iov, total, hashed)  # the slab is mapped while we run
+            got = None if hashed is None else hashed.tolist()
+        else:
+            buf = self.slab.buffer
+            self.ch.recv_bulk([buf[o : o + lengths[j]] for o, j in zip(offsets, hits, strict=True)])
+        if got is None:
+            buf = self.slab.buffer
+            got = [value_checksum(buf[o : o + lengths[j]])
+                   for o, j in zip(offsets, hits, strict=True)]
+        for j, checksum in zip(hits, got, strict=True):
+            if checksum == sums[j]:
+                self.out[s + j] = lengths[j]
+            else:  # corrupted on the way or in the pool: a miss, never wrong KV
+                self.corrupt.append(self.keys[s + j])
 
 
 class TcpNodeDataPath(NodeDataPath):
@@ -525,7 +640,7 @@ class TcpNodeDataPath(NodeDataPath):
     name = "tcp"
 
     def handlers(self) -> Mapping[int, NodeHandler]:
-        return {Op.WRITE: self._write, Op.READ: self._read}
+        return {Op.WRITE: self._write, Op.READ: self._read, Op.GET: self._get}
 
     def _write(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         ops = decode_data_ops(payload, "WRITE")
@@ -565,3 +680,40 @@ class TcpNodeDataPath(NodeDataPath):
                 session.reply(req, bulk=views)
         finally:
             unpin()
+
+    def _get(self, session: NodeSession, req: Header, payload: bytearray) -> None:
+        keys, digests = decode_get(payload)
+        found, unpin = session.pin_values(keys, digests)
+        try:
+            hits = [f for f in found if f is not None]
+            total = sum(n for _, n, _ in hits)
+            if total > MAX_BULK_BYTES:  # the answer would be over the frame limit
+                raise LimitExceeded(
+                    f"GET of {len(keys)} keys finds {total} bytes, more than "
+                    f"{MAX_BULK_BYTES} in one answer"
+                )
+            answer = encode_get_answer(
+                [0 if f is None else f[1] for f in found],
+                [0 if f is None else f[2] for f in found],
+            )
+            if not use_native:
+                buf = self.pool.buffer
+                session.reply(req, answer, [buf[o : o + n] for o, n, _ in hits])
+                return
+            # header, answer and the values in one system call: the client wakes once
+            head = np.frombuffer(
+                HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), total,
+                            req.req_id) + answer,
+                np.uint8,
+            )
+            iov = np.empty((1 + len(hits), 2), dtype=np.uint64)
+            iov[0] = (head.ctypes.data, head.nbytes)
+            if hits:
+                offsets, lengths, _ = zip(*hits, strict=True)
+                iov[1:, 0] = _u64(offsets)
+                iov[1:, 0] += np.uint64(self.pool.base_addr)
+                iov[1:, 1] = _u64(lengths)
+            send_iov(session.channel.sock, iov)  # the pins keep the blocks; the pool stays mapped
+        finally:
+            unpin()
+
