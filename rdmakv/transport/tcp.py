@@ -10,6 +10,13 @@ sent at once and their answers read when the caller collects the future (so
 the node already moves this batch while the caller prepares the next), a large
 batch's run ``READ_PIPELINE_DEPTH`` deep before ``read`` returns.
 
+A get needs no addresses: ``fetch`` sends one GET per sub-batch (keys and
+the digests they must be stored with) and the node answers with each hit's
+length and checksum followed by the values, which land straight in their
+slab blocks -- lookup and read in one round trip, no lease to release (the
+node pins the blocks only while it sends them). LOOKUP + READ remain for
+callers that hold extents (and are what rdma uses).
+
 The data ops share the control socket, so control and data stay ordered and
 the node can tie every op to the session that received the extents. Because
 the node sees every written byte, it marks an extent *written* only once the
