@@ -29,8 +29,16 @@ from rdmakv.errors import ProtocolError
 from rdmakv.fuzz import FuzzConfig, FuzzFailure, frames_from_env, run_fuzz
 from rdmakv.fuzz import strategies as S
 from rdmakv.fuzz.harness import replay
-from rdmakv.fuzz.model import Ext, Model
-from rdmakv.fuzz.wire import ALLOC_EXTRA, LOOKUP_EXTRA, Req, Resp, parse_frames, raw_alloc
+from rdmakv.fuzz.model import Content, Ext, Model, Pending
+from rdmakv.fuzz.wire import (
+    ALLOC_EXTRA,
+    LOOKUP_EXTRA,
+    Req,
+    Resp,
+    parse_frames,
+    raw_alloc,
+    raw_get,
+)
 from rdmakv.protocol import (
     HEADER,
     LOOKUP_ENTRY,
@@ -48,11 +56,13 @@ from rdmakv.protocol import (
     decode_commit,
     decode_data_ops,
     decode_extents,
+    decode_get,
     decode_keys,
     decode_u64_list,
     encode_commit,
     encode_data_ops,
     encode_flags,
+    encode_get_answer,
     encode_hello,
     encode_keys,
     value_checksum,
@@ -77,6 +87,8 @@ VIEW = S.View(
     own_leased=((BASE + 9 * BLOCK, 1),),
     own_leases=(3, 4),
     other_leases=(9,),
+    key_digests=((b"victim/a", b"A" * 16, 100), (b"fz-1", b"1" * 16, 100),
+                 (b"fz-9", b"9" * 16, 1)),
 )
 
 
@@ -92,10 +104,10 @@ def test_fuzz_real_node(tmp_path: Path) -> None:
     if frames >= 1000:  # a run that long must have exercised every kind of answer
         answers = set(report.answers)
         for op in ("ALLOC", "COMMIT", "ABORT", "LOOKUP", "RELEASE", "DELETE", "EXISTS",
-                   "STATS", "WRITE", "READ", "HELLO"):
+                   "STATS", "WRITE", "READ", "GET", "HELLO"):
             assert f"{op} OK" in answers, op
         for refusal in ("WRITE BAD_ADDRESS", "READ BAD_ADDRESS", "ALLOC BAD_REQUEST",
-                        "unknown UNKNOWN_OPCODE"):
+                        "GET BAD_REQUEST", "unknown UNKNOWN_OPCODE"):
             assert refusal in answers, refusal
         assert {"AUTH_FAILED", "NOT_AUTHENTICATED", "FRAME_TOO_LARGE", "LIMIT_EXCEEDED"} <= set(
             report.statuses
@@ -124,6 +136,8 @@ def _decode(req: Req) -> object:
         return decode_commit(req.payload)
     if req.kind == "alloc":
         return decode_alloc(req.payload)
+    if req.kind == "get":
+        return decode_get(req.payload)
     if req.kind == "ids":
         return decode_u64_list(req.payload, "ids")
     assert req.kind == "data"
@@ -139,12 +153,12 @@ def test_strategy_tags_match_the_protocol_decoders(data: st.DataObject) -> None:
     another ProtocolError, or it is a WRITE whose bulk disagrees with its ops
     (the node answers those statuses for exactly these errors)."""
     req = data.draw(S.frames(VIEW))
-    if req.kind not in ("keys", "commit", "alloc", "ids", "data") or req.fatal:
+    if req.kind not in ("keys", "commit", "alloc", "get", "ids", "data") or req.fatal:
         return
     if req.expect is None:
         items = [(k, n, d, *extra) for k, n, d, extra in req.items or []]
         want = {"keys": req.keys, "ids": req.ids, "data": req.ops, "alloc": items,
-                "commit": (req.keys, req.sums)}[req.kind]
+                "commit": (req.keys, req.sums), "get": (req.keys, req.digests)}[req.kind]
         assert _decode(req) == want
     elif req.expect == Status.LIMIT_EXCEEDED:
         with pytest.raises(LimitExceeded):
@@ -231,6 +245,75 @@ def test_model_accepts_right_answers_and_rejects_wrong_ones() -> None:
     with pytest.raises(FuzzFailure, match="released 2"):
         m.check(1, rel, _resp(rel, U32.pack(2)))
     m.check(1, rel, _resp(rel, U32.pack(1)))
+
+
+def _get_resp(req: Req, lengths: list[int], sums: list[int], bulk: bytes,
+              status: int = Status.OK) -> Resp:
+    payload = encode_get_answer(lengths, sums) if status == Status.OK else b"refused"
+    hdr = Header(req.opcode | RESPONSE_BIT, 0, status, len(payload), len(bulk), req.req_id)
+    return Resp(hdr, payload, bulk)
+
+
+def test_model_checks_get_answers() -> None:
+    """GET hits exactly the committed keys asked with their digest; lengths,
+    checksums and bulk must say so; the bytes are checked; bulk on a GET
+    request is refused; hits over MAX_BULK_BYTES are refused."""
+    m = _model()
+    m.content[BASE] = Content.of(b"v")
+    m.committed[b"victim/a"] = Ext(BASE, 1, b"d" * 16, (7,))
+    m.pending[b"p"] = Pending(b"p", 1, Ext(BASE + BLOCK, 5, b"p" * 16), written=True)
+    keys = [b"victim/a", b"nope", b"victim/a", b"victim/a", b"p"]
+    digests = [b"d" * 16, b"d" * 16, b"d" * 16, b"e" * 16, b"p" * 16]
+    get = Req(Op.GET, raw_get(keys, digests), "get", keys=keys, digests=digests, req_id=3)
+    m.check(1, get, _get_resp(get, [1, 0, 1, 0, 0], [7, 0, 7, 0, 0], b"vv"))
+    assert m.bytes_verified == 2
+    for lengths, sums, bulk, match in (
+        ([1, 0, 1, 1, 0], [7, 0, 7, 7, 0], b"vvv", "model says miss"),  # digest mismatch
+        ([1, 0, 1, 0, 5], [7, 0, 7, 0, 0], b"vv12345", "uncommitted"),  # pending key
+        ([1, 1, 1, 0, 0], [7, 7, 7, 0, 0], b"vvv", "unknown"),  # unknown key
+        ([1, 0, 1, 0, 0], [7, 0, 8, 0, 0], b"vv", "checksum"),  # not what COMMIT stored
+        ([1, 0, 1, 0, 0], [7, 0, 7, 0, 0], b"v", "bulk"),  # bulk short of the hits
+        ([1, 0, 1, 0, 0], [7, 0, 7, 0, 0], b"vx", "wrong value"),  # bytes not the value's
+    ):
+        with pytest.raises(FuzzFailure, match=match):
+            m.check(1, get, _get_resp(get, lengths, sums, bulk))
+    with pytest.raises(FuzzFailure, match="does not decode"):
+        m.check(1, get, _get_resp(get, [1, 0, 1, 0], [7, 0, 7, 0], b"vv"))
+    # a GET request carries no bulk: refused, whatever it asks
+    with_bulk = Req(Op.GET, get.payload, "get", keys=keys, digests=digests, bulk=b"x")
+    with pytest.raises(FuzzFailure, match="with bulk"):
+        m.check(1, with_bulk, _get_resp(with_bulk, [1, 0, 1, 0, 0], [7, 0, 7, 0, 0], b"vv"))
+    m.check(1, with_bulk, _get_resp(with_bulk, [], [], b"", Status.BAD_REQUEST))
+    # hits over MAX_BULK_BYTES: LIMIT_EXCEEDED, not an answer over the frame limit
+    m.committed[b"big"] = Ext(BASE + 2 * BLOCK, 2 * BLOCK, b"b" * 16, (0,))
+    n = MAX_BULK_BYTES // (2 * BLOCK) + 1
+    big = Req(Op.GET, raw_get([b"big"], [b"b" * 16], repeat=n), "get", keys=[b"big"] * n,
+              digests=[b"b" * 16] * n)
+    m.check(1, big, _get_resp(big, [], [], b"", Status.LIMIT_EXCEEDED))
+    with pytest.raises(FuzzFailure, match="LIMIT_EXCEEDED"):
+        m.check(1, big, _get_resp(big, [], [], b"", Status.BAD_REQUEST))
+
+
+def test_get_frames_mostly_ask_for_the_stored_digest() -> None:
+    """GET frames name the keys the view knows with their stored digest (hits
+    when committed) most of the time, and with another digest sometimes."""
+    stored = {k: d for k, d, _ in VIEW.key_digests}
+    right = wrong = 0
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(S.get_frame(VIEW))
+    def count(req: Req) -> None:
+        nonlocal right, wrong
+        for key, digest in zip(req.keys or [], req.digests or [], strict=True):
+            if key in stored:
+                if digest == stored[key]:
+                    right += 1
+                else:
+                    wrong += 1
+
+    count()
+    assert right > 2 * wrong > 0
 
 
 def test_reply_parser_rejects_broken_streams() -> None:

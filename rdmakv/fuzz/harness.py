@@ -373,6 +373,11 @@ class Target:
             victim_extents=tuple(
                 (k, e.addr, e.length) for k, e in m.committed.items() if k in m.victim
             ) if destructive_ok else (),
+            key_digests=tuple(
+                (k, e.digest, e.length)
+                for k, e in (*m.committed.items(), *((p.key, p.ext) for p in m.pending.values()))
+                if destructive_ok or k not in m.victim
+            ),
             own_leases=own_ids,
             other_leases=others,
             destructive_ok=destructive_ok,

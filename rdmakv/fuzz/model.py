@@ -18,7 +18,10 @@ block) and checks every answer:
   connection's live leases, each once; WRITE/READ succeed exactly when every op
   lies inside this connection's own uncommitted (WRITE) or leased (READ)
   extents, and every byte READ returns that the model knows (the victim's
-  values, whatever this fuzzer wrote) is the byte expected;
+  values, whatever this fuzzer wrote) is the byte expected; GET hits exactly
+  the keys committed with the digest asked for, each with its committed length
+  and COMMIT's checksum, and its bulk is the hits' values (every known byte
+  checked), unless they total more than MAX_BULK_BYTES (LIMIT_EXCEEDED);
 * STATS: entries, pending and leases_active equal the model's counts.
 """
 
@@ -41,6 +44,7 @@ from rdmakv.protocol import (
     Status,
     decode_extents,
     decode_flags,
+    decode_get_answer,
     decode_json,
     decode_lookup_results,
     decode_node_info,
@@ -181,6 +185,9 @@ class Model:
             return
         if op == Op.READ:
             self._read(cid, req, resp)
+            return
+        if op == Op.GET:  # its answer carries bulk: before the check that others carry none
+            self._get(req, resp)
             return
         if req.kind == "hello":
             _want(st, Status.OK, resp)
@@ -419,6 +426,44 @@ class Model:
                                                 addr)
             pos += n
 
+    def _get(self, req: Req, resp: Resp) -> None:
+        """GET: a key is a hit exactly when committed with the digest asked for
+        (the node pins its block and sends its bytes). No lease, no change the
+        model tracks (hits become most recently used; the pool never evicts)."""
+        assert req.keys is not None and req.digests is not None
+        hits: list[Ext | None] = []
+        for key, digest in zip(req.keys, req.digests, strict=True):
+            ext = self.committed.get(key)
+            hits.append(ext if ext is not None and ext.digest == digest else None)
+        total = sum(e.length for e in hits if e is not None)
+        what = f"GET of {len(req.keys)} keys ({total} bytes of hits)"
+        if total > MAX_BULK_BYTES:  # no answer may carry that much bulk
+            _want(resp.status, Status.LIMIT_EXCEEDED, resp, what)
+            return
+        _want(resp.status, Status.OK, resp, what)
+        lengths, sums = decode_get_answer(resp.payload, len(req.keys))
+        for key, ext, length, checksum in zip(req.keys, hits, lengths, sums, strict=True):
+            got = (length, checksum)
+            want = (0, 0) if ext is None else (ext.length, *ext.extra)
+            if got != want:
+                state = ("committed" if key in self.committed else
+                         "uncommitted" if key in self.pending else "unknown")
+                raise FuzzFailure(
+                    f"GET {key!r:.40} ({state}): node says length {length} checksum "
+                    f"{checksum:#x}, model says {'miss' if ext is None else ext}"
+                )
+        if len(resp.bulk) != total:
+            raise FuzzFailure(f"{what} answered {len(resp.bulk)} bulk bytes")
+        pos = 0
+        for ext in hits:
+            if ext is None:
+                continue
+            c = self.content.get(ext.addr)
+            if c is not None:
+                self.bytes_verified += _compare(c, 0, resp.bulk[pos : pos + ext.length],
+                                                ext.addr, "GET")
+            pos += ext.length
+
 
 def lookup_extra(res: LookupResult) -> tuple[int, ...]:
     """The fields of a LOOKUP hit after the digest (what ALLOC stored after it)."""
@@ -426,7 +471,7 @@ def lookup_extra(res: LookupResult) -> tuple[int, ...]:
     return tuple(x for x in extra if isinstance(x, int))
 
 
-def _compare(c: Content, off: int, got: bytes, addr: int) -> int:
+def _compare(c: Content, off: int, got: bytes, addr: int, what: str = "READ") -> int:
     """Every byte of ``got`` (read at value offset ``off``) the model knows must
     match; returns how many were checked."""
     n = len(got)
@@ -440,7 +485,7 @@ def _compare(c: Content, off: int, got: bytes, addr: int) -> int:
     for i in range(n):
         if known[i] and got[i] != want[i]:
             raise FuzzFailure(
-                f"READ at 0x{addr:x}: byte {off + i} of the value is {got[i]:#x}, "
+                f"{what} at 0x{addr:x}: byte {off + i} of the value is {got[i]:#x}, "
                 f"expected {want[i]:#x} (wrong value)"
             )
     return n - unknown

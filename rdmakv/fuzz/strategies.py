@@ -49,6 +49,7 @@ from rdmakv.fuzz.wire import (
     Req,
     raw_alloc,
     raw_commit,
+    raw_get,
     raw_ids,
     raw_keys,
     raw_ops,
@@ -120,6 +121,9 @@ class View:
     committed: tuple[tuple[int, int], ...] = ()  # every committed extent, the victim's too
     own_leased: tuple[tuple[int, int], ...] = ()
     victim_extents: tuple[tuple[bytes, int, int], ...] = ()  # (key, addr, length) of each
+    # (key, digest, length) of every key allocated or committed that this view may
+    # name (the victim's only when destructive_ok): GET asks for mostly these digests
+    key_digests: tuple[tuple[bytes, bytes, int], ...] = ()
     own_leases: tuple[int, ...] = ()  # live lease ids of this connection
     other_leases: tuple[int, ...] = ()  # other connections' ids, and released/dead ones
     destructive_ok: bool = True  # False: no victim keys at all (mutation bases)
@@ -353,6 +357,64 @@ def digest_value() -> st.SearchStrategy[bytes]:
     )
 
 
+GET_BULK_CAP = 4 * 1024 * 1024
+"""Most bulk an at-limit GET may ask for (16384 hits of one 16 KiB value would be
+256 MiB, a second of copying for one frame): over it the repeated key gets a
+wrong digest, unless its hits would exceed MAX_BULK_BYTES (the node must refuse
+that GET before sending anything: cheap)."""
+_GET_DIGEST = _choice((8, "stored"), (1, "other"), (1, "random"))
+
+
+def other_digest(digest: bytes) -> bytes:
+    """A digest that differs from ``digest`` in its first byte only."""
+    return bytes((digest[0] ^ 0xFF,)) + digest[1:]
+
+
+@st.composite
+def get_digest(draw: st.DrawFn, stored: dict[bytes, tuple[bytes, int]], key: bytes) -> bytes:
+    """The digest a GET asks ``key`` for: mostly the one it was allocated with (a
+    hit if it is committed), sometimes one byte off, or any digest (the only
+    choice for a key the view has no digest of)."""
+    how = draw(_GET_DIGEST)
+    anything = draw(digest_value())
+    known = stored.get(key)
+    if known is None or how == "random":
+        return anything
+    return known[0] if how == "stored" else other_digest(known[0])
+
+
+@st.composite
+def get_frame(draw: st.DrawFn, view: View) -> Req:
+    """GET: keys the view knows (committed, the victim's, in flight, unknown), each
+    with mostly the digest it is stored with; at / over the key-count limit (one
+    key repeated); invalid keys, counts that lie, payloads cut short or with junk."""
+    stored = {k: (d, n) for k, d, n in view.key_digests}
+    destructive = not view.destructive_ok  # GET changes nothing, but mutation bases
+    if draw(SELDOM):  # at / over the key-count limit: one key repeated
+        key = draw(valid_key(view, destructive=destructive))
+        n = draw(AT_KEY_LIMIT)
+        digest = draw(get_digest(stored, key))
+        known = stored.get(key)
+        if known is not None and digest == known[0] and (
+            GET_BULK_CAP < n * known[1] <= MAX_BULK_BYTES
+        ):
+            digest = other_digest(digest)
+        req = Req(Op.GET, raw_get([key], [digest], repeat=n), "get", keys=[key] * n,
+                  digests=[digest] * n, note=f"{n} keys")
+        req.expect = Status.LIMIT_EXCEEDED if n > MAX_KEYS_PER_REQUEST else None
+        return _finish(req, draw(header_noise()))
+    keys, ok = draw(key_list(view, destructive=destructive))
+    digests = [draw(get_digest(stored, k)) for k in keys]
+    count = draw(count_field(len(keys), MAX_KEYS_PER_REQUEST))
+    payload, broken = draw(_damage(raw_get(keys, digests, count), count))
+    lied = count is not None and count != len(keys)
+    expect = _list_status(payload, lied, MAX_KEYS_PER_REQUEST, broken or not ok)
+    well_formed = expect is None
+    req = Req(Op.GET, payload, "get", keys=keys if well_formed else None,
+              digests=digests if well_formed else None, expect=expect)
+    return _finish(req, draw(header_noise()))
+
+
 @st.composite
 def alloc_item(draw: st.DrawFn, view: View) -> AllocItem:
     key = draw(valid_key(view, destructive=not view.destructive_ok))
@@ -575,7 +637,7 @@ def oversize_frame(draw: st.DrawFn) -> Req:
 
 @st.composite
 def control_bulk(draw: st.DrawFn, inner: st.SearchStrategy[Req]) -> Req:
-    """A well-formed control request that also carries bulk bytes (known bug)."""
+    """A control request (EXISTS or GET) that also carries bulk bytes (known bug)."""
     req = draw(inner)
     req.bulk = pattern(draw(st.integers(0, 2**32)), draw(st.integers(1, 256)))
     req.note = (req.note + " +bulk").strip()
@@ -584,29 +646,41 @@ def control_bulk(draw: st.DrawFn, inner: st.SearchStrategy[Req]) -> Req:
 
 @st.composite
 def leased_read(draw: st.DrawFn, view: View) -> list[Req]:
-    """A correct client's get of one victim value, pipelined: LOOKUP with a
-    lease, then one READ of the whole extent (empty when there is no victim).
+    """A correct client's get of victim values, pipelined: LOOKUP with a lease,
+    then one READ of the whole extent, then a GET of that value and up to two
+    more victim values with their digests (empty when there is no victim).
 
     The model knows the victim's bytes, so every run checks bytes read back
-    through the node; the hostile strategies reach a clean leased READ of
-    known bytes only by chance. Same draws whatever the view (choice shapes
-    must not depend on state)."""
+    through the node, both ways; the hostile strategies reach a clean leased
+    READ or a GET with the right digests of known bytes only by chance. Same
+    draws whatever the view (choice shapes must not depend on state)."""
     index = draw(st.integers(0, 2**16))
-    lookup_id, read_id = draw(st.tuples(st.integers(0, U64_MAX), st.integers(0, U64_MAX)))
+    lookup_id, read_id, get_id = draw(
+        st.tuples(st.integers(0, U64_MAX), st.integers(0, U64_MAX), st.integers(0, U64_MAX)))
+    more = draw(st.lists(st.integers(0, 2**16), max_size=2))
     if not view.victim_extents:
         return []
-    key, addr, length = view.victim_extents[index % len(view.victim_extents)]
+    exts = view.victim_extents
+    key, addr, length = exts[index % len(exts)]
     ops = [(addr, length)]
-    return [
+    reqs = [
         Req(Op.LOOKUP, raw_keys([key]), "keys", flags=LOOKUP_FLAG_LEASE, keys=[key],
             req_id=lookup_id, note="clean leased lookup"),
         Req(Op.READ, raw_ops(ops), "data", ops=ops, req_id=read_id, note="clean read"),
     ]
+    stored = {k: d for k, d, _ in view.key_digests}
+    keys = [key, *(exts[i % len(exts)][0] for i in more)]
+    if all(k in stored for k in keys):
+        digests = [stored[k] for k in keys]
+        reqs.append(Req(Op.GET, raw_get(keys, digests), "get", keys=keys, digests=digests,
+                        req_id=get_id, note="clean get"))
+    return reqs
 
 
 FRAME_KINDS = (
     ("alloc", 6), ("commit", 2), ("abort", 1), ("lookup", 4), ("release", 2), ("delete", 1),
-    ("exists", 1), ("stats", 1), ("write", 6), ("read", 4), ("unknown", 1), ("control_bulk", 1),
+    ("exists", 1), ("stats", 1), ("write", 6), ("read", 4), ("get", 4), ("unknown", 1),
+    ("control_bulk", 1),
 )
 _KIND = st.sampled_from([k for k, w in FRAME_KINDS for _ in range(w)])
 _KIND_SAFE = st.sampled_from([k for k, w in FRAME_KINDS for _ in range(w) if k != "control_bulk"])
@@ -621,8 +695,10 @@ _BUILDERS: dict[str, Callable[[View], st.SearchStrategy[Req]]] = {
     "stats": stats_frame,
     "write": lambda v: data_frame(v, Op.WRITE),
     "read": lambda v: data_frame(v, Op.READ),
+    "get": get_frame,
     "unknown": unknown_frame,
-    "control_bulk": lambda v: control_bulk(keys_frame(v, Op.EXISTS)),
+    "control_bulk": lambda v: control_bulk(
+        _weighted((2, keys_frame(v, Op.EXISTS)), (1, get_frame(v)))),
 }
 
 

@@ -59,13 +59,13 @@ class Req:
     """One request frame and its meaning.
 
     ``kind`` names the payload encoding (``keys``, ``commit``, ``alloc``,
-    ``ids``, ``data``, ``stats``, ``hello``, ``raw``). ``expect`` is set when the frame
-    is malformed on purpose and the status it must get is known without the
-    model (``BAD_REQUEST``, ``LIMIT_EXCEEDED``, ``UNKNOWN_OPCODE``,
+    ``get``, ``ids``, ``data``, ``stats``, ``hello``, ``raw``). ``expect`` is set
+    when the frame is malformed on purpose and the status it must get is known
+    without the model (``BAD_REQUEST``, ``LIMIT_EXCEEDED``, ``UNKNOWN_OPCODE``,
     ``FRAME_TOO_LARGE``...); None means the model decides. ``fatal``: the node
     must answer and close the connection. ``keys`` / ``items`` / ``ops`` /
-    ``ids`` (and COMMIT's ``sums``) are the decoded contents of a well-formed
-    payload.
+    ``ids`` (and COMMIT's ``sums``, GET's ``digests``) are the decoded contents
+    of a well-formed payload.
     """
 
     opcode: int
@@ -84,6 +84,7 @@ class Req:
     ops: list[tuple[int, int]] | None = None
     ids: list[int] | None = None
     sums: list[int] | None = None
+    digests: list[bytes] | None = None  # GET: the digest asked for with each key
     note: str = ""
     send_payload: bool = True  # False: only the header goes out (an oversize announcement)
 
@@ -318,6 +319,15 @@ def raw_commit(
     checksum per key (both repeated ``repeat`` times)."""
     tail = b"".join(struct.pack("<Q", c & 0xFFFFFFFFFFFFFFFF) for c in sums)
     return raw_keys(keys, count, repeat=repeat) + tail * repeat
+
+
+def raw_get(
+    keys: Sequence[bytes], digests: Sequence[bytes], count: int | None = None, *, repeat: int = 1
+) -> bytes:
+    """GET's payload: each key (any length, as :func:`raw_keys` writes it) followed
+    by its digest, repeated ``repeat`` times; ``count`` overrides the u32 count."""
+    body = b"".join(U16.pack(len(k) & 0xFFFF) + k + d for k, d in zip(keys, digests, strict=True))
+    return _items(count, len(keys) * repeat, body * repeat)
 
 
 def raw_ids(ids: Sequence[int], count: int | None = None, *, repeat: int = 1) -> bytes:
