@@ -214,7 +214,8 @@ def _native_io(
     n = len(iov)
     if not n:
         return
-    ptr = _ffi.cast("const uint64_t *", iov.ctypes.data)
+    # from_buffer, not .ctypes.data: numpy builds a ctypes helper object per access
+    ptr = _ffi.cast("const uint64_t *", _ffi.from_buffer(iov))
     done = _ffi.new("uint64_t *")
     err = _ffi.new("int *")
     fd = sock.fileno()
@@ -226,7 +227,7 @@ def _native_io(
     else:
         assert _checksum_fn is not None and len(checksums) == n
         hfn = _lib.rk_tcp_sendv_hashed if sending else _lib.rk_tcp_recvv_hashed
-        out = _ffi.cast("uint64_t *", checksums.ctypes.data)
+        out = _ffi.cast("uint64_t *", _ffi.from_buffer(checksums, require_writable=True))
         hashed = _ffi.new("uint64_t *")
 
         def call() -> int:
@@ -312,8 +313,13 @@ def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, 
     return U32.pack(n) + wire.tobytes(), iov, int(lens.sum())
 
 
+def _address_of(buf: bytes | np.ndarray) -> int:
+    """Where ``buf``'s bytes are (valid while the caller holds ``buf``)."""
+    return int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf)))
+
+
 def _node_iov(
-    payload: bytearray, count: int, pool: Slab, head: np.ndarray | None = None
+    payload: bytearray, count: int, pool: Slab, head: bytes | None = None
 ) -> np.ndarray:
     """The iovec table of a WRITE/READ request whose ``count`` ops the store
     has already checked against this session's extents; checked again here
@@ -324,7 +330,7 @@ def _node_iov(
     first = 0 if head is None else 1
     table = np.empty((first + count, 2), dtype=np.uint64)
     if head is not None:
-        table[0] = (head.ctypes.data, head.nbytes)
+        table[0] = (_address_of(head), len(head))
     iov = table[first:]
     iov[:, 0] = wire["addr"]
     iov[:, 1] = wire["len"]
@@ -677,10 +683,7 @@ class TcpNodeDataPath(NodeDataPath):
         try:
             if use_native:
                 # header and bytes in one system call: the client wakes once
-                head = np.frombuffer(
-                    HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, 0, total, req.req_id),
-                    np.uint8,
-                )
+                head = HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, 0, total, req.req_id)
                 iov = _node_iov(payload, len(ops), self.pool, head)
                 send_iov(session.channel.sock, iov)  # `views` keep the pool mapped meanwhile
             else:
@@ -708,19 +711,15 @@ class TcpNodeDataPath(NodeDataPath):
                 session.reply(req, answer, [buf[o : o + n] for o, n, _ in hits])
                 return
             # header, answer and the values in one system call: the client wakes once
-            head = np.frombuffer(
-                HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), total,
-                            req.req_id) + answer,
-                np.uint8,
-            )
-            iov = np.empty((1 + len(hits), 2), dtype=np.uint64)
-            iov[0] = (head.ctypes.data, head.nbytes)
-            if hits:
-                offsets, lengths, _ = zip(*hits, strict=True)
-                iov[1:, 0] = _u64(offsets)
-                iov[1:, 0] += np.uint64(self.pool.base_addr)
-                iov[1:, 1] = _u64(lengths)
-            send_iov(session.channel.sock, iov)  # the pins keep the blocks; the pool stays mapped
+            head = HEADER.pack(
+                req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), total, req.req_id
+            ) + answer
+            base = self.pool.base_addr
+            rows = [_address_of(head), len(head)]
+            for offset, length, _ in hits:
+                rows += (base + offset, length)
+            # the pins keep the blocks; the pool stays mapped
+            send_iov(session.channel.sock, _u64(rows).reshape(-1, 2))
         finally:
             unpin()
 
