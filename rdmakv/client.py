@@ -2,7 +2,9 @@
 
 Put of a batch = ``ALLOC`` (node reserves extents) -> one-sided ``write`` of
 the slab blocks into them -> ``COMMIT`` with each value's checksum (values
-become visible). Get = ``LOOKUP`` with leases -> digest check -> one-sided
+become visible); where the node moves the bytes itself (tcp), ALLOC and
+write are one ``PUT`` per sub-batch (:meth:`Transport.store`), its COMMIT
+right behind it. Get = ``LOOKUP`` with leases -> digest check -> one-sided
 ``read`` into the caller's slab blocks -> checksum check -> ``RELEASE``; on
 a transport where the node moves the bytes itself (tcp) lookup and read are
 one ``GET`` per sub-batch (:meth:`Transport.fetch`), in one round trip. A
@@ -317,7 +319,14 @@ class KVClient:
         def run() -> list[bool]:
             ch, tp = self._conn()
             try:
-                return self._put_pipelined(ch, tp, keys, handles, sizes, digests)
+                if not tp.stores_by_key:
+                    return self._put_pipelined(ch, tp, keys, handles, sizes, digests)
+                done = tp.store(
+                    keys, handles, sizes, digests, self._sub_batches(len(keys)), self.timeout
+                )
+                if done.refused is not None:
+                    raise done.refused
+                return done.ok
             except OSError as e:
                 self._drop()
                 raise wrap_socket_errors("put", e) from e

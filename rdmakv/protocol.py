@@ -14,7 +14,7 @@ Frame layout (all integers little-endian)::
       u16  status       0 in requests; Status in responses
       u32  payload_len  bytes of payload that follow (<= MAX_PAYLOAD)
       u64  bulk_len     raw data bytes after the payload (<= MAX_BULK_BYTES);
-                        only WRITE requests and READ / GET responses carry bulk
+                        only WRITE / PUT requests and READ / GET responses carry bulk
       u64  req_id       chosen by the client, echoed in the response
     payload (payload_len bytes, opcode-specific, encoded below)
     bulk    (bulk_len bytes: block data, never copied through Python bytes)
@@ -50,6 +50,11 @@ Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
               (LOOKUP and READ in one round trip, tcp: a key is a hit when it is
               committed with that digest; no lease, the node pins the blocks
               while it sends them)
+    PUT       req: as ALLOC; bulk = the n values' bytes, in order (sum of the sizes)
+              resp: u32 n, n x u8 AllocStatus
+              (ALLOC and WRITE in one request, tcp: the node receives each value it
+              could allocate straight into its extent, marks it written, and drops
+              the bytes of the others; COMMIT with the checksums follows as usual)
     RDMA_*    reserved for the RDMA transport's connection exchange (QPN, PSN, GID,
               LID, MTU, rkey); a node data path registers handlers for them.
 
@@ -64,7 +69,7 @@ each block as it sends it (tcp) or while the NIC reads it (rdma), not in a
 pass of its own before ALLOC.
 
 Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP;
-3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET.
+3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET and PUT.
 
 Addresses are ABSOLUTE virtual addresses inside the node's pool
 (``pool_base + offset``) so an RDMA transport can use them as-is; the node
@@ -150,12 +155,13 @@ class Op(IntEnum):
     WRITE = 16
     READ = 17
     GET = 18
+    PUT = 19
     # reserved for the RDMA transport: QP info exchange and teardown
     RDMA_CONNECT = 32
     RDMA_DISCONNECT = 33
 
 
-BULK_REQUEST_OPCODES = frozenset({Op.WRITE})
+BULK_REQUEST_OPCODES = frozenset({Op.WRITE, Op.PUT})
 """The only requests that carry bulk; a node refuses bulk on any other (and skips it)."""
 
 RESERVED_RDMA_OPCODES = range(32, 48)
@@ -508,16 +514,17 @@ def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[
     return b"".join(parts)
 
 
-def decode_alloc(payload: Buffer) -> list[tuple[bytes, int, bytes]]:
+def decode_alloc(payload: Buffer, what: str = "ALLOC") -> list[tuple[bytes, int, bytes]]:
+    """(key, size, digest) items of an ALLOC (or PUT) request."""
     buf = bytes(payload)
-    n = Reader(buf, "ALLOC").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
+    n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
     unpack = ALLOC_ITEM.unpack_from
     uniform = _uniform_keys(buf, n, ALLOC_ITEM.size)
     if uniform is not None:
         keys, offsets = uniform
         return [(k, *unpack(buf, pos)) for k, pos in zip(keys, offsets, strict=True)]
     out = []
-    for k, pos in _scan_keys(buf, n, ALLOC_ITEM.size, "ALLOC"):
+    for k, pos in _scan_keys(buf, n, ALLOC_ITEM.size, what):
         size, digest = unpack(buf, pos)
         out.append((k, size, digest))
     return out
@@ -568,6 +575,18 @@ def decode_get_answer(payload: Buffer, expected: int) -> tuple[list[int], list[i
     raw = _per_key_entries(payload, "GET response", GET_ENTRY_BYTES, expected, "entries")
     values = struct.unpack(f"<{expected}I{expected}Q", raw)
     return list(values[:expected]), list(values[expected:])
+
+
+def encode_put_answer(statuses: Sequence[AllocStatus]) -> bytes:
+    return U32.pack(len(statuses)) + bytes(statuses)
+
+
+def decode_put_answer(payload: Buffer, expected: int) -> list[AllocStatus]:
+    raw = _per_key_entries(payload, "PUT response", 1, expected, "statuses")
+    try:
+        return [_ALLOC_STATUSES[b] for b in raw]
+    except KeyError as e:
+        raise ProtocolError(f"PUT response: unknown status {e.args[0]}") from None
 
 
 def encode_commit(keys: Sequence[bytes], checksums: Sequence[int]) -> bytes:

@@ -182,6 +182,25 @@ def test_lying_get_answers_are_errors_and_touch_no_other_block(
         assert (slab.numpy(h)[100:] == 0x5A).all()
 
 
+@pytest.mark.parametrize("lie", [b"\x01\x00\x00\x00\x00", b"\x02\x00\x00\x00\x00\x09"])
+def test_lying_put_answers_are_errors(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], lie: bytes
+) -> None:
+    """A PUT answered with too few statuses, or one no version defines."""
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        ch.skip_bulk()
+        answer = lie if hdr.opcode == Op.PUT else b"\x02\x00\x00\x00\x01\x01"
+        ch.send(hdr.opcode | RESPONSE_BIT, answer, req_id=hdr.req_id)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        h = slab.alloc()
+        with pytest.raises(ProtocolError, match="PUT response"):
+            c.put([b"a", b"b"], [h, h], 100, [bytes(16)] * 2)
+
+
 def test_silent_node_times_out(fake_node: Callable[[NodeInfo, Script], tuple[str, int]]) -> None:
     gate = threading.Event()
 

@@ -464,9 +464,11 @@ def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
     lazily (their answers read while the next sub-batch is prepared), the
     middle ones are not, and their LOOKUPs (or GETs) are larger than a caller
     may send behind unread answers. Every value must land in its own block.
-    ``lookup_read`` takes rdma's path (LOOKUP, then read) over tcp."""
+    ``lookup_read`` takes rdma's paths (ALLOC then write, LOOKUP then read)
+    over tcp."""
     monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
     monkeypatch.setattr(tcp.TcpTransport, "fetches_by_key", keyed)
+    monkeypatch.setattr(tcp.TcpTransport, "stores_by_key", keyed)
     n, block = 12_000, 512
     node = node_factory(block_size=block, pool_size=2 * n * block)
     plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST)
@@ -486,6 +488,28 @@ def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
             assert c.exists(keys[:3]) == [True] * 3
         for s_, d in zip(src, dst, strict=True):
             assert slab.view(s_) == slab.view(d)
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["put_get", "alloc_write"])
+def test_put_of_present_repeated_and_new_keys_answers_the_same_on_both_paths(
+    node: NodeProcess, client_slab: Slab, keyed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tcp.TcpTransport, "fetches_by_key", keyed)
+    monkeypatch.setattr(tcp.TcpTransport, "stores_by_key", keyed)
+    src = client_slab.alloc_many(4)
+    digests = fill(client_slab, src, seed=4)
+    with KVClient(*node.address, client_slab) as c:
+        assert c.put([b"there"], src[:1], BLOCK, digests[:1]) == [True]
+        keys = [b"there", b"twice", b"twice", b"new"]
+        # "twice" is stored once: its second copy finds the first one uncommitted (busy)
+        assert c.put(keys, src, [BLOCK, 100, 100, 7], digests) == [True, True, False, True]
+        st = c.stats()
+        assert (st["entries"], st["pending"]) == (3, 0)  # nothing left allocated
+        dst = client_slab.alloc_many(3)
+        assert c.get_sizes([b"there", b"twice", b"new"], dst, [digests[0], digests[1],
+                                                              digests[3]]) == [BLOCK, 100, 7]
+        assert client_slab.view(dst[1], 100) == client_slab.view(src[1], 100)
+        assert client_slab.view(dst[2], 7) == client_slab.view(src[3], 7)
 
 
 @given(n=st.integers(0, 200_000), max_keys=st.integers(1, 8192))

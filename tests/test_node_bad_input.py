@@ -7,9 +7,11 @@ must keep serving its other clients with their data intact.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -26,6 +28,7 @@ from rdmakv.protocol import (
     RESPONSE_BIT,
     U16,
     U32,
+    AllocStatus,
     Channel,
     Header,
     Op,
@@ -34,6 +37,7 @@ from rdmakv.protocol import (
     decode_flags,
     decode_get_answer,
     decode_node_info,
+    decode_put_answer,
     encode_alloc,
     encode_commit,
     encode_data_ops,
@@ -264,6 +268,58 @@ def test_get_answers_committed_values_with_their_digest_only(
     status, payload, bulk = r.call(Op.GET, encode_get([b"victim-1"], [bytes(16)]))
     assert status == Status.OK and decode_get_answer(payload, 1) == ([0], [0]) and bulk == b""
     assert r.call(Op.STATS)[0] == Status.OK
+    victim()
+
+
+def test_put_receives_what_it_allocates_and_drops_the_rest(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r, other = raw(), raw()
+    r.hello()
+    other.hello()
+    d = b"d" * 16
+    assert other.call(Op.ALLOC, encode_alloc([b"theirs"], [10], [d]))[0] == Status.OK
+    big = BLOCK * 40 + 3  # refused (over the block size); its bytes span several drains
+    values = [os.urandom(1000), b"v" * 5, b"t" * 10, os.urandom(big), os.urandom(BLOCK)]
+    keys = [b"p1", b"victim-0", b"theirs", b"huge", b"p2"]
+    status, payload, _ = r.call(
+        Op.PUT, encode_alloc(keys, [len(v) for v in values], [d] * 5), bulk=b"".join(values)
+    )
+    assert status == Status.OK, payload
+    assert decode_put_answer(payload, 5) == [
+        AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY, AllocStatus.TOO_LARGE,
+        AllocStatus.OK,
+    ]
+    sums = [value_checksum(v) for v in values]
+    status, payload, _ = r.call(Op.COMMIT, encode_commit(keys, sums), flags=1)  # written only
+    assert decode_flags(payload, 5, "COMMIT") == [True, False, False, False, True]
+    status, payload, bulk = r.call(Op.GET, encode_get([b"p1", b"p2"], [d, d]))
+    assert decode_get_answer(payload, 2) == ([1000, BLOCK], [sums[0], sums[4]])
+    assert bulk == values[0] + values[4]  # the refused values' bytes went nowhere
+    # bulk that does not match the items: refused, skipped, nothing allocated
+    status, msg, _ = r.call(Op.PUT, encode_alloc([b"p3"], [100], [d]), bulk=b"x" * 99)
+    assert status == Status.BAD_REQUEST and b"99" in msg
+    status, msg, _ = r.call(Op.PUT, encode_alloc([b"p3"], [100], [d])[:-1], bulk=b"x" * 100)
+    assert status == Status.BAD_REQUEST
+    assert r.call(Op.EXISTS, encode_keys([b"p3"]))[1] == U32.pack(1) + b"\x00"
+    assert json.loads(r.call(Op.STATS)[1])["pending"] == 1  # only the other client's
+    victim()
+
+
+def test_a_put_cut_off_mid_bulk_leaves_nothing_allocated(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    r, watcher = raw(), raw()
+    r.hello()
+    watcher.hello()
+    r.frame(Op.PUT, encode_alloc([b"cut"], [BLOCK], [b"d" * 16]), bulk=b"x" * 100,
+            bulk_len=BLOCK)
+    r.close()
+    deadline = time.monotonic() + IO_TIMEOUT_S
+    while json.loads(watcher.call(Op.STATS)[1])["pending"]:
+        assert time.monotonic() < deadline, "the cut-off PUT's extent was never reclaimed"
+        time.sleep(0.05)
+    assert watcher.call(Op.EXISTS, encode_keys([b"cut"]))[1] == U32.pack(1) + b"\x00"
     victim()
 
 

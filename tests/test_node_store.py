@@ -145,6 +145,29 @@ def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> 
     assert s.alloc(2, [(b"g", 10, D)])[0].status == AllocStatus.OK
 
 
+def test_alloc_received_commits_only_after_every_byte_arrived(pool: Slab) -> None:
+    s = KVStore(pool)
+    assert put(s, 1, b"old")
+    assert s.alloc(2, [(b"busy", 10, D)])[0].status == AllocStatus.OK
+    items = [(b"a", 100, D), (b"old", 10, D), (b"busy", 10, D), (b"big", BLOCK + 1, D),
+             (b"b", BLOCK, D)]
+    statuses, offsets, received = s.alloc_received(1, items)
+    assert statuses == [AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY,
+                        AllocStatus.TOO_LARGE, AllocStatus.OK]
+    assert offsets[1:4] == [None, None, None]
+    a, b = offsets[0], offsets[4]
+    assert a is not None and b is not None and a != b and a % BLOCK == b % BLOCK == 0
+    assert s.exists([b"a", b"b"]) == [False, False]  # uncommitted: invisible
+    # not received yet: a commit that requires the bytes refuses, and keeps them pending
+    assert s.commit(1, [b"a"], [5], require_written=True) == [False]
+    received()
+    assert s.commit(1, [b"a", b"b"], [5, 6], require_written=True) == [True, True]
+    found, unpin = s.pin_values([b"a", b"b"], [D, D])
+    assert found == [(a, 100, 5), (b, BLOCK, 6)]
+    unpin()
+    assert s.stats()["bytes_written"] == 100 + BLOCK
+
+
 def test_delete_of_leased_value_keeps_bytes_until_release(pool: Slab) -> None:
     s = KVStore(pool)
     assert put(s, 1, b"a")

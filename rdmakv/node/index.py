@@ -38,6 +38,16 @@ class Index:
         self._pending: dict[bytes, Entry] = {}
         self.committed_bytes = 0
 
+    @property
+    def committed_map(self) -> dict[bytes, Entry]:
+        """Committed entries by key, for membership tests in hot loops (read only)."""
+        return self._lru
+
+    @property
+    def pending_map(self) -> dict[bytes, Entry]:
+        """Uncommitted entries by key; the store adds new ones here directly."""
+        return self._pending
+
     def __len__(self) -> int:
         return len(self._lru)
 
@@ -58,10 +68,6 @@ class Index:
 
     def pending(self, key: bytes) -> Entry | None:
         return self._pending.get(key)
-
-    def add_pending(self, entry: Entry) -> None:
-        assert entry.key not in self._lru and entry.key not in self._pending
-        self._pending[entry.key] = entry
 
     def drop_pending(self, key: bytes) -> Entry:
         return self._pending.pop(key)

@@ -46,6 +46,7 @@ from rdmakv.protocol import (
     PROTOCOL_VERSION,
     RESPONSE_BIT,
     U32,
+    AllocStatus,
     Channel,
     FrameTooLarge,
     Header,
@@ -156,6 +157,14 @@ class Session:
         self, keys: Sequence[bytes], digests: Sequence[bytes]
     ) -> tuple[list[tuple[int, int, int] | None], Callable[[], None]]:
         return self.node.store.pin_values(keys, digests)
+
+    def alloc_received(
+        self, items: Sequence[tuple[bytes, int, bytes]]
+    ) -> tuple[list[AllocStatus], list[int | None], Callable[[], None]]:
+        return self.node.store.alloc_received(self.session_id, items)
+
+    def abort(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.node.store.abort(self.session_id, keys)
 
     def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:
         self.channel.send(

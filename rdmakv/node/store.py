@@ -164,39 +164,53 @@ class KVStore:
         return self.pool.alloc()
 
     # -- control operations ----------------------------------------------------------
+    def _reserve(
+        self, session: int, items: Sequence[tuple[bytes, int, bytes]]
+    ) -> tuple[list[AllocStatus], list[Entry | None]]:
+        """Per (key, size, digest): a new uncommitted entry of this session, or
+        why not (lock held)."""
+        statuses: list[AllocStatus] = []
+        entries: list[Entry | None] = []
+        ok, exists, busy = AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY
+        mine = self._pending_by_session.setdefault(session, {})
+        committed, pending = self._index.committed_map, self._index.pending_map
+        pool = self.pool
+        bs = self.block_size
+        self.counters.allocs += len(items)
+        for key, size, digest in items:
+            if not (0 < size <= bs):
+                statuses.append(AllocStatus.TOO_LARGE)
+            elif key in committed:
+                statuses.append(exists)
+            elif key in pending:
+                statuses.append(busy)
+            else:
+                block = pool.alloc() if pool.free_blocks else self._take_block()
+                if block is None:
+                    self.counters.no_space += 1
+                    statuses.append(AllocStatus.NO_SPACE)
+                    entries.append(None)
+                    continue
+                e = Entry(key, block, size, digest, NO_CHECKSUM, session)
+                pending[key] = mine[block] = e
+                statuses.append(ok)
+                entries.append(e)
+                continue
+            entries.append(None)
+        return statuses, entries
+
     def alloc(
         self, session: int, items: Sequence[tuple[bytes, int, bytes]]
     ) -> list[AllocResult]:
         """Reserve one extent per (key, size, digest); invisible until commit."""
-        out: list[AllocResult] = []
-        too_large = AllocResult(AllocStatus.TOO_LARGE, None)
-        exists = AllocResult(AllocStatus.EXISTS, None)
-        busy = AllocResult(AllocStatus.BUSY, None)
-        no_space = AllocResult(AllocStatus.NO_SPACE, None)
         with self._lock:
-            mine = self._pending_by_session.setdefault(session, {})
-            index = self._index
-            committed, pending, add_pending = index.get, index.pending, index.add_pending
-            pool = self.pool
+            statuses, entries = self._reserve(session, items)
             base, bs, rkey = self._base, self.block_size, self.rkey
-            self.counters.allocs += len(items)
-            for key, size, digest in items:
-                if not (0 < size <= bs):
-                    out.append(too_large)
-                elif committed(key) is not None:
-                    out.append(exists)
-                elif pending(key) is not None:
-                    out.append(busy)
-                else:
-                    block = pool.alloc() if pool.free_blocks else self._take_block()
-                    if block is None:
-                        self.counters.no_space += 1
-                        out.append(no_space)
-                        continue
-                    e = Entry(key, block, size, digest, NO_CHECKSUM, owner=session)
-                    add_pending(e)
-                    mine[block] = e
-                    out.append(AllocResult(AllocStatus.OK, Extent(base + block * bs, size, rkey)))
+            out = [
+                AllocResult(st, None) if e is None
+                else AllocResult(st, Extent(base + e.block * bs, e.length, rkey))
+                for st, e in zip(statuses, entries, strict=True)
+            ]
             if self._guard is not None:
                 ok = [i for i, r in enumerate(out) if r.extent is not None]
                 exts = [(r.extent.addr, r.extent.length) for r in out if r.extent is not None]
@@ -205,6 +219,28 @@ class KVStore:
                     for i, (addr, size), k in zip(ok, exts, keys, strict=True):
                         out[i] = AllocResult(AllocStatus.OK, Extent(addr, size, k))
         return out
+
+    def alloc_received(
+        self, session: int, items: Sequence[tuple[bytes, int, bytes]]
+    ) -> tuple[list[AllocStatus], list[int | None], Callable[[], None]]:
+        """ALLOC for values the node itself receives (PUT): per item its status
+        and its extent's pool offset (None when refused), and ``received()``, to
+        call once every byte of every allocated value is in the pool: it marks
+        them written (see ``commit(require_written=True)``). Nothing is granted
+        to a one-sided data path: these bytes never move one-sided."""
+        with self._lock:
+            statuses, entries = self._reserve(session, items)
+        bs = self.block_size
+        offsets = [None if e is None else e.block * bs for e in entries]
+        mine = [e for e in entries if e is not None]
+
+        def received() -> None:
+            with self._lock:
+                for e in mine:
+                    e.written = True
+                self.counters.bytes_written += sum(e.length for e in mine)
+
+        return statuses, offsets, received
 
     def commit(
         self,

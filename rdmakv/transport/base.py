@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
 from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
-from rdmakv.protocol import Channel, Header, NodeInfo
+from rdmakv.protocol import AllocStatus, Channel, Header, NodeInfo
 from rdmakv.slab import Slab
 
 REQUEST_BYTES_AHEAD = 32 * 1024
@@ -66,6 +66,15 @@ class Fetched(NamedTuple):
     """Keys whose bytes arrived but failed their checksum (misses, to be dropped)."""
     refused: RemoteError | None
     """The node's refusal of one of the requests (its keys are misses), if any."""
+
+
+class Stored(NamedTuple):
+    """What :meth:`Transport.store` did."""
+
+    ok: list[bool]
+    """Per key: the node holds it now (stored by this call, or present already)."""
+    refused: RemoteError | None
+    """The node's refusal of one of the requests (its keys are False), if any."""
 
 
 class IoFuture:
@@ -160,6 +169,24 @@ class Transport(ABC):
         checked against its checksum before it counts as a hit."""
         raise NotImplementedError(f"the {self.name} transport reads by extent: LOOKUP, then read")
 
+    stores_by_key: ClassVar[bool] = False
+    """True when :meth:`store` serves a put without waiting for extents (tcp's
+    PUT); else the client ALLOCs extents and :meth:`write` s into them."""
+
+    def store(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        sizes: Sequence[int],
+        digests: Sequence[bytes],
+        batches: Sequence[tuple[int, int]],
+        timeout: float,
+    ) -> Stored:
+        """Put slab blocks ``handles`` (``sizes`` bytes each) under ``keys``, in
+        ``batches`` (``(start, end)`` ranges of the keys), each value published
+        with the checksum of the bytes that went out."""
+        raise NotImplementedError(f"the {self.name} transport writes by extent: ALLOC, then write")
+
     @abstractmethod
     def close(self) -> None:
         """Release transport resources (the control channel is closed by its owner)."""
@@ -191,6 +218,18 @@ class NodeSession(Protocol):
     ) -> tuple[list[memoryview], Callable[[], None]]:
         """Pool views for ops inside extents this session holds leases on, pinned so
         no eviction/expiry reuses them until the returned unpin() is called."""
+        ...
+
+    def alloc_received(
+        self, items: Sequence[tuple[bytes, int, bytes]]
+    ) -> tuple[list[AllocStatus], list[int | None], Callable[[], None]]:
+        """ALLOC for values the node receives itself: per (key, size, digest) its
+        status and its extent's pool offset (None: refused), and a callback to
+        run once every allocated value arrived in full (marks them written)."""
+        ...
+
+    def abort(self, keys: Sequence[bytes]) -> list[bool]:
+        """Free this session's uncommitted extents of ``keys``."""
         ...
 
     def pin_values(

@@ -14,8 +14,12 @@ A get needs no addresses: ``fetch`` sends one GET per sub-batch (keys and
 the digests they must be stored with) and the node answers with each hit's
 length and checksum followed by the values, which land straight in their
 slab blocks -- lookup and read in one round trip, no lease to release (the
-node pins the blocks only while it sends them). LOOKUP + READ remain for
-callers that hold extents (and are what rdma uses).
+node pins the blocks only while it sends them). A put needs none either:
+``store`` sends one PUT per sub-batch (the ALLOC items, the values right
+behind them as bulk) and its COMMIT right behind that; the node receives
+each value it could allocate straight into its extent and drops the bytes of
+the others. LOOKUP + READ and ALLOC + WRITE remain for callers that hold
+extents (and are what rdma uses).
 
 The data ops share the control socket, so control and data stay ordered and
 the node can tie every op to the session that received the extents. Because
@@ -45,6 +49,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import dataclasses
 import importlib
 import os
 import socket
@@ -55,11 +60,13 @@ import numpy as np
 
 from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
+    COMMIT_FLAG_REQUIRE_WRITTEN,
     DATA_OP,
     HEADER,
     MAX_BULK_BYTES,
     RESPONSE_BIT,
     U32,
+    AllocStatus,
     Channel,
     Header,
     LimitExceeded,
@@ -68,12 +75,19 @@ from rdmakv.protocol import (
     Reply,
     Status,
     chunk_ops,
+    decode_alloc,
     decode_data_ops,
+    decode_flags,
     decode_get,
     decode_get_answer,
+    decode_put_answer,
+    encode_alloc,
+    encode_commit,
     encode_data_ops,
     encode_get,
     encode_get_answer,
+    encode_keys,
+    encode_put_answer,
     value_checksum,
     wrap_socket_errors,
 )
@@ -86,6 +100,7 @@ from rdmakv.transport.base import (
     NodeDataPath,
     NodeHandler,
     NodeSession,
+    Stored,
     Transport,
     check_local_ops,
 )
@@ -106,6 +121,9 @@ client sends meanwhile waits in the node's receive buffer (Linux: 128 KiB by
 default): these requests plus the caller's (at most
 :data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD`) stay well inside it."""
 
+
+PUT_DRAIN_BYTES = 1024 * 1024
+"""Scratch a PUT's refused values are received into (and dropped), at most."""
 
 ENV_NATIVE = "RDMAKV_TCP_NATIVE"
 """Set to 0 to move bulk bytes with the pure-Python loop even when the native
@@ -313,7 +331,7 @@ def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, 
     return U32.pack(n) + wire.tobytes(), iov, int(lens.sum())
 
 
-def _address_of(buf: bytes | np.ndarray) -> int:
+def _address_of(buf: bytes | bytearray | np.ndarray) -> int:
     """Where ``buf``'s bytes are (valid while the caller holds ``buf``)."""
     return int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf)))
 
@@ -585,10 +603,115 @@ class TcpTransport(Transport):
             raise wrap_socket_errors("GET", e) from e
         return Fetched(out, corrupt, refused[0] if refused else None)
 
+    stores_by_key = True
+
+    def store(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        sizes: Sequence[int],
+        digests: Sequence[bytes],
+        batches: Sequence[tuple[int, int]],
+        timeout: float,
+    ) -> Stored:
+        """One PUT per batch (split so its values fit one request's bulk), the
+        values sent straight from the slab and hashed on the way out, then its
+        COMMIT with those checksums right behind it (the node commits only
+        values it received in full). Answers are read only once more than
+        :data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD` of them are due,
+        so they always fit this end's receive buffer while it keeps sending."""
+        slab = self._slab
+        if slab is None:
+            raise ProtocolError("store before register_local")
+        self._settle_lazy()
+        bs, base = slab.block_size, slab.base_addr
+        per_request = max(1, self._info.max_bulk // bs)
+        out = [False] * len(keys)
+        refused: list[RemoteError] = []
+        due: list[_PutStage] = []  # sent, answers not yet read
+        ch = self._ch
+        try:
+            ch.set_timeout(timeout)
+            for start, end in batches:
+                for s in range(start, end, per_request):
+                    e = min(end, s + per_request)
+                    while due and sum(st.answer_bytes for st in due) > REQUEST_BYTES_AHEAD:
+                        due.pop(0).settle(ch, keys, out, refused)
+                    ks, ns = keys[s:e], sizes[s:e]
+                    payload = encode_alloc(ks, ns, digests[s:e])
+                    if use_native:
+                        iov = np.empty((e - s, 2), dtype=np.uint64)
+                        iov[:, 0] = _u64([h * bs for h in handles[s:e]])
+                        iov[:, 0] += np.uint64(base)
+                        iov[:, 1] = _u64(ns)
+                        put = ch.submit(Op.PUT, payload, "PUT", bulk_len=sum(ns))
+                        hashed = np.empty(e - s, dtype=np.uint64) if native_checksums() else None
+                        send_iov(ch.sock, iov, hashed)  # the slab stays registered meanwhile
+                        sums = None if hashed is None else hashed.tolist()
+                    else:
+                        buf = slab.buffer
+                        views = [buf[h * bs : h * bs + n] for h, n in zip(handles[s:e], ns,
+                                                                        strict=True)]
+                        put = ch.submit(Op.PUT, payload, "PUT", bulk=views, bulk_len=sum(ns))
+                        sums = None
+                    if sums is None:
+                        buf = slab.buffer
+                        sums = [value_checksum(buf[h * bs : h * bs + n])
+                                for h, n in zip(handles[s:e], ns, strict=True)]
+                    commit = ch.submit(Op.COMMIT, encode_commit(ks, sums), "COMMIT",
+                                       flags=COMMIT_FLAG_REQUIRE_WRITTEN)
+                    due.append(_PutStage(s, e, put, commit))
+            while due:
+                due.pop(0).settle(ch, keys, out, refused)
+        except OSError as e:
+            raise wrap_socket_errors("PUT", e) from e
+        return Stored(out, refused[0] if refused else None)
+
     def close(self) -> None:
         self._slab = None
         self._local = None
         self._lazy = []
+
+
+@dataclasses.dataclass
+class _PutStage:
+    """One PUT sent with its COMMIT behind it, answers not yet read."""
+
+    start: int
+    end: int
+    put: Reply
+    commit: Reply
+
+    @property
+    def answer_bytes(self) -> int:
+        return 2 * (HEADER.size + U32.size + self.end - self.start)
+
+    def settle(
+        self, ch: Channel, keys: Sequence[bytes], out: list[bool], refused: list[RemoteError]
+    ) -> None:
+        """Read both answers: a key is stored when committed, or present already.
+        Extents allocated but not committed are given back (ABORT)."""
+        n = self.end - self.start
+        err = _await_answer(ch, self.put)
+        statuses = None if err is not None else decode_put_answer(self.put.payload, n)
+        commit_err = _await_answer(ch, self.commit)
+        committed = (
+            [False] * n if commit_err is not None
+            else decode_flags(self.commit.payload, n, "COMMIT")
+        )
+        for err_ in (err, commit_err):
+            if isinstance(err_, RemoteError):
+                refused.append(err_)
+            elif err_ is not None:
+                raise err_
+        leftover = []
+        for j in range(n):
+            status = None if statuses is None else statuses[j]
+            out[self.start + j] = committed[j] or status == AllocStatus.EXISTS
+            if status == AllocStatus.OK and not committed[j]:
+                leftover.append(keys[self.start + j])
+        if leftover:  # give the node its extents back
+            ch.send_nowait(Op.ABORT, encode_keys(leftover))
 
 
 class _GetReceiver:
@@ -653,7 +776,7 @@ class TcpNodeDataPath(NodeDataPath):
     name = "tcp"
 
     def handlers(self) -> Mapping[int, NodeHandler]:
-        return {Op.WRITE: self._write, Op.READ: self._read, Op.GET: self._get}
+        return {Op.WRITE: self._write, Op.READ: self._read, Op.GET: self._get, Op.PUT: self._put}
 
     def _write(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         ops = decode_data_ops(payload, "WRITE")
@@ -723,3 +846,52 @@ class TcpNodeDataPath(NodeDataPath):
         finally:
             unpin()
 
+    def _put(self, session: NodeSession, req: Header, payload: bytearray) -> None:
+        items = decode_alloc(payload, "PUT")
+        total = sum(size for _, size, _ in items)
+        if total != req.bulk_len:
+            raise ProtocolError(
+                f"PUT items name {total} bytes but the frame carries {req.bulk_len}"
+            )
+        statuses, offsets, received = session.alloc_received(items)
+        try:
+            self._receive_values(session.channel, items, offsets, total)
+        except BaseException:  # nothing half-written stays allocated
+            session.abort([key for (key, _, _), o in zip(items, offsets, strict=True)
+                           if o is not None])
+            raise
+        received()  # only now: every byte of every allocated value is in the pool
+        session.reply(req, encode_put_answer(statuses))
+
+    def _receive_values(
+        self,
+        ch: Channel,
+        items: Sequence[tuple[bytes, int, bytes]],
+        offsets: Sequence[int | None],
+        total: int,
+    ) -> None:
+        """A PUT's bulk: each allocated value into its extent (pool ``offsets``),
+        the bytes of the values refused into a scratch buffer."""
+        refused = sum(size for (_, size, _), o in zip(items, offsets, strict=True) if o is None)
+        scratch = bytearray(min(refused, PUT_DRAIN_BYTES))
+        step = len(scratch) or 1
+        if not use_native:
+            pool, drain = self.pool.buffer, memoryview(scratch)
+            parts: list[memoryview] = []
+            for (_, size, _), o in zip(items, offsets, strict=True):
+                if o is not None:
+                    parts.append(pool[o : o + size])
+                    continue
+                parts.extend(drain[: min(step, size - s)] for s in range(0, size, step))
+            ch.recv_bulk(parts)
+            return
+        base = self.pool.base_addr
+        where = _address_of(scratch) if scratch else 0
+        rows: list[int] = []
+        for (_, size, _), o in zip(items, offsets, strict=True):
+            if o is not None:
+                rows += (base + o, size)  # an extent the store just handed out
+                continue
+            for s in range(0, size, step):
+                rows += (where, min(step, size - s))
+        recv_iov_from(ch, _u64(rows).reshape(-1, 2), total)  # `scratch` lives meanwhile
