@@ -13,6 +13,7 @@ whose input classes the default fuzz keeps sending).
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 import subprocess
@@ -37,15 +38,19 @@ from rdmakv.fuzz.wire import (
     Resp,
     parse_frames,
     raw_alloc,
+    raw_commit,
     raw_get,
+    raw_ops,
 )
 from rdmakv.protocol import (
+    COMMIT_FLAG_REQUIRE_WRITTEN,
     HEADER,
     LOOKUP_ENTRY,
     LOOKUP_FLAG_LEASE,
     MAX_BULK_BYTES,
     RESPONSE_BIT,
     U32,
+    AllocStatus,
     Channel,
     Header,
     LimitExceeded,
@@ -65,6 +70,7 @@ from rdmakv.protocol import (
     encode_get_answer,
     encode_hello,
     encode_keys,
+    encode_put_answer,
     value_checksum,
 )
 
@@ -104,10 +110,10 @@ def test_fuzz_real_node(tmp_path: Path) -> None:
     if frames >= 1000:  # a run that long must have exercised every kind of answer
         answers = set(report.answers)
         for op in ("ALLOC", "COMMIT", "ABORT", "LOOKUP", "RELEASE", "DELETE", "EXISTS",
-                   "STATS", "WRITE", "READ", "GET", "HELLO"):
+                   "STATS", "WRITE", "READ", "GET", "PUT", "HELLO"):
             assert f"{op} OK" in answers, op
         for refusal in ("WRITE BAD_ADDRESS", "READ BAD_ADDRESS", "ALLOC BAD_REQUEST",
-                        "GET BAD_REQUEST", "unknown UNKNOWN_OPCODE"):
+                        "GET BAD_REQUEST", "PUT BAD_REQUEST", "unknown UNKNOWN_OPCODE"):
             assert refusal in answers, refusal
         assert {"AUTH_FAILED", "NOT_AUTHENTICATED", "FRAME_TOO_LARGE", "LIMIT_EXCEEDED"} <= set(
             report.statuses
@@ -136,6 +142,8 @@ def _decode(req: Req) -> object:
         return decode_commit(req.payload)
     if req.kind == "alloc":
         return decode_alloc(req.payload)
+    if req.kind == "put":
+        return decode_alloc(req.payload, "PUT")
     if req.kind == "get":
         return decode_get(req.payload)
     if req.kind == "ids":
@@ -150,16 +158,21 @@ def _decode(req: Req) -> object:
 def test_strategy_tags_match_the_protocol_decoders(data: st.DataObject) -> None:
     """A frame tagged well-formed decodes to exactly its items; one tagged
     LIMIT_EXCEEDED makes the decoder raise LimitExceeded; one tagged BAD_REQUEST
-    another ProtocolError, or it is a WRITE whose bulk disagrees with its ops
-    (the node answers those statuses for exactly these errors)."""
+    another ProtocolError, or it is a WRITE (PUT) whose bulk disagrees with its
+    ops (sizes) (the node answers those statuses for exactly these errors). A
+    well-formed PUT's bulk is its items' values: the sizes' sum."""
     req = data.draw(S.frames(VIEW))
-    if req.kind not in ("keys", "commit", "alloc", "get", "ids", "data") or req.fatal:
+    kinds = ("keys", "commit", "alloc", "put", "get", "ids", "data")
+    if req.kind not in kinds or req.fatal:
         return
     if req.expect is None:
         items = [(k, n, d, *extra) for k, n, d, extra in req.items or []]
         want = {"keys": req.keys, "ids": req.ids, "data": req.ops, "alloc": items,
-                "commit": (req.keys, req.sums), "get": (req.keys, req.digests)}[req.kind]
+                "put": items, "commit": (req.keys, req.sums),
+                "get": (req.keys, req.digests)}[req.kind]
         assert _decode(req) == want
+        if req.kind == "put":
+            assert len(req.bulk) == sum(n for _, n, _, _ in req.items or [])
     elif req.expect == Status.LIMIT_EXCEEDED:
         with pytest.raises(LimitExceeded):
             _decode(req)
@@ -171,7 +184,11 @@ def test_strategy_tags_match_the_protocol_decoders(data: st.DataObject) -> None:
             pytest.fail("tagged BAD_REQUEST but the count is over the limit")
         except ProtocolError:
             return
-        assert req.opcode == Op.WRITE and isinstance(ops, list)
+        assert isinstance(ops, list)
+        if req.opcode == Op.PUT:
+            assert sum(n for _, n, _ in ops) != len(req.bulk)
+            return
+        assert req.opcode == Op.WRITE
         assert sum(n for _, n in ops) != len(req.bulk)
 
 
@@ -292,6 +309,174 @@ def test_model_checks_get_answers() -> None:
     m.check(1, big, _get_resp(big, [], [], b"", Status.LIMIT_EXCEEDED))
     with pytest.raises(FuzzFailure, match="LIMIT_EXCEEDED"):
         m.check(1, big, _get_resp(big, [], [], b"", Status.BAD_REQUEST))
+
+
+def _put_resp(req: Req, statuses: list[AllocStatus], status: int = Status.OK,
+              bulk: bytes = b"") -> Resp:
+    payload = encode_put_answer(statuses) if status == Status.OK else b"refused"
+    hdr = Header(req.opcode | RESPONSE_BIT, 0, status, len(payload), len(bulk), req.req_id)
+    return Resp(hdr, payload, bulk)
+
+
+def _put_model() -> Model:
+    """The victim's key at BASE, another connection's (2) uncommitted key at the next block."""
+    m = _model()
+    m.content[BASE] = Content.of(b"v")
+    m.pending[b"p"] = Pending(b"p", 2, Ext(BASE + BLOCK, 5, b"p" * 16))
+    return m
+
+
+def test_model_checks_put_answers() -> None:
+    """PUT's statuses are ALLOC's item by item (an earlier item of the same PUT
+    makes a key BUSY; NO_SPACE tolerated); each OK item is a written extent of
+    the connection holding the bytes sent: COMMIT require_written commits it,
+    GET and a leased READ give those bytes back (the LOOKUP places it); a bulk
+    that is not the sizes' sum is BAD_REQUEST; no bulk comes back; PUT's bulk
+    is not 'bulk on a request that takes none'."""
+    E, K, B, T = AllocStatus.EXISTS, AllocStatus.OK, AllocStatus.BUSY, AllocStatus.TOO_LARGE
+    items = [(b"new", 3, b"n" * 16, ()), (b"victim/a", 2, b"d" * 16, ()),
+             (b"p", 1, b"p" * 16, ()), (b"big", BLOCK + 1, b"b" * 16, ()),
+             (b"new", 2, b"n" * 16, ()), (b"zero", 0, b"z" * 16, ())]
+    bulk = b"abc" + b"xy" + b"z" + bytes(BLOCK + 1) + b"qq"
+    put = Req(Op.PUT, raw_alloc(items), "put", items=items, bulk=bulk, req_id=4)
+    right = [K, E, B, T, B, T]
+    for statuses, status, answer_bulk, match in (
+        ([E, E, B, T, B, T], Status.OK, b"", "node said EXISTS, expected OK"),
+        ([K, K, B, T, B, T], Status.OK, b"", "node said OK, expected EXISTS"),  # victim's key
+        ([K, E, K, T, B, T], Status.OK, b"", "node said OK, expected BUSY"),  # another's key
+        ([K, E, B, K, B, T], Status.OK, b"", "expected TOO_LARGE"),  # over the block size
+        ([K, E, B, T, K, T], Status.OK, b"", "expected BUSY"),  # allocated by item 0
+        ([K, E, B, T, B], Status.OK, b"", "does not decode"),  # one status short
+        ([*right, K], Status.OK, b"", "does not decode"),  # one too many
+        (right, Status.OK, b"x", "bulk"),  # answers carry no bulk
+        ([], Status.BAD_REQUEST, b"", "expected OK"),  # a well-formed PUT
+    ):
+        with pytest.raises(FuzzFailure, match=match):
+            _put_model().check(1, put, _put_resp(put, statuses, status, answer_bulk))
+    m = _put_model()
+    full = AllocStatus.NO_SPACE  # tolerated where OK is due (then the key is not BUSY)
+    m.check(1, put, _put_resp(put, [full, E, B, T, full, T]))
+    assert b"new" not in m.pending
+    m = _put_model()
+    m.check(1, put, _put_resp(put, right))
+    p = m.pending[b"new"]
+    assert p.cid == 1 and p.written and p.ext.length == 3 and p.ext.addr < 0
+    assert bytes(m.content[p.ext.addr].data) == b"abc" and b"new" in m.keys_seen
+    # its bulk is not bulk on a request that takes none; one the sizes disagree with is
+    for lie in (bulk[:-1], bulk + b"!"):
+        short = Req(Op.PUT, put.payload, "put", items=items, bulk=lie)
+        _put_model().check(1, short, _put_resp(short, [], Status.BAD_REQUEST))
+        with pytest.raises(FuzzFailure, match="BAD_REQUEST"):
+            _put_model().check(1, short, _put_resp(short, right))
+    over = Req(Op.PUT, put.payload, "put", bulk=bulk, expect=Status.LIMIT_EXCEEDED)
+    with pytest.raises(FuzzFailure, match="expected status LIMIT_EXCEEDED"):
+        _put_model().check(1, over, _put_resp(over, [], Status.BAD_REQUEST))
+    # COMMIT require_written commits it (only on its own connection) ...
+    commit = Req(Op.COMMIT, raw_commit([b"new"], [9]), "commit", keys=[b"new"], sums=[9],
+                 flags=COMMIT_FLAG_REQUIRE_WRITTEN)
+    with pytest.raises(FuzzFailure, match="COMMIT"):
+        m.check(1, commit, _resp(commit, encode_flags([False])))
+    with pytest.raises(FuzzFailure, match="COMMIT"):
+        m.check(2, commit, _resp(commit, encode_flags([True])))
+    m.check(1, commit, _resp(commit, encode_flags([True])))
+    assert m.committed[b"new"].extra == (9,) and b"new" not in m.pending
+    # ... then GET gives the PUT's bytes back, with COMMIT's checksum
+    get = Req(Op.GET, raw_get([b"new"], [b"n" * 16]), "get", keys=[b"new"], digests=[b"n" * 16])
+    verified = m.bytes_verified
+    m.check(1, get, _get_resp(get, [3], [9], b"abc"))
+    assert m.bytes_verified == verified + 3
+    with pytest.raises(FuzzFailure, match="wrong value"):
+        m.check(1, get, _get_resp(get, [3], [9], b"abd"))
+    # a leased LOOKUP says where it is (never a block someone holds) and READ agrees
+    look = Req(Op.LOOKUP, encode_keys([b"new"]), "keys", keys=[b"new"], flags=LOOKUP_FLAG_LEASE)
+    for addr, lease in ((BASE, 40), (BASE + 3 * BLOCK, 41)):
+        entry = LOOKUP_ENTRY.pack(1, addr, 3, 0, lease, b"n" * 16, *(9,) * LOOKUP_EXTRA)
+        if addr == BASE:  # the victim's block
+            with pytest.raises(FuzzFailure, match="not a free block"):
+                copy.deepcopy(m).check(1, look, _resp(look, U32.pack(1) + entry))
+            continue
+        m.check(1, look, _resp(look, U32.pack(1) + entry))
+    assert m.committed[b"new"].addr == BASE + 3 * BLOCK
+    ops = [(BASE + 3 * BLOCK, 3)]
+    read = Req(Op.READ, raw_ops(ops), "data", ops=ops)
+    hdr = Header(Op.READ | RESPONSE_BIT, 0, Status.OK, 0, 3, 0)
+    m.check(1, read, Resp(hdr, b"", b"abc"))
+    with pytest.raises(FuzzFailure, match="wrong value"):
+        m.check(1, read, Resp(hdr, b"", b"xbc"))
+
+
+def test_model_places_put_extents_by_their_writes() -> None:
+    """Until the model knows where a PUT's extent is, a WRITE of its connection
+    into a block nobody is known to hold may be served (then the block is that
+    extent: its bytes are updated) or refused; another connection's is refused,
+    and a block the model knows is held is refused whoever writes."""
+    m = _put_model()
+    items = [(b"w", 4, b"w" * 16, ())]
+    put = Req(Op.PUT, raw_alloc(items), "put", items=items, bulk=b"1234")
+    m.check(1, put, _put_resp(put, [AllocStatus.OK]))
+    ops = [(BASE + 7 * BLOCK + 1, 2)]
+    write = Req(Op.WRITE, raw_ops(ops), "data", ops=ops, bulk=b"xy")
+    m.check(1, write, _resp(write, b"", Status.BAD_ADDRESS))  # not there: fine
+    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
+        m.check(2, write, _resp(write, b""))  # no PUT extent of connection 2
+    held = [(BASE + BLOCK, 2)]  # connection 2's block: known, never connection 1's
+    to_held = Req(Op.WRITE, raw_ops(held), "data", ops=held, bulk=b"xy")
+    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
+        m.check(1, to_held, _resp(to_held, b""))
+    past = [(BASE + 7 * BLOCK + 1, 4)]  # past the 4-byte extent
+    too_long = Req(Op.WRITE, raw_ops(past), "data", ops=past, bulk=b"wxyz")
+    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
+        m.check(1, too_long, _resp(too_long, b""))
+    m.check(1, write, _resp(write, b""))  # served: there it is
+    p = m.pending[b"w"]
+    assert p.ext.addr == BASE + 7 * BLOCK and bytes(m.content[p.ext.addr].data) == b"1xy4"
+
+
+def test_put_frames_carry_their_values() -> None:
+    """PUT frames are mostly well-formed with the values as bulk (some sizes over
+    the block size, drained), sometimes with a bulk the sizes disagree with
+    (BAD_REQUEST); no bulk is ever big. A clean put is PUT, COMMIT
+    (require_written) and GET of the same keys, each well-formed."""
+    seen = {"ok": 0, "over_block": 0, "bad_bulk": 0}
+    biggest = 0
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(S.put_frame(VIEW))
+    def count(req: Req) -> None:
+        nonlocal biggest
+        biggest = max(biggest, len(req.bulk))
+        if req.expect is None:
+            assert req.items is not None
+            assert len(req.bulk) == sum(n for _, n, _, _ in req.items)
+            seen["ok"] += 1
+            seen["over_block"] += any(n > BLOCK for _, n, _, _ in req.items)
+        elif req.expect == Status.BAD_REQUEST and not req.fatal:
+            try:
+                items = decode_alloc(req.payload, "PUT")
+            except ProtocolError:
+                return
+            assert sum(n for _, n, _ in items) != len(req.bulk)
+            seen["bad_bulk"] += 1
+
+    count()
+    assert seen["ok"] > 150 and seen["over_block"] > 0 and seen["bad_bulk"] > 0, seen
+    assert biggest <= 2 * 1024 * 1024
+
+    @settings(max_examples=50, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(S.clean_put(VIEW))
+    def clean(reqs: list[Req]) -> None:
+        put, commit, get = reqs
+        assert [r.opcode for r in reqs] == [Op.PUT, Op.COMMIT, Op.GET]
+        assert put.expect is None and put.items is not None
+        keys = [k for k, _, _ in decode_alloc(put.payload, "PUT")]
+        assert len(put.bulk) == sum(n for _, n, _, _ in put.items)
+        assert decode_commit(commit.payload) == (keys, commit.sums) == (commit.keys, commit.sums)
+        assert commit.flags == COMMIT_FLAG_REQUIRE_WRITTEN
+        assert decode_get(get.payload) == (keys, get.digests)
+
+    clean()
 
 
 def test_get_frames_mostly_ask_for_the_stored_digest() -> None:

@@ -5,10 +5,12 @@ large enough that the fuzzer never makes it evict), stores the victim's
 values through a real :class:`~rdmakv.client.KVClient` and learns their
 extents. Each Hypothesis example (:meth:`Target.run_example`) then opens
 connections and sends about ``frames_per_example`` frames through them:
-single requests and pipelined batches on authenticated connections,
-handshakes of every kind on fresh ones (the unauthenticated path), and
-mutated frames after which the connection is half-closed. Every answer is
-checked by :class:`~rdmakv.fuzz.model.Model`.
+single requests and pipelined batches on authenticated connections (among
+them a correct client's leased read and GET of the victim's values, and its
+put: PUT, COMMIT and GET of fresh keys pipelined), handshakes of every kind
+on fresh ones (the unauthenticated path), and mutated frames after which the
+connection is half-closed. Every answer is checked by
+:class:`~rdmakv.fuzz.model.Model`.
 
 After each example every fuzzer connection is closed (waiting until the node
 ended its session), and the node must: be alive; hold exactly the entries,
@@ -39,7 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -96,6 +98,7 @@ ACTIONS = (
     ("handshake", 2),
     ("mutate", 1),
     ("leased_read", 1),
+    ("clean_put", 1),
 )
 ACTION_STRATEGY = st.sampled_from([a for a, w in ACTIONS for _ in range(w)])
 CONN_INDEX = st.integers(0, MAX_CONNS - 1)
@@ -349,10 +352,14 @@ class Target:
         m = self.model
         assert m is not None
         cid = -1 if conn is None else conn.cid
-        own = tuple((p.ext.addr, p.ext.length) for p in m.pending.values() if p.cid == cid)
+        # a PUT's extent whose address the model has not learnt (addr < 0) is no
+        # target for WRITE or READ: only its key is known
+        own = tuple((p.ext.addr, p.ext.length) for p in m.pending.values()
+                    if p.cid == cid and p.ext.addr >= 0)
         own_keys = tuple(p.key for p in m.pending.values() if p.cid == cid)
         committed_keys = tuple(k for k in m.committed if k not in m.victim)
-        other = tuple((p.ext.addr, p.ext.length) for p in m.pending.values() if p.cid != cid)
+        other = tuple((p.ext.addr, p.ext.length) for p in m.pending.values()
+                      if p.cid != cid and p.ext.addr >= 0)
         leased = tuple(
             (e.addr, e.length) for le in m.leases.values() if le.cid == cid for e in le.exts
         )
@@ -368,7 +375,7 @@ class Target:
             own_keys=own_keys,
             committed_keys=committed_keys,
             other_pending=other,
-            committed=tuple((e.addr, e.length) for e in m.committed.values()),
+            committed=tuple((e.addr, e.length) for e in m.committed.values() if e.addr >= 0),
             own_leased=leased,
             victim_extents=tuple(
                 (k, e.addr, e.length) for k, e in m.committed.items() if k in m.victim
@@ -480,6 +487,9 @@ class Target:
             reqs = data.draw(S.leased_read(self.view(conn)), label="leased read")
             if reqs:
                 self._send(ex, conn, reqs)
+        elif action == "clean_put":
+            conn = self._authed(data, ex)
+            self._send(ex, conn, data.draw(S.clean_put(self.view(conn)), label="clean put"))
 
     def _send(self, ex: Example, conn: Conn, reqs: list[Req]) -> None:
         """Send ``reqs`` at once and check each answer in order (see the module doc)."""
@@ -661,6 +671,7 @@ class Target:
             for k in fuzz_keys:
                 del m.committed[k]
         m.keys_seen.clear()
+        m.forget_unplaced()
         # Views may only depend on this example's history: Hypothesis replays a
         # choice sequence and requires the same strategies to come out of it.
         m.lease_owner.clear()
@@ -679,7 +690,10 @@ class Target:
                 m.committed.pop(key, None)
                 continue
             ext = Ext(res.extent.addr, res.extent.length, res.digest, lookup_extra(res))
-            if m.committed.get(key) != ext:
+            old = m.committed.get(key)
+            if old is not None and old.addr < 0 and replace(old, addr=ext.addr) == ext:
+                m.place(key, ext.addr, check=False)  # a PUT's value, where it is now known
+            elif old != ext:
                 m.committed[key] = ext
                 m.content[ext.addr] = Content.unknown(ext.length)
 

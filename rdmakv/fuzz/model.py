@@ -22,6 +22,13 @@ block) and checks every answer:
   the keys committed with the digest asked for, each with its committed length
   and COMMIT's checksum, and its bulk is the hits' values (every known byte
   checked), unless they total more than MAX_BULK_BYTES (LIMIT_EXCEEDED);
+  PUT's statuses are ALLOC's (BAD_REQUEST when the bulk is not the sizes'
+  sum) and each OK item is an uncommitted extent of this connection holding
+  exactly the bytes sent, written (COMMIT require_written commits it). Its
+  answer gives no address: the model learns where it is from the first
+  LOOKUP that finds it committed, or from a WRITE of this connection that
+  lands in it (until then a WRITE into a block nobody else is known to hold
+  may be refused or served);
 * STATS: entries, pending and leases_active equal the model's counts.
 """
 
@@ -32,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from rdmakv.errors import ProtocolError
 from rdmakv.fuzz.wire import AllocItem, FuzzFailure, Req, Resp
 from rdmakv.protocol import (
+    BULK_REQUEST_OPCODES,
     COMMIT_FLAG_REQUIRE_WRITTEN,
     LOOKUP_FLAG_LEASE,
     MAX_BULK_BYTES,
@@ -48,6 +56,7 @@ from rdmakv.protocol import (
     decode_json,
     decode_lookup_results,
     decode_node_info,
+    decode_put_answer,
 )
 
 
@@ -55,7 +64,9 @@ from rdmakv.protocol import (
 class Ext:
     """A value's extent as the node handed it out; ``extra``: the fields LOOKUP
     must give back after the digest (the checksum COMMIT stored; the ALLOC
-    item's fields after the digest until then, none since protocol v3)."""
+    item's fields after the digest until then, none since protocol v3).
+    ``addr`` < 0: a PUT's extent whose address the model has not learnt yet
+    (a name of its own, never a pool address; see :meth:`Model.place`)."""
 
     addr: int
     length: int
@@ -76,6 +87,14 @@ class Lease:
     lid: int
     cid: int
     exts: list[Ext]
+
+
+class _Unplaced:
+    """A WRITE op the model cannot judge: inside a block nobody is known to hold,
+    where one of this connection's PUT extents (address unknown) may be."""
+
+
+UNPLACED = _Unplaced()
 
 
 @dataclass
@@ -109,6 +128,7 @@ class Model:
     keys_seen: set[bytes] = field(default_factory=set)  # every fuzz key ever allocated
     bytes_verified: int = 0
     lease_quota: int | None = None  # the node's per-session lease quota (bytes), if it has one
+    unplaced: int = 0  # PUT extents named so far (their Ext.addr: -1, -2, ...)
 
     @property
     def base(self) -> int:
@@ -124,6 +144,42 @@ class Model:
         if off < 0 or off >= self.info.pool_len:
             return None
         return self.base + off // self.bs * self.bs
+
+    def new_unplaced(self) -> int:
+        """A name for a PUT extent, whose answer does not say where it is."""
+        self.unplaced += 1
+        return -self.unplaced
+
+    def place(self, key: bytes, addr: int, *, check: bool = True) -> Ext:
+        """The model learnt where ``key``'s PUT extent (uncommitted, or committed
+        without a LOOKUP since) is: ``addr``, which must be a block start no one
+        else holds (``check``). Its bytes move along; returns the extent."""
+        p = self.pending.get(key)
+        if p is None or p.ext.addr >= 0:
+            p = None
+            old = self.committed[key]
+        else:
+            old = p.ext
+        assert old.addr < 0
+        if check and (self.block_start(addr) != addr or addr in self.held_blocks()):
+            raise FuzzFailure(
+                f"{key!r:.40}'s PUT extent is at 0x{addr:x}, which is not a free block start"
+            )
+        ext = replace(old, addr=addr)
+        if p is not None:
+            p.ext = ext
+        else:
+            self.committed[key] = ext
+        c = self.content.pop(old.addr, None)
+        self.content[addr] = Content.unknown(ext.length) if c is None else c
+        return ext
+
+    def forget_unplaced(self) -> None:
+        """Drop the bytes of PUT extents nobody holds any more (names are never reused)."""
+        live = {p.ext.addr for p in self.pending.values()}
+        live.update(e.addr for e in self.committed.values())
+        for addr in [a for a in self.content if a < 0 and a not in live]:
+            del self.content[addr]
 
     def held_blocks(self) -> set[int]:
         """Blocks someone holds: committed, uncommitted, or under a live lease."""
@@ -162,7 +218,8 @@ class Model:
         if hdr.status == Status.INTERNAL:
             raise FuzzFailure(f"node reported an internal error: {resp.payload[:300]!r}")
         # Bulk on a request that takes none is refused before its payload is looked at.
-        bulk_refused = bool(req.bulk) and req.opcode != Op.WRITE and req.kind != "hello"
+        bulk_refused = (bool(req.bulk) and req.opcode not in BULK_REQUEST_OPCODES
+                        and req.kind != "hello")
         if req.expect is not None and not (bulk_refused and hdr.status == Status.BAD_REQUEST):
             if hdr.status != req.expect:
                 raise FuzzFailure(
@@ -177,11 +234,14 @@ class Model:
 
     def _semantics(self, cid: int, req: Req, resp: Resp) -> None:
         op, st = req.opcode, resp.status
-        if req.bulk and op != Op.WRITE:  # only WRITE carries bulk: refused, bulk skipped
+        if req.bulk and op not in BULK_REQUEST_OPCODES:  # refused, bulk skipped
             _want(st, Status.BAD_REQUEST, resp, f"opcode {op} with bulk")
             return
         if op == Op.WRITE:
             self._write(cid, req, resp)
+            return
+        if op == Op.PUT:  # may be refused for its bulk: before the check for OK
+            self._put(cid, req, resp)
             return
         if op == Op.READ:
             self._read(cid, req, resp)
@@ -270,17 +330,20 @@ class Model:
         if got != want:
             raise FuzzFailure(f"{where}: node counts {got}, model counts {want}")
 
+    def _alloc_want(self, key: bytes, size: int) -> AllocStatus:
+        """What ALLOC (and PUT) must answer for one item, the items before it applied."""
+        if not 0 < size <= self.bs:
+            return AllocStatus.TOO_LARGE
+        if key in self.committed:
+            return AllocStatus.EXISTS
+        if key in self.pending:
+            return AllocStatus.BUSY
+        return AllocStatus.OK
+
     def _alloc(self, cid: int, items: list[AllocItem], resp: Resp) -> None:
         results = decode_extents(resp.payload, len(items))
         for (key, size, digest, extra), (status, ext) in zip(items, results, strict=True):
-            if not 0 < size <= self.bs:
-                want = AllocStatus.TOO_LARGE
-            elif key in self.committed:
-                want = AllocStatus.EXISTS
-            elif key in self.pending:
-                want = AllocStatus.BUSY
-            else:
-                want = AllocStatus.OK
+            want = self._alloc_want(key, size)
             if status == AllocStatus.NO_SPACE and want == AllocStatus.OK:
                 continue
             if status != want:
@@ -301,6 +364,39 @@ class Model:
             if key not in self.victim:
                 self.keys_seen.add(key)
 
+    def _put(self, cid: int, req: Req, resp: Resp) -> None:
+        """PUT: BAD_REQUEST unless the bulk is the sizes' sum; then each item's
+        status as ALLOC's, and each OK item an extent of this connection holding
+        the item's bytes, written. Where it is the answer does not say."""
+        assert req.items is not None
+        total = sum(size for _, size, _, _ in req.items)
+        what = f"PUT of {len(req.items)} items ({total} bytes)"
+        if len(req.bulk) != total:  # checked before anything is allocated
+            _want(resp.status, Status.BAD_REQUEST, resp, f"{what} with {len(req.bulk)} bulk")
+            return
+        _want(resp.status, Status.OK, resp, what)
+        if resp.bulk:
+            raise FuzzFailure(f"{what} answered with {len(resp.bulk)} bulk bytes")
+        statuses = decode_put_answer(resp.payload, len(req.items))
+        pos = 0
+        for (key, size, digest, extra), status in zip(req.items, statuses, strict=True):
+            value = req.bulk[pos : pos + size]
+            pos += size
+            want = self._alloc_want(key, size)
+            if status == AllocStatus.NO_SPACE and want == AllocStatus.OK:
+                continue
+            if status != want:
+                raise FuzzFailure(
+                    f"PUT {key!r:.40} size {size}: node said {status.name}, expected {want.name}"
+                )
+            if status != AllocStatus.OK:
+                continue
+            addr = self.new_unplaced()
+            self.pending[key] = Pending(key, cid, Ext(addr, size, digest, extra), written=True)
+            self.content[addr] = Content.of(value)
+            if key not in self.victim:
+                self.keys_seen.add(key)
+
     def _lookup(self, cid: int, keys: list[bytes], lease: bool, resp: Resp) -> None:
         results = decode_lookup_results(resp.payload, len(keys))
         hits: list[Ext] = []
@@ -310,6 +406,8 @@ class Model:
             _same("LOOKUP found", key, ext is not None, res is not None)
             if res is None or ext is None:
                 continue
+            if ext.addr < 0:  # a PUT's value: now the model knows where it is
+                ext = self.place(key, res.extent.addr)
             got = (res.extent.addr, res.extent.length, res.digest, res.extent.rkey,
                    lookup_extra(res))
             if got != (ext.addr, ext.length, ext.digest, self.info.rkey, ext.extra):
@@ -369,14 +467,25 @@ class Model:
                         return e
         return None
 
-    def _op_ok(self, cid: int, addr: int, length: int, *, write: bool) -> Ext | Pending | None:
+    def _unplaced_fits(self, cid: int, start: int, end: int) -> list[Pending]:
+        """This connection's PUT extents of unknown address that [start, end) fits."""
+        return [p for p in self.pending.values()
+                if p.cid == cid and p.ext.addr < 0 and end <= start + p.ext.length]
+
+    def _op_ok(
+        self, cid: int, addr: int, length: int, *, write: bool
+    ) -> Ext | Pending | _Unplaced | None:
         start = self.block_start(addr)
         end = self.base + self.info.pool_len
         if length <= 0 or start is None or addr + length > end:
             return None
         if write:
             p = self._own_pending_at(cid, start)
-            return p if p is not None and addr + length <= start + p.ext.length else None
+            if p is not None:
+                return p if addr + length <= start + p.ext.length else None
+            if start not in self.held_blocks() and self._unplaced_fits(cid, start, addr + length):
+                return UNPLACED
+            return None
         e = self._leased_at(cid, start)
         return e if e is not None and addr + length <= start + e.length else None
 
@@ -386,11 +495,24 @@ class Model:
         if any(t is None for t in targets):
             _want(resp.status, Status.BAD_ADDRESS, resp, f"WRITE {req.ops[:4]}")
             return
+        if any(isinstance(t, _Unplaced) for t in targets) and resp.status == Status.BAD_ADDRESS:
+            return  # an op was in none of this connection's PUT extents: fine
         _want(resp.status, Status.OK, resp, f"WRITE {req.ops[:4]}")
         if resp.payload or resp.bulk:
             raise FuzzFailure("WRITE answer carries a payload or bulk")
         pos = 0
         for (addr, n), target in zip(req.ops, targets, strict=True):
+            if isinstance(target, _Unplaced):
+                placed = self._placed_by_write(cid, addr, n)
+                if placed is None:  # in one of several: each may have these bytes now
+                    start = self.block_start(addr)
+                    assert start is not None
+                    for p in self._unplaced_fits(cid, start, addr + n):
+                        c = self.content[p.ext.addr]
+                        c.known[addr - start : addr - start + n] = bytes(n)
+                    pos += n
+                    continue
+                target = placed
             assert isinstance(target, Pending)
             c = self.content[target.ext.addr]
             off = addr - target.ext.addr
@@ -399,6 +521,27 @@ class Model:
             pos += n
             if off == 0 and n == target.ext.length:
                 target.written = True
+
+    def _placed_by_write(self, cid: int, addr: int, n: int) -> Pending | None:
+        """A WRITE of [addr, addr + n) in a block the model had not placed was
+        served: the block is one of this connection's PUT extents. The one it
+        must be (placed now), or None when several fit."""
+        start = self.block_start(addr)
+        assert start is not None
+        p = self._own_pending_at(cid, start)  # placed by an earlier op of this WRITE
+        if p is not None:
+            if addr + n > start + p.ext.length:
+                raise FuzzFailure(f"WRITE of {n} bytes at 0x{addr:x} served, past {p.key!r:.40}")
+            return p
+        fits = self._unplaced_fits(cid, start, addr + n)
+        if not fits:
+            raise FuzzFailure(
+                f"WRITE of {n} bytes at 0x{addr:x} served: in no extent of this connection"
+            )
+        if len(fits) > 1:
+            return None
+        self.place(fits[0].key, start)
+        return fits[0]
 
     def _read(self, cid: int, req: Req, resp: Resp) -> None:
         assert req.ops is not None
@@ -484,8 +627,9 @@ def _compare(c: Content, off: int, got: bytes, addr: int, what: str = "READ") ->
         return n
     for i in range(n):
         if known[i] and got[i] != want[i]:
+            where = f"0x{addr:x}" if addr >= 0 else "a PUT's extent (address not known)"
             raise FuzzFailure(
-                f"{what} at 0x{addr:x}: byte {off + i} of the value is {got[i]:#x}, "
+                f"{what} at {where}: byte {off + i} of the value is {got[i]:#x}, "
                 f"expected {want[i]:#x} (wrong value)"
             )
     return n - unknown

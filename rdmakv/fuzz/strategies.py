@@ -8,7 +8,7 @@ frame is well-formed and the model decides the answer. The values are hostile
 on purpose: counts at and over the limits, key lengths 0/1/512/513, sizes
 0/block/block+1/2^32-1, addresses outside the pool, inside other sessions'
 extents, wrapping a u64, zero and huge lengths, foreign/repeated/unknown lease
-ids, bulk that disagrees with the ops.
+ids, bulk that disagrees with the ops or with a PUT's sizes.
 
 Invariants the model relies on:
 
@@ -70,14 +70,16 @@ from rdmakv.protocol import (
     U32,
     Op,
     Status,
+    value_checksum,
 )
 
 T = TypeVar("T")
 U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
 BULK_CAP = 256 * 1024
-"""Largest bulk the fuzzer actually sends with one WRITE; op lists naming more
-get a bulk that disagrees with them (the node must refuse it unread)."""
+"""Largest bulk the fuzzer actually sends with one WRITE or PUT; op lists (PUT
+items) naming more get a bulk that disagrees with them (the node must refuse it
+unread)."""
 SMALL = 8  # items per well-formed list, as a rule: keeps the pool far from full
 
 KNOWN_BUGS = {
@@ -445,6 +447,65 @@ def alloc_frame(draw: st.DrawFn, view: View) -> Req:
     return _finish(req, draw(header_noise()))
 
 
+PUT_AT_LIMIT_SIZES = st.sampled_from([0, 1, 7, 80])
+"""Size of the one item an at-limit PUT repeats: tiny, so its bulk stays small
+(16384 x 80 bytes = 1.25 MiB, all but the first item refused BUSY or EXISTS and
+drained through the node's 1 MiB scratch buffer in more than one pass; 0:
+TOO_LARGE, no bulk at all). Its bulk can never reach MAX_BULK_BYTES."""
+
+
+def put_size(size: int, block: int) -> int:
+    """An ALLOC item's size as a PUT sends it: sizes over the block size (TOO_LARGE,
+    their bytes drained) folded into (block, 2 * block], so the bulk stays sendable."""
+    return size if size <= block else block + 1 + (size - block - 1) % block
+
+
+@st.composite
+def put_frame(draw: st.DrawFn, view: View) -> Req:
+    """PUT: ALLOC's items (keys the view knows, hostile sizes, the victim's keys:
+    EXISTS), bulk = each item's value in item order, or a bulk that disagrees
+    with the sizes (BAD_REQUEST, nothing allocated); sometimes sizes far over the
+    block size (their sum cannot be sent: a little bulk, BAD_REQUEST); at / over
+    the key-count limit (one tiny item repeated), invalid keys, lying counts,
+    payloads cut short or with junk, as :func:`alloc_frame`."""
+    seed = draw(st.integers(0, 2**32))
+    if draw(SELDOM):
+        key, _, digest, extra = draw(alloc_item(view))
+        size = draw(PUT_AT_LIMIT_SIZES)
+        one = (key, size, digest, extra)
+        n = draw(AT_KEY_LIMIT)
+        req = Req(Op.PUT, raw_alloc([one], repeat=n), "put", bulk=pattern(seed, size) * n,
+                  items=[one] * n, note=f"{n} items of {size} bytes")
+        req.expect = Status.LIMIT_EXCEEDED if n > MAX_KEYS_PER_REQUEST else None
+        return _finish(req, draw(header_noise()))
+    items = draw(st.lists(alloc_item(view), max_size=SMALL))
+    if not draw(RARELY):  # else sizes up to 2^32 - 1 stay: a sum no bulk can carry
+        items = [(k, put_size(n, view.block_size), d, e) for k, n, d, e in items]
+    ok = True
+    if draw(RARELY):
+        bad = draw(st.sampled_from(INVALID_KEYS))
+        items.insert(fraction(draw, len(items)), (bad, 1, bytes(DIGEST_LEN), (0,) * ALLOC_EXTRA))
+        ok = False
+    count = draw(count_field(len(items), MAX_KEYS_PER_REQUEST))
+    payload, broken = draw(_damage(raw_alloc(items, count), count))
+    lied = count is not None and count != len(items)
+    expect = _list_status(payload, lied, MAX_KEYS_PER_REQUEST, broken or not ok)
+    total = sum(n for _, n, _, _ in items)
+    lie = draw(_BULK_LIE)
+    little = draw(st.integers(0, 64))
+    # the values' bytes, or a bulk that lies by `lie`; sizes summing to more than
+    # BULK_CAP cannot be sent: a little bulk (the node must refuse it unread)
+    size = max(total + lie, 0) if total <= BULK_CAP else little
+    if lie and size == total:
+        size += 1
+    bulk = pattern(seed, size)
+    if len(bulk) != total and expect is None:
+        expect = Status.BAD_REQUEST  # checked after the payload, before any allocation
+    req = Req(Op.PUT, payload, "put", bulk=bulk, items=items if expect is None else None,
+              expect=expect, note=f"{len(items)} items, {total} bytes, bulk {len(bulk)}")
+    return _finish(req, draw(header_noise()))
+
+
 _LEASE_SOURCE = _choice((1, "edge"), (1, "random"), (6, "own"), (3, "other"))
 _EDGE_LEASES = (0, 1, U64_MAX, 2**63)
 
@@ -677,10 +738,43 @@ def leased_read(draw: st.DrawFn, view: View) -> list[Req]:
     return reqs
 
 
+@st.composite
+def clean_put(draw: st.DrawFn, view: View) -> list[Req]:
+    """A correct client's put, pipelined as TcpTransport.store sends it: one PUT
+    of 1-3 values under fresh keys, COMMIT (require_written) of those keys with
+    their values' checksums right behind it, then a GET of them with their
+    digests: bytes the node received through PUT come back through GET and are
+    checked (the hostile strategies commit and GET a PUT's key only by chance)."""
+    n = draw(st.integers(1, 3))
+    keys = [b"fp:" + draw(st.binary(min_size=1, max_size=8)) for _ in range(n)]
+    most = min(view.block_size, BULK_CAP // 4)
+    sizes = [draw(st.integers(1, most)) for _ in range(n)]
+    digests = [draw(st.binary(min_size=DIGEST_LEN, max_size=DIGEST_LEN)) for _ in range(n)]
+    seed = draw(st.integers(0, 2**32))
+    put_id, commit_id, get_id = draw(
+        st.tuples(st.integers(0, U64_MAX), st.integers(0, U64_MAX), st.integers(0, U64_MAX)))
+    bulk = pattern(seed, sum(sizes))
+    values, pos = [], 0
+    for size in sizes:
+        values.append(bulk[pos : pos + size])
+        pos += size
+    items = [(k, size, d, (0,) * ALLOC_EXTRA) for k, size, d in zip(keys, sizes, digests,
+                                                                      strict=True)]
+    sums = [value_checksum(v) for v in values]
+    return [
+        Req(Op.PUT, raw_alloc(items), "put", bulk=bulk, items=items, req_id=put_id,
+            note="clean put"),
+        Req(Op.COMMIT, raw_commit(keys, sums), "commit", flags=COMMIT_FLAG_REQUIRE_WRITTEN,
+            keys=keys, sums=sums, req_id=commit_id, note="clean commit"),
+        Req(Op.GET, raw_get(keys, digests), "get", keys=keys, digests=digests, req_id=get_id,
+            note="clean get"),
+    ]
+
+
 FRAME_KINDS = (
     ("alloc", 6), ("commit", 2), ("abort", 1), ("lookup", 4), ("release", 2), ("delete", 1),
-    ("exists", 1), ("stats", 1), ("write", 6), ("read", 4), ("get", 4), ("unknown", 1),
-    ("control_bulk", 1),
+    ("exists", 1), ("stats", 1), ("write", 6), ("read", 4), ("get", 4), ("put", 4),
+    ("unknown", 1), ("control_bulk", 1),
 )
 _KIND = st.sampled_from([k for k, w in FRAME_KINDS for _ in range(w)])
 _KIND_SAFE = st.sampled_from([k for k, w in FRAME_KINDS for _ in range(w) if k != "control_bulk"])
@@ -696,6 +790,7 @@ _BUILDERS: dict[str, Callable[[View], st.SearchStrategy[Req]]] = {
     "write": lambda v: data_frame(v, Op.WRITE),
     "read": lambda v: data_frame(v, Op.READ),
     "get": get_frame,
+    "put": put_frame,
     "unknown": unknown_frame,
     "control_bulk": lambda v: control_bulk(
         _weighted((2, keys_frame(v, Op.EXISTS)), (1, get_frame(v)))),

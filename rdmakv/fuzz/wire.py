@@ -59,7 +59,8 @@ class Req:
     """One request frame and its meaning.
 
     ``kind`` names the payload encoding (``keys``, ``commit``, ``alloc``,
-    ``get``, ``ids``, ``data``, ``stats``, ``hello``, ``raw``). ``expect`` is set
+    ``put`` (ALLOC's items; ``bulk``: their values), ``get``, ``ids``, ``data``,
+    ``stats``, ``hello``, ``raw``). ``expect`` is set
     when the frame is malformed on purpose and the status it must get is known
     without the model (``BAD_REQUEST``, ``LIMIT_EXCEEDED``, ``UNKNOWN_OPCODE``,
     ``FRAME_TOO_LARGE``...); None means the model decides. ``fatal``: the node
