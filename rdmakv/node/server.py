@@ -4,8 +4,8 @@ One thread per client connection (a *session*). The first frame must be
 HELLO (version + optional shared-secret token, compared in constant time);
 then requests are served in order through a dispatch table ``opcode ->
 handler``: the control ops below plus whatever the enabled transports'
-:class:`~rdmakv.transport.base.NodeDataPath` objects claim (WRITE/READ for
-tcp, RDMA_CONNECT for rdma), so a transport adds opcodes without touching
+:class:`~rdmakv.transport.base.NodeDataPath` objects claim (WRITE/READ/GET/PUT
+for tcp, RDMA_CONNECT for rdma), so a transport adds opcodes without touching
 this module.
 
 A bad request gets an error response naming what was wrong and the session

@@ -9,7 +9,7 @@ it is bounded by a timeout.
 
 Node side (:class:`NodeDataPath`): what the node does per transport. It may
 claim opcodes (``handlers``) that the node's dispatch table routes to it, e.g.
-WRITE/READ for tcp, ``Op.RDMA_CONNECT`` for rdma, and is told when a session
+WRITE/READ/GET/PUT for tcp, ``Op.RDMA_CONNECT`` for rdma, and is told when a session
 ends. A handler gets a :class:`NodeSession`, through which every remote-supplied
 address is checked against the extents the node handed to *that* session.
 

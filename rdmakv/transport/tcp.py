@@ -771,7 +771,8 @@ class _GetReceiver:
 
 
 class TcpNodeDataPath(NodeDataPath):
-    """Node side: WRITE receives straight into pool extents, READ sends from them."""
+    """Node side: WRITE and PUT receive straight into pool extents, READ and GET
+    send from them (GET and PUT name keys; the store picks the extents)."""
 
     name = "tcp"
 
