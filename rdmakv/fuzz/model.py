@@ -330,27 +330,30 @@ class Model:
         if got != want:
             raise FuzzFailure(f"{where}: node counts {got}, model counts {want}")
 
-    def _alloc_want(self, key: bytes, size: int) -> AllocStatus:
-        """What ALLOC (and PUT) must answer for one item, the items before it applied."""
+    def _allocated(self, what: str, key: bytes, size: int, status: AllocStatus) -> bool:
+        """Check one ALLOC (or PUT) item's status against the model, the items
+        before it applied: True when the node allocated it (NO_SPACE is allowed
+        wherever OK is, the model not knowing what eviction can free)."""
         if not 0 < size <= self.bs:
-            return AllocStatus.TOO_LARGE
-        if key in self.committed:
-            return AllocStatus.EXISTS
-        if key in self.pending:
-            return AllocStatus.BUSY
-        return AllocStatus.OK
+            want = AllocStatus.TOO_LARGE
+        elif key in self.committed:
+            want = AllocStatus.EXISTS
+        elif key in self.pending:
+            want = AllocStatus.BUSY
+        else:
+            want = AllocStatus.OK
+        if status == AllocStatus.NO_SPACE and want == AllocStatus.OK:
+            return False
+        if status != want:
+            raise FuzzFailure(
+                f"{what} {key!r:.40} size {size}: node said {status.name}, expected {want.name}"
+            )
+        return status == AllocStatus.OK
 
     def _alloc(self, cid: int, items: list[AllocItem], resp: Resp) -> None:
         results = decode_extents(resp.payload, len(items))
         for (key, size, digest, extra), (status, ext) in zip(items, results, strict=True):
-            want = self._alloc_want(key, size)
-            if status == AllocStatus.NO_SPACE and want == AllocStatus.OK:
-                continue
-            if status != want:
-                raise FuzzFailure(
-                    f"ALLOC {key!r:.40} size {size}: node said {status.name}, expected {want.name}"
-                )
-            if ext is None:
+            if not self._allocated("ALLOC", key, size, status) or ext is None:
                 continue
             if ext.length != size or ext.rkey != self.info.rkey:
                 raise FuzzFailure(f"ALLOC {key!r:.40} size {size} got extent {ext}")
@@ -382,14 +385,7 @@ class Model:
         for (key, size, digest, extra), status in zip(req.items, statuses, strict=True):
             value = req.bulk[pos : pos + size]
             pos += size
-            want = self._alloc_want(key, size)
-            if status == AllocStatus.NO_SPACE and want == AllocStatus.OK:
-                continue
-            if status != want:
-                raise FuzzFailure(
-                    f"PUT {key!r:.40} size {size}: node said {status.name}, expected {want.name}"
-                )
-            if status != AllocStatus.OK:
+            if not self._allocated("PUT", key, size, status):
                 continue
             addr = self.new_unplaced()
             self.pending[key] = Pending(key, cid, Ext(addr, size, digest, extra), written=True)

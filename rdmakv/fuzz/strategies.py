@@ -434,6 +434,18 @@ def alloc_frame(draw: st.DrawFn, view: View) -> Req:
         req.expect = Status.LIMIT_EXCEEDED if n > MAX_KEYS_PER_REQUEST else None
         return _finish(req, draw(header_noise()))
     items = draw(st.lists(alloc_item(view), max_size=SMALL))
+    payload, expect = draw(alloc_payload(items))
+    req = Req(Op.ALLOC, payload, "alloc", items=items if expect is None else None, expect=expect)
+    return _finish(req, draw(header_noise()))
+
+
+@st.composite
+def alloc_payload(
+    draw: st.DrawFn, items: list[AllocItem]
+) -> tuple[bytes, Status | None]:
+    """ALLOC's (and PUT's) payload of ``items``: sometimes with an invalid key
+    inserted into ``items``, a lying count or damage; and the status the node
+    must answer it with (None: it is well formed)."""
     ok = True
     if draw(RARELY):
         bad = draw(st.sampled_from(INVALID_KEYS))
@@ -442,9 +454,7 @@ def alloc_frame(draw: st.DrawFn, view: View) -> Req:
     count = draw(count_field(len(items), MAX_KEYS_PER_REQUEST))
     payload, broken = draw(_damage(raw_alloc(items, count), count))
     lied = count is not None and count != len(items)
-    expect = _list_status(payload, lied, MAX_KEYS_PER_REQUEST, broken or not ok)
-    req = Req(Op.ALLOC, payload, "alloc", items=items if expect is None else None, expect=expect)
-    return _finish(req, draw(header_noise()))
+    return payload, _list_status(payload, lied, MAX_KEYS_PER_REQUEST, broken or not ok)
 
 
 PUT_AT_LIMIT_SIZES = st.sampled_from([0, 1, 7, 80])
@@ -481,15 +491,7 @@ def put_frame(draw: st.DrawFn, view: View) -> Req:
     items = draw(st.lists(alloc_item(view), max_size=SMALL))
     if not draw(RARELY):  # else sizes up to 2^32 - 1 stay: a sum no bulk can carry
         items = [(k, put_size(n, view.block_size), d, e) for k, n, d, e in items]
-    ok = True
-    if draw(RARELY):
-        bad = draw(st.sampled_from(INVALID_KEYS))
-        items.insert(fraction(draw, len(items)), (bad, 1, bytes(DIGEST_LEN), (0,) * ALLOC_EXTRA))
-        ok = False
-    count = draw(count_field(len(items), MAX_KEYS_PER_REQUEST))
-    payload, broken = draw(_damage(raw_alloc(items, count), count))
-    lied = count is not None and count != len(items)
-    expect = _list_status(payload, lied, MAX_KEYS_PER_REQUEST, broken or not ok)
+    payload, expect = draw(alloc_payload(items))
     total = sum(n for _, n, _, _ in items)
     lie = draw(_BULK_LIE)
     little = draw(st.integers(0, 64))
