@@ -79,6 +79,7 @@ refuses any range not inside an extent it handed to the same connection.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -88,6 +89,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import xxhash
@@ -201,7 +203,8 @@ U16 = struct.Struct("<H")
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 HELLO_FIXED = struct.Struct("<4sHH")
-ALLOC_ITEM = struct.Struct("<I16s")  # after the key: size, digest
+ALLOC_ITEM_CODES = "I16s"
+ALLOC_ITEM = struct.Struct(f"<{ALLOC_ITEM_CODES}")  # after the key: size, digest
 EXTENT = struct.Struct("<BQII")
 LOOKUP_ENTRY = struct.Struct("<BQIIQ16sQ")
 DATA_OP = struct.Struct("<QI")
@@ -376,16 +379,20 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def _uniform_keys(buf: bytes, n: int, trailer: int) -> tuple[list[bytes], range] | None:
-    """Keys and trailer offsets when all ``n`` keys have the first one's length and
-    the payload is exactly their size; None sends the caller to :func:`_scan_keys`.
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
+
+def _uniform_key_len(buf: bytes, n: int, trailer: int) -> int | None:
+    """The one key length of ``n`` keys (each followed by ``trailer`` bytes) when
+    all have the first one's length and the payload is exactly their size; None
+    sends the caller to :func:`_scan_keys`.
 
     An engine's keys are all one digest size, so this is the common case: the
     length fields are checked with two strided slices, not per key.
     """
     if n == 0 or len(buf) < U32.size + U16.size:
         return None
-    (klen,) = U16.unpack_from(buf, U32.size)
+    klen: int = U16.unpack_from(buf, U32.size)[0]
     stride = U16.size + klen + trailer
     if not 0 < klen <= MAX_KEY_LEN or len(buf) != U32.size + n * stride:
         return None
@@ -394,9 +401,19 @@ def _uniform_keys(buf: bytes, n: int, trailer: int) -> tuple[list[bytes], range]
         (klen >> 8,)
     ) * n:
         return None
-    start = first + U16.size
-    keys = [buf[p : p + klen] for p in range(start, len(buf), stride)]
-    return keys, range(start + klen, len(buf), stride)
+    return klen
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_items(klen: int, trailer: str) -> struct.Struct:
+    """Layout of one key of ``klen`` bytes and its ``trailer`` fields (struct
+    codes), minus the length field already checked by :func:`_uniform_key_len`:
+    ``iter_unpack`` then splits a whole payload in C, no per-key Python."""
+    return struct.Struct(f"<{U16.size}x{klen}s{trailer}")
+
+
+def _iter_uniform(buf: bytes, klen: int, trailer: str) -> Iterator[tuple[Any, ...]]:
+    return _uniform_items(klen, trailer).iter_unpack(memoryview(buf)[U32.size :])
 
 
 def _scan_keys(buf: bytes, n: int, trailer: int, what: str) -> Iterator[tuple[bytes, int]]:
@@ -427,9 +444,9 @@ def _scan_keys(buf: bytes, n: int, trailer: int, what: str) -> Iterator[tuple[by
 def decode_keys(payload: Buffer, what: str) -> list[bytes]:
     buf = bytes(payload)
     n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
-    uniform = _uniform_keys(buf, n, 0)
-    if uniform is not None:
-        return uniform[0]
+    klen = _uniform_key_len(buf, n, 0)
+    if klen is not None:
+        return list(map(_FIRST, _iter_uniform(buf, klen, "")))
     return [k for k, _ in _scan_keys(buf, n, 0, what)]
 
 
@@ -518,11 +535,10 @@ def decode_alloc(payload: Buffer, what: str = "ALLOC") -> list[tuple[bytes, int,
     """(key, size, digest) items of an ALLOC (or PUT) request."""
     buf = bytes(payload)
     n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
+    klen = _uniform_key_len(buf, n, ALLOC_ITEM.size)
+    if klen is not None:
+        return list(_iter_uniform(buf, klen, ALLOC_ITEM_CODES))
     unpack = ALLOC_ITEM.unpack_from
-    uniform = _uniform_keys(buf, n, ALLOC_ITEM.size)
-    if uniform is not None:
-        keys, offsets = uniform
-        return [(k, *unpack(buf, pos)) for k, pos in zip(keys, offsets, strict=True)]
     out = []
     for k, pos in _scan_keys(buf, n, ALLOC_ITEM.size, what):
         size, digest = unpack(buf, pos)
@@ -550,10 +566,10 @@ def decode_get(payload: Buffer) -> tuple[list[bytes], list[bytes]]:
     """(keys, digests) of a GET request."""
     buf = bytes(payload)
     n = Reader(buf, "GET").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + DIGEST_LEN, "keys")
-    uniform = _uniform_keys(buf, n, DIGEST_LEN)
-    if uniform is not None:
-        keys, offsets = uniform
-        return keys, [buf[p : p + DIGEST_LEN] for p in offsets]
+    klen = _uniform_key_len(buf, n, DIGEST_LEN)
+    if klen is not None:
+        pairs = list(_iter_uniform(buf, klen, f"{DIGEST_LEN}s"))
+        return list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
     keys, digests = [], []
     for k, pos in _scan_keys(buf, n, DIGEST_LEN, "GET"):
         keys.append(k)

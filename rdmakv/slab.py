@@ -201,6 +201,14 @@ class Slab:
         self._refs[h] = 1
         return h
 
+    def try_alloc(self) -> int | None:
+        """Take one free block (refcount 1), or None when none is free."""
+        if not self._free:
+            return None
+        h = self._free.pop()
+        self._refs[h] = 1
+        return h
+
     def alloc_many(self, n: int) -> list[int]:
         """Take ``n`` blocks at once, or none (raises) if fewer are free."""
         if n < 0:

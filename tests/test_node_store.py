@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from rdmakv.errors import ConfigError
+from rdmakv.node.index import Entry, Index
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
 from rdmakv.protocol import AllocStatus
 from rdmakv.slab import Slab
@@ -40,6 +41,17 @@ def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
     if res.status != AllocStatus.OK:
         return False
     return store.commit(session, [key], [0]) == [True]
+
+
+def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order() -> None:
+    idx = Index()
+    for block, k in enumerate((b"a", b"b", b"c")):
+        idx.pending_map[k] = Entry(k, block, 1, D, 0, owner=1)
+        idx.commit(k)
+    found = idx.touch_all([b"b", b"zz", b"a", b"b"])
+    assert [None if e is None else e.key for e in found] == [b"b", None, b"a", b"b"]
+    assert [e.key for e in idx.oldest_first()] == [b"c", b"a", b"b"]  # the last touch wins
+    assert idx.touch_all([]) == []
 
 
 def test_alloc_statuses(pool: Slab) -> None:

@@ -89,6 +89,18 @@ def test_exhaustion_is_a_clear_error_and_recoverable() -> None:
     s.close()
 
 
+def test_try_alloc_gives_none_instead_of_raising_when_full() -> None:
+    s = make_slab(2)
+    first, second = s.try_alloc(), s.try_alloc()
+    assert first is not None and second is not None
+    assert sorted((first, second)) == [0, 1]
+    assert s.refcount(first) == s.refcount(second) == 1
+    assert s.try_alloc() is None and s.free_blocks == 0
+    s.decref(first)
+    assert s.try_alloc() == first
+    s.close()
+
+
 def test_alloc_many_is_all_or_nothing() -> None:
     s = make_slab(4)
     s.alloc()

@@ -171,32 +171,35 @@ class KVStore:
         why not (lock held)."""
         statuses: list[AllocStatus] = []
         entries: list[Entry | None] = []
+        status, entry = statuses.append, entries.append
         ok, exists, busy = AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY
         mine = self._pending_by_session.setdefault(session, {})
         committed, pending = self._index.committed_map, self._index.pending_map
-        pool = self.pool
+        take = self.pool.try_alloc
         bs = self.block_size
         self.counters.allocs += len(items)
         for key, size, digest in items:
             if not (0 < size <= bs):
-                statuses.append(AllocStatus.TOO_LARGE)
+                status(AllocStatus.TOO_LARGE)
             elif key in committed:
-                statuses.append(exists)
+                status(exists)
             elif key in pending:
-                statuses.append(busy)
+                status(busy)
             else:
-                block = pool.alloc() if pool.free_blocks else self._take_block()
+                block = take()
+                if block is None:
+                    block = self._take_block()
                 if block is None:
                     self.counters.no_space += 1
-                    statuses.append(AllocStatus.NO_SPACE)
-                    entries.append(None)
+                    status(AllocStatus.NO_SPACE)
+                    entry(None)
                     continue
                 e = Entry(key, block, size, digest, NO_CHECKSUM, session)
                 pending[key] = mine[block] = e
-                statuses.append(ok)
-                entries.append(e)
+                status(ok)
+                entry(e)
                 continue
-            entries.append(None)
+            entry(None)
         return statuses, entries
 
     def alloc(
@@ -258,22 +261,29 @@ class KVStore:
         """
         if len(checksums) != len(keys):
             raise ValueError(f"commit of {len(keys)} keys with {len(checksums)} checksums")
-        out = []
+        out: list[bool] = []
+        flag = out.append
+        one_sided = 0
         with self._lock:
             mine = self._pending_by_session.get(session, {})
+            pending = self._index.pending_map
+            commit = self._index.commit
+            guard = self._guard
             for key, checksum in zip(keys, checksums, strict=True):
-                e = self._index.pending(key)
+                e = pending.get(key)
                 if e is None or e.owner != session or (require_written and not e.written):
-                    out.append(False)
+                    flag(False)
                     continue
-                self._revoke_write(session, e)  # before anyone else can see it
+                if guard is not None:
+                    self._revoke_write(session, e)  # before anyone else can see it
                 del mine[e.block]
                 e.checksum = checksum
-                self._index.commit(key)
-                self.counters.commits += 1
+                commit(key)
                 if not e.written:
-                    self.counters.bytes_committed_one_sided += e.length
-                out.append(True)
+                    one_sided += e.length
+                flag(True)
+            self.counters.commits += out.count(True)
+            self.counters.bytes_committed_one_sided += one_sided
         return out
 
     def abort(self, session: int, keys: Sequence[bytes]) -> list[bool]:
@@ -304,10 +314,8 @@ class KVStore:
         extents: list[tuple[int, int, int]] = []
         with self._lock:
             self._expire()
-            touch = self._index.touch
             base, bs, rkey = self._base, self.block_size, self.rkey
-            for key in keys:
-                e = touch(key)
+            for e in self._index.touch_all(keys):
                 if e is None:
                     found.append(None)
                     continue
@@ -388,16 +396,18 @@ class KVStore:
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Remove committed keys; a leased block lives on until its leases end."""
-        out = []
+        out: list[bool] = []
+        flag = out.append
         with self._lock:
+            remove, decref = self._index.remove, self.pool.decref
             for key in keys:
-                e = self._index.remove(key)
+                e = remove(key)
                 if e is None:
-                    out.append(False)
+                    flag(False)
                     continue
-                self.pool.decref(e.block)
-                self.counters.deletes += 1
-                out.append(True)
+                decref(e.block)
+                flag(True)
+            self.counters.deletes += out.count(True)
         return out
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -406,8 +416,7 @@ class KVStore:
         counts hit tokens, its worker loads them a step later), so those blocks
         must not be the next eviction victims."""
         with self._lock:
-            touch = self._index.touch
-            return [touch(k) is not None for k in keys]
+            return [e is not None for e in self._index.touch_all(keys)]
 
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
@@ -526,12 +535,11 @@ class KVStore:
         found: list[tuple[int, int, int] | None] = []
         blocks: list[int] = []
         with self._lock:
-            touch = self._index.touch
+            entries = self._index.touch_all(keys)
             incref = self.pool.incref
             bs = self.block_size
             nbytes = 0
-            for key, digest in zip(keys, digests, strict=True):
-                e = touch(key)
+            for e, digest in zip(entries, digests, strict=True):
                 if e is None or e.digest != digest:
                     found.append(None)
                     continue

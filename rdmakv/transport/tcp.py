@@ -54,7 +54,7 @@ import importlib
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -849,14 +849,15 @@ class TcpNodeDataPath(NodeDataPath):
 
     def _put(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         items = decode_alloc(payload, "PUT")
-        total = sum(size for _, size, _ in items)
+        sizes = [size for _, size, _ in items]
+        total = sum(sizes)
         if total != req.bulk_len:
             raise ProtocolError(
                 f"PUT items name {total} bytes but the frame carries {req.bulk_len}"
             )
         statuses, offsets, received = session.alloc_received(items)
         try:
-            self._receive_values(session.channel, items, offsets, total)
+            self._receive_values(session.channel, sizes, offsets, total)
         except BaseException:  # nothing half-written stays allocated
             session.abort([key for (key, _, _), o in zip(items, offsets, strict=True)
                            if o is not None])
@@ -867,19 +868,26 @@ class TcpNodeDataPath(NodeDataPath):
     def _receive_values(
         self,
         ch: Channel,
-        items: Sequence[tuple[bytes, int, bytes]],
+        sizes: Sequence[int],
         offsets: Sequence[int | None],
         total: int,
     ) -> None:
         """A PUT's bulk: each allocated value into its extent (pool ``offsets``),
         the bytes of the values refused into a scratch buffer."""
-        refused = sum(size for (_, size, _), o in zip(items, offsets, strict=True) if o is None)
+        refused = sum(size for size, o in zip(sizes, offsets, strict=True) if o is None)
+        if use_native and not refused:  # the common case: one table, built in C
+            iov = np.empty((len(sizes), 2), dtype=np.uint64)
+            iov[:, 0] = _u64(cast("Sequence[int]", offsets))  # no None: nothing refused
+            iov[:, 0] += np.uint64(self.pool.base_addr)
+            iov[:, 1] = _u64(sizes)
+            recv_iov_from(ch, iov, total)  # the store's extents: inside the pool
+            return
         scratch = bytearray(min(refused, PUT_DRAIN_BYTES))
         step = len(scratch) or 1
         if not use_native:
             pool, drain = self.pool.buffer, memoryview(scratch)
             parts: list[memoryview] = []
-            for (_, size, _), o in zip(items, offsets, strict=True):
+            for size, o in zip(sizes, offsets, strict=True):
                 if o is not None:
                     parts.append(pool[o : o + size])
                     continue
@@ -889,7 +897,7 @@ class TcpNodeDataPath(NodeDataPath):
         base = self.pool.base_addr
         where = _address_of(scratch) if scratch else 0
         rows: list[int] = []
-        for (_, size, _), o in zip(items, offsets, strict=True):
+        for size, o in zip(sizes, offsets, strict=True):
             if o is not None:
                 rows += (base + o, size)  # an extent the store just handed out
                 continue
