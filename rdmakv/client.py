@@ -637,6 +637,8 @@ class KVClient:
 
     def _flags_op(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool]:
         def run() -> list[bool]:
+            if self.info is not None and len(keys) <= self.info.max_keys:  # one request
+                return decode_flags(self._call(opcode, encode_keys(keys), what), len(keys), what)
             out: list[bool] = []
             for s, e in self._chunks(len(keys)):
                 chunk = keys[s:e]
