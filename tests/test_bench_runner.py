@@ -17,6 +17,7 @@ import pytest
 from rdmakv.bench import runner
 from rdmakv.bench.driver import PeerUnavailable, Workload
 from rdmakv.bench.drivers import make_driver, register, unregister
+from rdmakv.bench.placement import placements
 
 QUICK_SIZES = ("16384", "262144")
 
@@ -49,6 +50,16 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
         assert 0 < ours[op]["p50_ms"] <= ours[op]["p99_ms"], op
     assert "get_1" in lat["systems"]["socket_loop"]
     assert "exists_1" not in lat["systems"]["socket_loop"]  # no lookup there
+    # Every placement measures the round trip and every system the same way.
+    names = [p.name for p in placements()]
+    assert lat["placement"] == names[0] and lat["cpus"]
+    assert "exists_64_p99_vs_round_trip_p99" in res["ratios"]["latency"]
+    for name in names[1:]:
+        part = lat[name]
+        assert part["cpus"] and part["round_trip"]["p50_ms"] > 0
+        assert 0 < part["systems"]["rdmakv"]["exists_64"]["p50_ms"]
+        assert "get_1" in part["systems"]["socket_loop"]
+        assert "exists_64_p99_vs_round_trip_p99" in res["ratios"]["latency"][name]
     conc = res["concurrency"]["systems"]
     assert set(conc) == {"rdmakv"}  # the socket loop is not a server clients share
     for n in ("1", "2"):

@@ -52,6 +52,7 @@ import numpy as np
 
 from rdmakv.bench.driver import Arena, Driver, PeerUnavailable, Workload
 from rdmakv.bench.drivers import CEILING, DEFAULT_SYSTEMS, FATAL, OURS, make_driver
+from rdmakv.bench.placement import Placement, placements
 from rdmakv.bench.provenance import provenance
 
 KiB = 1024
@@ -77,6 +78,7 @@ QUICK_CONC_PROCS = (1, 2)
 CONC_SYSTEMS = ("rdmakv", "redis", "mooncake_te")
 CONC_TIMEOUT_S = 600.0
 CEILINGS = (CEILING, "perftest")
+UNPINNED = Placement("unpinned")
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -303,7 +305,9 @@ def _time_ms(fn: Callable[[], Any], samples: int) -> list[float]:
     return out
 
 
-def latency_one(name: str, cfg: BenchConfig, samples: int) -> dict[str, Any]:
+def latency_one(
+    name: str, cfg: BenchConfig, samples: int, placement: Placement = UNPINNED
+) -> dict[str, Any]:
     blocks = max(LATENCY_KEYS)
     work = Workload(block_bytes=LATENCY_BLOCK, blocks=blocks, batch=blocks)
     src, dst = arena(LATENCY_BLOCK * blocks), arena(LATENCY_BLOCK * blocks)
@@ -314,59 +318,70 @@ def latency_one(name: str, cfg: BenchConfig, samples: int) -> dict[str, Any]:
         if not getattr(drv, "moves_keys", True):
             return {"skipped": f"{name} moves no keys: nothing to look up or get"}
         drv.open(work, src, dst)
-        keys = work.keys(f"lat{name[:8]}")
-        drv.put(keys)
-        res: dict[str, Any] = {}
-        opened: Driver = drv
-        if getattr(drv, "has_exists", True):
-            for k in LATENCY_KEYS:
-                sub = keys[:k]
-                try:
-                    got = opened.exists(sub)
-                except PeerUnavailable as e:
-                    res[f"exists_{k}"] = {"error": str(e)}
-                    continue
-                if list(got) != [True] * k:
-                    raise RuntimeError(f"exists on {k} stored keys answered {list(got)[:8]}...")
-                res[f"exists_{k}"] = _pct(_time_ms(partial(opened.exists, sub), samples))
-        res["get_1"] = _pct(_time_ms(partial(opened.get, keys[:1]), samples))
-        bad = wrong_bytes(src[:LATENCY_BLOCK], dst[:LATENCY_BLOCK])
-        if bad:
-            return {"error": f"{bad} wrong bytes of {LATENCY_BLOCK} in the 1-block get"}
-        return res
+        placement.pin_servers()
+        with placement.client():
+            return _latency_samples(drv, work, src, dst, samples)
     except Exception as e:
         return _err(e)
     finally:
         _close(drv)
 
 
-def round_trip(cfg: BenchConfig, samples: int) -> dict[str, Any]:
+def _latency_samples(
+    drv: Driver, work: Workload, src: Arena, dst: Arena, samples: int
+) -> dict[str, Any]:
+    keys = work.keys(f"lat{getattr(drv, 'name', '')[:8]}")
+    drv.put(keys)
+    res: dict[str, Any] = {}
+    if getattr(drv, "has_exists", True):
+        for k in LATENCY_KEYS:
+            sub = keys[:k]
+            try:
+                got = drv.exists(sub)
+            except PeerUnavailable as e:
+                res[f"exists_{k}"] = {"error": str(e)}
+                continue
+            if list(got) != [True] * k:
+                raise RuntimeError(f"exists on {k} stored keys answered {list(got)[:8]}...")
+            res[f"exists_{k}"] = _pct(_time_ms(partial(drv.exists, sub), samples))
+    res["get_1"] = _pct(_time_ms(partial(drv.get, keys[:1]), samples))
+    bad = wrong_bytes(src[:LATENCY_BLOCK], dst[:LATENCY_BLOCK])
+    if bad:
+        return {"error": f"{bad} wrong bytes of {LATENCY_BLOCK} in the 1-block get"}
+    return res
+
+
+def round_trip(cfg: BenchConfig, samples: int, placement: Placement = UNPINNED) -> dict[str, Any]:
     """The transport's own round trip: a 1-byte TCP ping-pong for tcp; for rdma
     an 8-byte RDMA read (``ib_read_lat``: one read is one full round trip), with
     the TCP ping-pong beside it, or instead of it (saying why) when perftest
-    cannot run."""
+    cannot run. The far end runs where ``placement`` puts servers."""
     from rdmakv.bench.drivers.socket_loop import tcp_ping_pong_ms
 
-    try:
-        tcp: dict[str, Any] = {"kind": "tcp 1-byte ping-pong to a child process"}
-        tcp.update(_pct(tcp_ping_pong_ms(samples)))
-    except Exception as e:
-        tcp = _err(e)
-    if cfg.transport == "tcp":
-        return tcp
-    try:
-        res: dict[str, Any] = {"kind": "rdma 8-byte read (ib_read_lat), t_typical and 99%"}
-        res.update(rdma_read_lat_ms(samples))
-        res["tcp"] = tcp
-        return res
-    except Exception as e:
-        tcp["kind"] += f" (no rdma round trip: {_err(e)['error'][:300]})"
-        return tcp
+    with placement.client():
+        try:
+            tcp: dict[str, Any] = {"kind": "tcp 1-byte ping-pong to a child process"}
+            tcp.update(_pct(tcp_ping_pong_ms(samples, on_spawned=placement.pin_servers)))
+        except Exception as e:
+            tcp = _err(e)
+        if cfg.transport == "tcp":
+            return tcp
+        try:
+            res: dict[str, Any] = {"kind": "rdma 8-byte read (ib_read_lat), t_typical and 99%"}
+            res.update(rdma_read_lat_ms(samples, on_spawned=placement.pin_servers))
+            res["tcp"] = tcp
+            return res
+        except Exception as e:
+            tcp["kind"] += f" (no rdma round trip: {_err(e)['error'][:300]})"
+            return tcp
 
 
-def rdma_read_lat_ms(samples: int, size: int = 8) -> dict[str, float]:
+def rdma_read_lat_ms(
+    samples: int, size: int = 8, on_spawned: Callable[[], object] | None = None
+) -> dict[str, float]:
     """p50 (perftest's t_typical, the median) and p99 of ``ib_read_lat`` in ms,
-    server and client on this machine's device (``RDMAKV_TEST_DEVICE``, rxe0)."""
+    server and client on this machine's device (``RDMAKV_TEST_DEVICE``, rxe0).
+    ``on_spawned`` runs once the server process exists (the client comes later)."""
     import shutil
     import socket
 
@@ -383,6 +398,8 @@ def rdma_read_lat_ms(samples: int, size: int = 8) -> dict[str, float]:
               "-n", str(max(samples, 100)), "-F", "-p", str(port)]
     server = subprocess.Popen(common, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        if on_spawned is not None:
+            on_spawned()
         deadline = time.monotonic() + 120.0
         while True:
             client = subprocess.run([*common, "127.0.0.1"], capture_output=True, text=True,
@@ -576,16 +593,38 @@ def ratios(
                 elif c == CEILING and c in systems:
                     r[f"{op}_vs_{c}"] = None
         out[size] = r
-    rt = latency.get("round_trip", {})
-    ours_lat = latency.get("systems", {}).get(OURS, {})
+    lat: dict[str, Any] = {}
+    for i, (place, part) in enumerate(_latency_parts(latency)):
+        own = _latency_ratios(part)
+        if i == 0:
+            lat.update(own)
+        elif own:
+            lat[place] = own
+    if lat:
+        out["latency"] = lat
+    return out
+
+
+def _latency_parts(latency: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(placement, figures) for the section's own placement, then each nested one."""
+    if "systems" not in latency:
+        return []
+    parts = [(str(latency.get("placement", "unpinned")), latency)]
+    parts += [(k, v) for k, v in latency.items() if isinstance(v, dict) and "systems" in v]
+    return parts
+
+
+def _latency_ratios(part: dict[str, Any]) -> dict[str, Any]:
+    """rdmakv's 64-key lookup p99 over the round trip's p99, measured under one placement."""
+    rt = part.get("round_trip", {})
+    ours_lat = part.get("systems", {}).get(OURS, {})
     big = f"exists_{max(LATENCY_KEYS)}"
+    out: dict[str, Any] = {}
     if "p99_ms" in rt and "p99_ms" in ours_lat.get(big, {}):
-        out["latency"] = {
-            f"{big}_p99_vs_round_trip_p99": round(ours_lat[big]["p99_ms"] / rt["p99_ms"], 3)
-        }
+        out[f"{big}_p99_vs_round_trip_p99"] = round(ours_lat[big]["p99_ms"] / rt["p99_ms"], 3)
         tcp = rt.get("tcp", {})
         if "p99_ms" in tcp:  # rdma runs: lookups ride the TCP control channel
-            out["latency"][f"{big}_p99_vs_tcp_round_trip_p99"] = round(
+            out[f"{big}_p99_vs_tcp_round_trip_p99"] = round(
                 ours_lat[big]["p99_ms"] / tcp["p99_ms"], 3
             )
     return out
@@ -605,8 +644,9 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
     run_conc = cfg.concurrency and cfg.transport == "tcp"
     conc_systems = [s for s in systems if s in CONC_SYSTEMS] if run_conc else []
     lat_systems = systems if cfg.latency else []
+    where = placements()
     progress = _Progress(
-        len(sizes) * len(systems) + len(lat_systems) + (1 if lat_systems else 0)
+        len(sizes) * len(systems) + (len(lat_systems) + 1) * len(where) * bool(lat_systems)
         + len(conc_systems),
         cfg.progress,
     )
@@ -619,12 +659,18 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
             section[str(size)] = bench_size(size, cfg, progress)
         if lat_systems:
             latency = {"block_bytes": LATENCY_BLOCK, "samples": samples}
-            latency["round_trip"] = round_trip(cfg, samples)
-            progress.step("round trip")
-            latency["systems"] = {}
-            for name in lat_systems:
-                latency["systems"][name] = latency_one(name, cfg, samples)
-                progress.step(f"latency {name}")
+            for i, place in enumerate(where):
+                # The first placement's figures are the section's own; others nest.
+                part = latency if i == 0 else latency.setdefault(place.name, {})
+                if i == 0:
+                    part["placement"] = place.name
+                part["cpus"] = place.describe()
+                part["round_trip"] = round_trip(cfg, samples, place)
+                progress.step(f"round trip ({place.name})")
+                part["systems"] = {}
+                for name in lat_systems:
+                    part["systems"][name] = latency_one(name, cfg, samples, place)
+                    progress.step(f"latency {name} ({place.name})")
         if conc_systems:
             concurrency = {
                 "block_bytes": CONC_BLOCK,
@@ -658,9 +704,10 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
         for name, res in per.items():
             if "error" in res and (name in never_skip or "wrong bytes" in res["error"]):
                 fatal.append(f"{name} at {size_key} B: {res['error']}")
-    for name, res in latency.get("systems", {}).items():
-        if "error" in res and (name in never_skip or "wrong bytes" in res["error"]):
-            fatal.append(f"{name} latency: {res['error']}")
+    for where_name, part in _latency_parts(latency):
+        for name, res in part.get("systems", {}).items():
+            if "error" in res and (name in never_skip or "wrong bytes" in res["error"]):
+                fatal.append(f"{name} latency ({where_name}): {res['error']}")
     for name, res in concurrency.get("systems", {}).items():
         errs = [res] + [v for v in res.values() if isinstance(v, dict)]
         for r in errs:
@@ -734,27 +781,34 @@ def _plot_throughput(plt: Any, result: dict[str, Any]) -> Any:
 
 def _plot_latency(plt: Any, result: dict[str, Any]) -> Any:
     lat = result.get("latency") or {}
-    systems = {
-        n: v for n, v in lat.get("systems", {}).items() if "error" not in v and "skipped" not in v
-    }
-    if not systems:
+    parts = [
+        (place, {n: v for n, v in part.get("systems", {}).items()
+                 if "error" not in v and "skipped" not in v}, part)
+        for place, part in _latency_parts(lat)
+    ]
+    parts = [p for p in parts if p[1]]
+    if not parts:
         return None
     ops = [f"exists_{k}" for k in LATENCY_KEYS] + ["get_1"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / len(systems)
+    fig, axes = plt.subplots(len(parts), 2, figsize=(12, 4.5 * len(parts)), squeeze=False)
     x = np.arange(len(ops))
-    for ax, q in zip(axes, ("p50_ms", "p99_ms"), strict=True):
-        for i, (n, v) in enumerate(sorted(systems.items())):
-            vals = [float(v.get(op, {}).get(q, 0.0)) for op in ops]
-            ax.bar(x + i * width, vals, width, label=n)
-        rt = lat.get("round_trip", {}).get(q)
-        if rt is not None:
-            ax.axhline(rt, color="k", ls="--", lw=1, label="ping-pong round trip")
-        ax.set_xticks(x + width * (len(systems) - 1) / 2)
-        ax.set_xticklabels([op.replace("_", " ") for op in ops])
-        ax.set_title(f"{q[:3]} latency (ms), {lat.get('block_bytes', 0) // KiB} KiB blocks")
-        ax.grid(axis="y", alpha=0.3)
-    axes[1].legend()
+    for row, (place, systems, part) in zip(axes, parts, strict=True):
+        width = 0.8 / len(systems)
+        for ax, q in zip(row, ("p50_ms", "p99_ms"), strict=True):
+            for i, (n, v) in enumerate(sorted(systems.items())):
+                vals = [float(v.get(op, {}).get(q, 0.0)) for op in ops]
+                ax.bar(x + i * width, vals, width, label=n)
+            rt = part.get("round_trip", {}).get(q)
+            if rt is not None:
+                ax.axhline(rt, color="k", ls="--", lw=1, label="ping-pong round trip")
+            ax.set_xticks(x + width * (len(systems) - 1) / 2)
+            ax.set_xticklabels([op.replace("_", " ") for op in ops])
+            ax.set_title(
+                f"{q[:3]} latency (ms), {lat.get('block_bytes', 0) // KiB} KiB blocks\n"
+                f"{place}: {part.get('cpus', '')}", fontsize=10,
+            )
+            ax.grid(axis="y", alpha=0.3)
+        row[1].legend()
     return fig
 
 

@@ -27,7 +27,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
 
@@ -142,9 +142,12 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
     return proc, conn
 
 
-def tcp_ping_pong_ms(samples: int) -> list[float]:
-    """``samples`` one-byte TCP round trips to a child process, in milliseconds."""
+def tcp_ping_pong_ms(samples: int, on_spawned: Callable[[], object] | None = None) -> list[float]:
+    """``samples`` one-byte TCP round trips to a child process, in milliseconds.
+    ``on_spawned`` runs once the child is connected (to place it, say)."""
     proc, sock = _spawn(["--echo"])
+    if on_spawned is not None:
+        on_spawned()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     out: list[float] = []
     try:
