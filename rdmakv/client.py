@@ -636,6 +636,9 @@ class KVClient:
         return self._flags_op(Op.DELETE, keys, "DELETE")
 
     def _flags_op(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool]:
+        if not keys:  # nothing to ask: no round trip (a stalled node must not delay it)
+            return []
+
         def run() -> list[bool]:
             if self.info is not None and len(keys) <= self.info.max_keys:  # one request
                 return decode_flags(self._call(opcode, encode_keys(keys), what), len(keys), what)

@@ -309,6 +309,21 @@ def test_stalled_node_times_out(node: NodeProcess, client_slab: Slab) -> None:
         assert c.get([b"k"], [h], [bytes(16)]) == [True]  # reconnected after the timeout
 
 
+def test_empty_exists_and_delete_ask_the_node_nothing(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    """An empty batch answers at once: with the node stalled, a request would time out."""
+    with KVClient(*node.address, client_slab, timeout=0.5, connect_retries=1) as c:
+        assert c.exists([b"k"]) == [False]
+        node.pause()
+        try:
+            assert c.exists([]) == []
+            assert c.delete([]) == []
+        finally:
+            node.resume()
+        assert c.exists([b"k"]) == [False]  # the same connection, still in sync
+
+
 def test_restarted_node_is_reconnected(node: NodeProcess, client_slab: Slab) -> None:
     src = client_slab.alloc_many(2)
     digests = fill(client_slab, src, seed=7)
