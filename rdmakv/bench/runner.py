@@ -320,7 +320,7 @@ def latency_one(
         drv.open(work, src, dst)
         placement.pin_servers()
         with placement.client():
-            return _latency_samples(drv, work, src, dst, samples)
+            return _latency_samples(name, drv, work, src, dst, samples)
     except Exception as e:
         return _err(e)
     finally:
@@ -328,9 +328,10 @@ def latency_one(
 
 
 def _latency_samples(
-    drv: Driver, work: Workload, src: Arena, dst: Arena, samples: int
+    name: str, drv: Driver, work: Workload, src: Arena, dst: Arena, samples: int
 ) -> dict[str, Any]:
-    keys = work.keys(f"lat{getattr(drv, 'name', '')[:8]}")
+    """Store the workload's keys, then time lookups and a 1-block get (bytes checked)."""
+    keys = work.keys(f"lat{name[:8]}")
     drv.put(keys)
     res: dict[str, Any] = {}
     if getattr(drv, "has_exists", True):
