@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,8 +17,10 @@ CPUS = sorted(os.sched_getaffinity(0))
 TWO_CPUS = pytest.mark.skipif(len(CPUS) < 2, reason="needs two usable CPUs to place apart")
 
 
-def _grandparent() -> subprocess.Popen[bytes]:
-    """A child that starts a grandchild (a thread-holding Python) and waits."""
+@contextlib.contextmanager
+def _family() -> Iterator[tuple[int, int]]:
+    """(child, grandchild): a child holding a second thread that starts a grandchild;
+    both killed on exit (the grandchild would outlive a killed child otherwise)."""
     code = (
         "import subprocess, sys, threading, time\n"
         "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
@@ -24,7 +28,18 @@ def _grandparent() -> subprocess.Popen[bytes]:
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    grandchild = None
+    try:
+        assert proc.stdout is not None
+        grandchild = int(proc.stdout.readline())
+        yield proc.pid, grandchild
+    finally:
+        if grandchild is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
 
 
 def test_placements_cover_both_arrangements_or_say_unpinned() -> None:
@@ -42,21 +57,15 @@ def test_placements_cover_both_arrangements_or_say_unpinned() -> None:
 
 @TWO_CPUS
 def test_pin_servers_places_every_thread_of_every_descendant() -> None:
-    proc = _grandparent()
-    try:
-        assert proc.stdout is not None
-        grandchild = int(proc.stdout.readline())
+    with _family() as (child, grandchild):
         found = descendants(os.getpid())
-        assert proc.pid in found and grandchild in found
+        assert child in found and grandchild in found
         place = Placement("cross_cpu", CPUS[0], CPUS[1])
         assert place.pin_servers() >= 3  # the child's two threads and the grandchild
-        for pid in (proc.pid, grandchild):
+        for pid in (child, grandchild):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 assert os.sched_getaffinity(int(tid)) == {CPUS[1]}, (pid, tid)
         assert os.sched_getaffinity(0) == set(CPUS)  # the bench itself untouched
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @TWO_CPUS
@@ -64,7 +73,6 @@ def test_client_block_pins_and_restores_the_calling_thread() -> None:
     before = os.sched_getaffinity(0)
     with Placement("same_cpu", CPUS[1], CPUS[1]).client():
         assert os.sched_getaffinity(0) == {CPUS[1]}
-        time.sleep(0)
     assert os.sched_getaffinity(0) == before
     with pytest.raises(RuntimeError), Placement("cross_cpu", CPUS[0], CPUS[1]).client():
         raise RuntimeError("the mask comes back on errors too")
@@ -72,14 +80,10 @@ def test_client_block_pins_and_restores_the_calling_thread() -> None:
 
 
 def test_unpinned_changes_nothing() -> None:
-    proc = _grandparent()
-    try:
-        before = os.sched_getaffinity(proc.pid)
+    with _family() as (child, grandchild):
+        before = {pid: os.sched_getaffinity(pid) for pid in (child, grandchild)}
         place = Placement("unpinned")
         assert place.pin_servers() == 0
         with place.client():
             assert os.sched_getaffinity(0) == set(CPUS)
-        assert os.sched_getaffinity(proc.pid) == before
-    finally:
-        proc.kill()
-        proc.wait()
+        assert {pid: os.sched_getaffinity(pid) for pid in (child, grandchild)} == before

@@ -55,7 +55,7 @@ class Placement:
         for pid in descendants(os.getpid()):
             for tid in _tasks(pid):
                 # A thread or process that ended meanwhile has nothing left to place.
-                with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                with contextlib.suppress(OSError):
                     os.sched_setaffinity(tid, {self.server_cpu})
                     pinned += 1
         return pinned
