@@ -704,6 +704,9 @@ class _PutStage:
                 refused.append(err_)
             elif err_ is not None:
                 raise err_
+        if all(committed):  # the rule: every key stored, nothing to give back
+            out[self.start : self.end] = committed
+            return
         leftover = []
         for j in range(n):
             status = None if statuses is None else statuses[j]
