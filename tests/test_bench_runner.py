@@ -17,6 +17,7 @@ import pytest
 from rdmakv.bench import runner
 from rdmakv.bench.driver import PeerUnavailable, Workload
 from rdmakv.bench.drivers import make_driver, register, unregister
+from rdmakv.bench.drivers.socket_loop import SocketLoopDriver
 from rdmakv.bench.placement import placements
 
 QUICK_SIZES = ("16384", "262144")
@@ -37,11 +38,22 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
         assert set(per) == {"rdmakv", "socket_loop"}
         for name in ("rdmakv", "socket_loop"):
             fig = per[name]
-            assert set(fig) == {"put_gbps", "get_gbps", "bytes_verified"}, (size, name, fig)
+            assert set(fig) == {
+                "put_gbps", "get_gbps", "put_gbps_median", "get_gbps_median", "repeats",
+                "bytes_verified",
+            }, (size, name, fig)
             assert fig["bytes_verified"] == runner.QUICK_BLOCKS * int(size)
             assert fig["put_gbps"] > 0 and fig["get_gbps"] > 0
+            # best of the repeats, the median beside it
+            assert 0 < fig["put_gbps_median"] <= fig["put_gbps"]
+            assert 0 < fig["get_gbps_median"] <= fig["get_gbps"]
+        # --quick asks for 1 repeat; the ceiling's minimum applies to every system
+        assert per["rdmakv"]["repeats"] == per["socket_loop"]["repeats"] == (
+            SocketLoopDriver.min_repeats
+        )
         r = res["ratios"][size]
         assert r["put_vs_socket_loop"] > 0 and r["get_vs_socket_loop"] > 0
+        assert r["put_vs_socket_loop_median"] > 0 and r["get_vs_socket_loop_median"] > 0
         assert r["put_vs_best_peer"] is None  # no peer in this run
     lat = res["latency"]
     assert lat["round_trip"]["p50_ms"] > 0

@@ -21,8 +21,9 @@ Optional driver attributes the runner uses when present:
 
 * ``discard(keys)``: drop stored keys; called (untimed) after each repeat so
   stores that never evict stay within memory.
-* ``min_repeats``: this system is measured at least this many times (the
-  ceiling's "best of several runs").
+* ``min_repeats``: a size is measured at least this many times, for every
+  system in the run alike (the ceiling's "best of several runs", with no
+  system given fewer draws than the one it is compared with).
 * ``has_exists`` = False: the system has no lookup (latency skips ``exists``).
 * ``self_timed`` = True: after ``put``/``get``, ``last_seconds`` is the time the
   system measured itself for those bytes (perftest), used instead of wall time.
