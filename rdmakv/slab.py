@@ -233,6 +233,26 @@ class Slab:
         self._check(h)
         self._refs[h] += 1
 
+    def incref_many(self, handles: Sequence[int]) -> None:
+        """:meth:`incref` of each handle (a repeated one once per time it is
+        named); nothing changes unless every handle is live."""
+        self.check_handles(handles)
+        refs = self._refs
+        for h in handles:
+            refs[h] += 1
+
+    def decref_many(self, handles: Sequence[int]) -> None:
+        """:meth:`decref` of each handle in order (a repeated one once per time
+        it is named), freeing each block whose last reference goes."""
+        self.check_handles(handles)
+        refs, free = self._refs, self._free
+        for h in handles:
+            if not refs[h]:  # named more often than it had references
+                self._check(h)  # raises: not allocated
+            refs[h] -= 1
+            if not refs[h]:
+                free.append(h)
+
     def decref(self, h: int) -> None:
         """Drop one reference; the block is freed when the last one goes."""
         self._check(h)

@@ -113,6 +113,29 @@ def test_alloc_many_is_all_or_nothing() -> None:
     s.close()
 
 
+def test_incref_many_and_decref_many_count_each_naming() -> None:
+    s = make_slab(4)
+    a, b = s.alloc_many(2)
+    s.incref_many([a, a, b])  # a repeated handle counts once per naming
+    assert (s.refcount(a), s.refcount(b)) == (3, 2)
+    with pytest.raises(InvalidHandle):  # one dead handle: nothing changes
+        s.incref_many([a, 3])
+    with pytest.raises(InvalidHandle):
+        s.incref_many([b, 99])
+    assert (s.refcount(a), s.refcount(b), s.free_blocks) == (3, 2, 2)
+    s.decref_many([a, b, a])
+    assert (s.refcount(a), s.refcount(b), s.free_blocks) == (1, 1, 2)
+    s.decref_many([a, b])  # the last references: both blocks are free again
+    assert s.free_blocks == 4 and not s.is_live(a) and not s.is_live(b)
+    with pytest.raises(InvalidHandle):
+        s.decref_many([a])  # freed
+    c = s.alloc()
+    with pytest.raises(InvalidHandle, match="not allocated"):
+        s.decref_many([c, c])  # named more often than it has references
+    assert s.free_blocks == 4  # the one reference it had was dropped, never below 0
+    s.close()
+
+
 def test_view_length_bounds_and_handle_at() -> None:
     s = make_slab(4)
     h = s.alloc()

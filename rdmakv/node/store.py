@@ -536,17 +536,16 @@ class KVStore:
         blocks: list[int] = []
         with self._lock:
             entries = self._index.touch_all(keys)
-            incref = self.pool.incref
             bs = self.block_size
             nbytes = 0
             for e, digest in zip(entries, digests, strict=True):
                 if e is None or e.digest != digest:
                     found.append(None)
                     continue
-                incref(e.block)
                 blocks.append(e.block)
                 found.append((e.block * bs, e.length, e.checksum))
                 nbytes += e.length
+            self.pool.incref_many(blocks)  # index entries: live blocks
             c = self.counters
             c.lookups += len(keys)
             c.hits += len(blocks)
@@ -555,9 +554,7 @@ class KVStore:
 
         def unpin() -> None:
             with self._lock:
-                decref = self.pool.decref
-                for b in blocks:
-                    decref(b)
+                self.pool.decref_many(blocks)
 
         return found, unpin
 
