@@ -1,0 +1,193 @@
+"""MultiStreamClient: one node over several connections, a large batch split across them.
+
+One :class:`~rdmakv.client.KVClient` moves a batch over one connection: over
+TCP one stream, whose bytes one client thread sends and one node session
+thread receives; over RDMA one queue pair. Where that one stream is
+CPU-bound (a Python client and node on a busy host, soft-RoCE, a NIC that
+needs several queue pairs to reach line rate), ``streams`` connections moving
+disjoint parts of a batch at once go faster: each part's bytes move in the
+native loop with the GIL released, the node serves each connection on a
+thread of its own, and each RDMA connection has its own queue pair.
+
+Invariants:
+
+* **Same contract as KVClient** (:class:`~rdmakv.client.NodeClient`): lists
+  in the caller's order, a digest mismatch is a miss, every wait bounded by
+  ``timeout``, bad arguments raise :class:`~rdmakv.errors.ConfigError` before
+  anything is sent.
+* **Only big batches are split**, into contiguous runs of keys, one per
+  connection: values of at least :data:`MIN_SPLIT_VALUE_BYTES` and at least
+  :data:`MIN_SPLIT_BATCH_BYTES` in all. Below that the per-key Python of two
+  threads contends for the GIL and a split measured slower (16 KiB blocks).
+  Everything else (and exists, delete, stats) uses the first connection.
+* **A call returns only when every part has finished**: a part may still be
+  moving bytes of the caller's slab. If parts failed, the first failure in key
+  order is raised once all are done; the other parts' keys may be stored
+  (put) or fetched (get) meanwhile, as when one KVClient fails mid-batch.
+* Thread-safe as KVClient is: each connection serialises its own calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import pairwise
+from typing import Any, TypeVar
+
+from rdmakv.client import DEFAULT_TIMEOUT, KVClient, check_get, check_put
+from rdmakv.errors import ConfigError
+from rdmakv.slab import Slab
+
+DEFAULT_STREAMS = 1
+MAX_STREAMS = 16
+"""More connections than this per engine process and node only hoard node
+sessions (the node limits connections per address)."""
+MIN_SPLIT_VALUE_BYTES = 64 * 1024
+MIN_SPLIT_BATCH_BYTES = 4 * 1024 * 1024
+
+_T = TypeVar("_T")
+
+
+class MultiStreamClient:
+    """Client of one KV node over ``streams`` connections (see the module docstring).
+
+    ``streams=1`` is exactly one KVClient. The connections share the caller's
+    one slab (an RDMA device registers it once).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        slab: Slab | None,
+        *,
+        streams: int = DEFAULT_STREAMS,
+        token: bytes | str | None = None,
+        transport: str = "tcp",
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if isinstance(streams, bool) or not isinstance(streams, int) or not (
+            1 <= streams <= MAX_STREAMS
+        ):
+            raise ConfigError(f"streams must be an integer in [1, {MAX_STREAMS}], got {streams!r}")
+        self.slab = slab
+        self.clients: list[KVClient] = []
+        try:
+            for _ in range(streams):
+                self.clients.append(
+                    KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
+                )
+        except BaseException:
+            self.close()
+            raise
+        self._pool = (
+            ThreadPoolExecutor(streams - 1, thread_name_prefix="rdmakv-stream")
+            if streams > 1 else None
+        )
+        self.split_batches = 0
+        """Batches moved over several connections at once (the rest used one)."""
+
+    @property
+    def transport_name(self) -> str | None:
+        return self.clients[0].transport_name
+
+    @property
+    def streams(self) -> int:
+        return len(self.clients)
+
+    # -- data ops: split when big enough ---------------------------------------------------
+    def put(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        nbytes: int | Sequence[int],
+        digests: Sequence[bytes],
+    ) -> list[bool]:
+        slab = self._slab()
+        sizes = check_put(slab, keys, handles, nbytes, digests)
+        parts = self._parts(len(keys), max(sizes, default=0), sum(sizes))
+        return self._run(parts, lambda c, s, e: c.put(
+            keys[s:e], handles[s:e], sizes[s:e], digests[s:e]
+        ))
+
+    def get(
+        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    ) -> list[bool]:
+        return [n is not None for n in self.get_sizes(keys, handles, digests)]
+
+    def get_sizes(
+        self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
+    ) -> list[int | None]:
+        slab = self._slab()
+        check_get(slab, keys, handles, digests)
+        # values are at most a block: what a get may move
+        parts = self._parts(len(keys), slab.block_size, slab.block_size * len(keys))
+        return self._run(parts, lambda c, s, e: c.get_sizes(
+            keys[s:e], handles[s:e], digests[s:e]
+        ))
+
+    def _slab(self) -> Slab:
+        if self.slab is None:
+            raise ConfigError("this client has no slab: data ops need one")
+        return self.slab
+
+    def _parts(self, n: int, value_bytes: int, batch_bytes: int) -> list[tuple[int, int]]:
+        """(start, end) of each connection's contiguous run of keys."""
+        k = min(len(self.clients), n)
+        if k < 2 or value_bytes < MIN_SPLIT_VALUE_BYTES or batch_bytes < MIN_SPLIT_BATCH_BYTES:
+            return [(0, n)]
+        bounds = [n * i // k for i in range(k + 1)]
+        return list(pairwise(bounds))
+
+    def _run(
+        self, parts: list[tuple[int, int]], op: Callable[[KVClient, int, int], list[_T]]
+    ) -> list[_T]:
+        """``op`` on each part, the first on this thread, the rest on the pool;
+        their results in key order once every part has finished."""
+        if len(parts) == 1:
+            return op(self.clients[0], *parts[0])
+        assert self._pool is not None
+        self.split_batches += 1
+        rest: list[Future[list[_T]]] = [
+            self._pool.submit(op, client, s, e)
+            for client, (s, e) in zip(self.clients[1:], parts[1:], strict=False)
+        ]
+        results: list[list[_T] | BaseException] = []
+        try:
+            results.append(op(self.clients[0], *parts[0]))
+        except BaseException as e:  # raised below, once no part touches the slab
+            results.append(e)
+        for fut in rest:
+            try:
+                results.append(fut.result())  # each part's waits are bounded by its timeout
+            except BaseException as e:
+                results.append(e)
+        out: list[_T] = []
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+            out.extend(r)
+        return out
+
+    # -- control ops: the first connection -------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.clients[0].exists(keys)
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.clients[0].delete(keys)
+
+    def stats(self) -> dict[str, Any]:
+        return self.clients[0].stats()
+
+    def close(self) -> None:
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> MultiStreamClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,120 @@
+"""MultiStreamClient against a real ``rdmakv serve``: a big batch split over
+several connections moves every byte, in the caller's order; small batches
+and control ops use one; a failed part fails the call only after every part
+finished. The one fake wraps a real KVClient to fail one part on purpose."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from conftest import NodeProcess
+from test_client_kv import BLOCK, fill, keys_for
+
+from rdmakv.client import KVClient
+from rdmakv.errors import ConfigError, ConnectionLost, RdmakvError
+from rdmakv.slab import Slab
+from rdmakv.streams import MAX_STREAMS, MIN_SPLIT_BATCH_BYTES, MultiStreamClient
+
+BIG = MIN_SPLIT_BATCH_BYTES // BLOCK + 36  # enough 64 KiB blocks to be split
+
+
+def test_a_big_batch_moves_over_every_connection_in_order(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    src, dst = client_slab.alloc_many(BIG), client_slab.alloc_many(BIG)
+    digests = fill(client_slab, src, seed=3)
+    keys = keys_for("ms", BIG)
+    sizes = [BLOCK - 5 * i for i in range(BIG)]  # every part holds short values too
+    with MultiStreamClient(*node.address, client_slab, streams=3) as c:
+        assert c.streams == 3 and c.transport_name == "tcp"
+        assert c.stats()["sessions_active"] == 3  # one node session per connection
+        assert c.put(keys, src, sizes, digests) == [True] * BIG
+        bad = list(digests)
+        bad[BIG - 2] = bytes(16)  # a foreign digest in the last part: a miss there only
+        got = c.get_sizes(keys, dst, bad)
+        assert c.split_batches == 2
+        assert c.exists(keys) == [True] * BIG
+    assert got == [*sizes[: BIG - 2], None, sizes[BIG - 1]]
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+        if i != BIG - 2:
+            assert bytes(client_slab.view(s, sizes[i])) == bytes(client_slab.view(d, sizes[i]))
+
+
+def test_small_batches_use_one_connection(node: NodeProcess, client_slab: Slab) -> None:
+    src, dst = client_slab.alloc_many(8), client_slab.alloc_many(8)
+    digests = fill(client_slab, src, seed=4)
+    keys = keys_for("small", 8)
+    with MultiStreamClient(*node.address, client_slab, streams=2) as c:
+        assert c.put(keys, src, BLOCK, digests) == [True] * 8
+        assert c.get(keys, dst, digests) == [True] * 8
+        assert c.split_batches == 0
+        assert c.delete(keys[:3]) == [True] * 3
+        assert c.exists(keys) == [False] * 3 + [True] * 5
+    assert [bytes(client_slab.view(h)) for h in dst] == [bytes(client_slab.view(h)) for h in src]
+
+
+def test_one_stream_is_one_kvclient(node: NodeProcess, client_slab: Slab) -> None:
+    src = client_slab.alloc_many(BIG)
+    digests = fill(client_slab, src, seed=5)
+    with MultiStreamClient(*node.address, client_slab) as c:
+        assert c.streams == 1
+        assert c.put(keys_for("one", BIG), src, BLOCK, digests) == [True] * BIG
+        assert c.split_batches == 0
+
+
+def test_a_failed_part_fails_the_call_after_the_others_finished(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    src = client_slab.alloc_many(BIG)
+    digests = fill(client_slab, src, seed=6)
+    keys = keys_for("fail", BIG)
+    with MultiStreamClient(*node.address, client_slab, streams=2) as c:
+        second = c.clients[1]
+
+        def failing_put(*args: object) -> list[bool]:
+            raise ConnectionLost("injected: the second connection dropped")
+
+        second.put = failing_put  # type: ignore[method-assign]
+        with pytest.raises(ConnectionLost, match="injected"):
+            c.put(keys, src, BLOCK, digests)
+        # the first part ran to its end: its keys are stored, the second's are not
+        half = BIG // 2
+        assert c.exists(keys) == [True] * half + [False] * (BIG - half)
+
+
+def test_bad_arguments_fail_before_anything_is_sent(node: NodeProcess, client_slab: Slab) -> None:
+    for bad in (0, MAX_STREAMS + 1, 1.5, True):
+        with pytest.raises(ConfigError, match="streams"):
+            MultiStreamClient(*node.address, client_slab, streams=bad)  # type: ignore[arg-type]
+    src = client_slab.alloc_many(BIG)
+    with MultiStreamClient(*node.address, client_slab, streams=2) as c:
+        with pytest.raises(ConfigError):
+            c.put(keys_for("bad", BIG), src[:-1], BLOCK, [bytes(16)] * BIG)
+        with pytest.raises(ConfigError):
+            c.get(keys_for("bad", BIG), src, [b"short"] * BIG)
+        assert c.split_batches == 0
+        assert c.stats()["allocs"] == 0  # nothing reached the node
+    with MultiStreamClient(*node.address, None, streams=2) as ctl, pytest.raises(
+        ConfigError, match="slab"
+    ):
+        ctl.get([b"k"], [0], [bytes(16)])
+
+
+def test_a_dead_node_raises_instead_of_hanging(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab
+) -> None:
+    n = node_factory()
+    src = client_slab.alloc_many(BIG)
+    digests = fill(client_slab, src, seed=7)
+    with MultiStreamClient(*n.address, client_slab, streams=2, timeout=2.0) as c:
+        n.kill()
+        with pytest.raises(RdmakvError):
+            c.put(keys_for("dead", BIG), src, BLOCK, digests)
+
+
+def test_an_unreachable_node_is_as_loud_as_for_one_kvclient(client_slab: Slab) -> None:
+    with pytest.raises(ConnectionLost):
+        KVClient("127.0.0.1", 1, client_slab, timeout=1.0)
+    with pytest.raises(ConnectionLost):
+        MultiStreamClient("127.0.0.1", 1, client_slab, streams=2, timeout=1.0)
