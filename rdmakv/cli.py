@@ -415,6 +415,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         nodes=nodes,
         token=_read_token(token_file, _setting("--token-file", "client", "token_file")),
         replication=_client_value(args.replication, client, "replication", 1),
+        streams=_client_value(args.streams, client, "streams", 1),
         timeout=_client_value(args.timeout, client, "timeout_s", demo.DemoConfig.timeout),
     )
     try:
@@ -555,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--token-file", help="with --nodes: the nodes' shared-secret token")
     p.add_argument("--replication", type=int, help="copies of each block in a cluster (default 1)")
+    p.add_argument(
+        "--streams", type=int, help="connections to one node, big batches split (default 1)"
+    )
     p.add_argument("--timeout", type=_seconds_arg, help="seconds per remote wait (default 5)")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
     p.set_defaults(func=_cmd_demo)

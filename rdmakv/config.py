@@ -44,6 +44,7 @@ from pydantic.fields import FieldInfo
 from rdmakv.errors import ConfigError
 from rdmakv.node.admission import SessionLimits
 from rdmakv.node.store import DEFAULT_MAX_LEASES_PER_BLOCK
+from rdmakv.streams import MAX_STREAMS
 
 # -- sizes -----------------------------------------------------------------------------------
 
@@ -202,6 +203,13 @@ class ClientConfig(_Section):
         default=None, description="`HOST:PORT`, a list `a:7480,b:7480`, or `dns://NAME:PORT`"
     )
     replication: int = Field(default=1, ge=1, description="copies of each block in a cluster")
+    streams: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_STREAMS,
+        description="connections to one node; a batch of >= 64 KiB values and >= 4 MiB is "
+        "split across them (more bandwidth where one stream is CPU-bound)",
+    )
     transport: Transport = Field(
         default="auto", description="`auto`: RDMA when a usable device exists, else TCP"
     )

@@ -71,6 +71,8 @@ class DemoConfig:
     """Running nodes to use (``rdmakv.remote`` address) instead of local ones."""
     token: bytes | None = None
     replication: int = 1
+    streams: int = 1
+    """Connections to one node (a large batch split across them)."""
     timeout: float = 5.0
     """Seconds any remote wait may take."""
 
@@ -113,6 +115,7 @@ def run(cfg: DemoConfig, *, quiet: bool = False) -> dict[str, object]:
             transport=cfg.transport,
             token=cfg.token,
             replication=cfg.replication,
+            streams=cfg.streams,
             timeout=cfg.timeout,
             policy=cfg.policy,
             offload=cfg.offload,

@@ -23,6 +23,7 @@ from rdmakv.cluster import StaticMembership, parse_members, split_node_id
 from rdmakv.cluster.client import DEFAULT_REPLICATION, ClusterClient
 from rdmakv.errors import ConfigError
 from rdmakv.slab import Slab
+from rdmakv.streams import DEFAULT_STREAMS, MultiStreamClient
 from rdmakv.tiers import infinistore
 
 REMOTE_FORMS = (
@@ -46,6 +47,7 @@ def open_remote(
     transport: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
     replication: int = DEFAULT_REPLICATION,
+    streams: int = DEFAULT_STREAMS,
 ) -> NodeClient:
     """Connect to the remote tier ``spec`` names (module docstring) over ``slab``.
 
@@ -53,13 +55,16 @@ def open_remote(
     node is unreachable: a wrong address should be loud); several are a
     :class:`ClusterClient`, which starts as long as one member answers; an
     InfiniStore server is an :class:`~rdmakv.tiers.infinistore.InfiniStoreTier`
-    (its transport is always RDMA). ``replication`` > 1 needs a cluster.
+    (its transport is always RDMA). ``replication`` > 1 needs a cluster;
+    ``streams`` > 1 connections per node (:mod:`rdmakv.streams`) needs one node.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"remote address must be {REMOTE_FORMS}, got {spec!r}")
     if spec.startswith(infinistore.SCHEME):
         if replication != DEFAULT_REPLICATION:
             raise ConfigError(f"replication applies to clusters of rdmakv nodes, not {spec!r}")
+        if streams != DEFAULT_STREAMS:
+            raise ConfigError(f"streams applies to one rdmakv node, not {spec!r}")
         host, port = infinistore.parse_address(spec)
         return infinistore.InfiniStoreTier(host, port, slab, timeout=timeout)
     membership = parse_members(spec)
@@ -70,7 +75,15 @@ def open_remote(
                 f"got one node {spec!r}"
             )
         host, port = split_node_id(membership.resolve()[0])
+        if streams != DEFAULT_STREAMS:
+            return MultiStreamClient(
+                host, port, slab, streams=streams, token=token, transport=transport,
+                timeout=timeout,
+            )
         return KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
+    if streams != DEFAULT_STREAMS:
+        # a cluster already moves each node's share of a batch in parallel
+        raise ConfigError(f"streams > 1 applies to one node, not the cluster {spec!r}")
     return ClusterClient(
         membership,
         slab,

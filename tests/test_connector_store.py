@@ -180,6 +180,10 @@ def test_options_are_validated_by_name() -> None:
         StoreOptions.from_mapping({"node": "nohost"})
     with pytest.raises(ConfigError, match="replication must be an int >= 1"):
         StoreOptions.from_mapping({"node": "a:1,b:2", "replication": 0})
+    assert StoreOptions.from_mapping({"node": "h:1", "streams": 4}).streams == 4
+    for bad in (0, 17, "2", True):
+        with pytest.raises(ConfigError, match=r"streams must be an int in \[1, 16\]"):
+            StoreOptions.from_mapping({"node": "h:1", "streams": bad})
 
 
 def test_metrics_port_serves_the_engines_hits_and_saves(

@@ -13,6 +13,9 @@ from test_client_kv import BLOCK, fill, keys_for
 
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, ConnectionLost, RdmakvError
+from rdmakv.keys import KeyNamespace
+from rdmakv.manager import KVCacheManager
+from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 from rdmakv.streams import MAX_STREAMS, MIN_SPLIT_BATCH_BYTES, MultiStreamClient
 
@@ -118,3 +121,26 @@ def test_an_unreachable_node_is_as_loud_as_for_one_kvclient(client_slab: Slab) -
         KVClient("127.0.0.1", 1, client_slab, timeout=1.0)
     with pytest.raises(ConnectionLost):
         MultiStreamClient("127.0.0.1", 1, client_slab, streams=2, timeout=1.0)
+
+
+def test_open_remote_and_the_manager_take_streams_for_one_node(node: NodeProcess) -> None:
+    one = open_remote(node.endpoint, None)
+    assert isinstance(one, KVClient)
+    one.close()
+    remote = open_remote(node.endpoint, None, streams=2)
+    assert isinstance(remote, MultiStreamClient) and remote.streams == 2
+    remote.close()
+    for spec in ("127.0.0.1:1,127.0.0.1:2", "infinistore://127.0.0.1:1"):
+        with pytest.raises(ConfigError, match="streams"):
+            open_remote(spec, None, streams=2)
+    ns = KeyNamespace(model="m", dtype="bf16", kv_layout="x")
+    with KVCacheManager(
+        namespace=ns, block_tokens=4, block_bytes=BLOCK, l1_bytes=8 * BLOCK,
+        node=node.endpoint, transport="tcp", lock_slab=False, streams=3,
+    ) as kv:
+        assert isinstance(kv.client, MultiStreamClient) and kv.client.streams == 3
+        tokens = list(range(4 * 3))
+        blocks = kv.allocate_for(3)
+        kv.put(tokens, blocks, first_block=0, keep=True)
+        kv.flush()
+        assert kv.exists(tokens) == len(tokens)  # every block reached the node

@@ -228,6 +228,7 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             transport=self.options.transport,
             timeout=self.options.timeout,
             replication=self.options.replication,
+            streams=self.options.streams,
         )
 
     def _open_staging(self) -> tuple[Slab, NodeClient]:

@@ -37,6 +37,7 @@ from rdmakv.manager import KVCacheManager
 from rdmakv.metrics.client import ClientMetrics, start_http_server
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.remote import check_address
+from rdmakv.streams import MAX_STREAMS
 
 log = logging.getLogger("rdmakv.connectors")
 
@@ -52,6 +53,7 @@ gives the defaults of the other options."""
 _FROM_CLIENT_SECTION = {
     "nodes": "node",
     "replication": "replication",
+    "streams": "streams",
     "transport": "transport",
     "timeout_s": "timeout",
     "token_file": "token_file",
@@ -70,7 +72,8 @@ class StoreOptions:
     ``node`` names the remote tier (required: the scheduler side sees only
     what reached it): ``HOST:PORT`` of an ``rdmakv serve`` node, a
     comma-separated list of them or ``dns://NAME:PORT`` for a cluster
-    (:mod:`rdmakv.remote`), with ``replication`` copies of each block. Sizes
+    (:mod:`rdmakv.remote`), with ``replication`` copies of each block, or
+    ``streams`` connections to one node (:mod:`rdmakv.streams`). Sizes
     accept ints or strings like ``"4GiB"``.
 
     Where a value comes from, highest first: the option in the engine's dict;
@@ -92,6 +95,7 @@ class StoreOptions:
     lock_slab: bool = True
     model: str | None = None
     replication: int = 1
+    streams: int = 1
     metrics_port: int | None = None
     """Serve this process's rdmakv metrics on ``/metrics`` (worker side; None = off)."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -129,10 +133,11 @@ class StoreOptions:
             values["timeout"] = float(values["timeout"])
             if values["timeout"] <= 0:
                 raise ConfigError(f"timeout must be > 0 seconds, got {values['timeout']}")
-        if "replication" in values:
-            r = values["replication"]
-            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-                raise ConfigError(f"replication must be an int >= 1, got {r!r}")
+        for name, top in (("replication", None), ("streams", MAX_STREAMS)):
+            r = values.get(name, 1)
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1 or (top and r > top):
+                bound = f"in [1, {top}]" if top else ">= 1"
+                raise ConfigError(f"{name} must be an int {bound}, got {r!r}")
         port = values.get("metrics_port")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                                  or not 0 <= port <= 65535):
@@ -235,6 +240,7 @@ class GroupStores:
                         timeout=options.timeout,
                         lock_slab=options.lock_slab and not scheduler,
                         replication=options.replication,
+                        streams=options.streams,
                     )
                 )
             if options.metrics_port is not None and not scheduler:
