@@ -109,6 +109,26 @@ class _Unavailable:
         pass
 
 
+def test_rdmakv_with_two_streams_moves_every_byte_split() -> None:
+    """The ``rdmakv_streams2`` variant: a 16 MiB batch of 256 KiB blocks goes over two
+    connections (MultiStreamClient splits it), every byte read back verified; its
+    ratios nest under rdmakv's and it is never taken for a peer; no latency rows."""
+    cfg = runner.BenchConfig(
+        quick=True, systems=["rdmakv", "rdmakv_streams2", "socket_loop"], sizes=[262144],
+        progress=False, concurrency=False,
+    )
+    res, rc = runner.run(cfg)
+    assert rc == 0, res["meta"].get("failures")
+    per = res["tcp"]["262144"]
+    for name in ("rdmakv", "rdmakv_streams2"):
+        assert per[name]["bytes_verified"] == runner.QUICK_BLOCKS * 262144, name
+    r = res["ratios"]["262144"]
+    assert r["put_vs_best_peer"] is None  # the variant is rdmakv, not a peer of it
+    assert r["rdmakv_streams2"]["put_vs_socket_loop"] > 0
+    assert r["rdmakv_streams2"]["get_vs_socket_loop"] > 0
+    assert "rdmakv_streams2" not in res["latency"]["systems"]
+
+
 def test_unavailable_peer_is_recorded_not_fatal() -> None:
     register("unavailable_peer", _Unavailable)
     try:

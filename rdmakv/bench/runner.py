@@ -53,7 +53,14 @@ from typing import Any
 import numpy as np
 
 from rdmakv.bench.driver import Arena, Driver, PeerUnavailable, Workload
-from rdmakv.bench.drivers import CEILING, DEFAULT_SYSTEMS, FATAL, OURS, make_driver
+from rdmakv.bench.drivers import (
+    CEILING,
+    DEFAULT_SYSTEMS,
+    FATAL,
+    OURS,
+    OURS_VARIANTS,
+    make_driver,
+)
 from rdmakv.bench.placement import Placement, placements
 from rdmakv.bench.provenance import provenance
 
@@ -578,32 +585,13 @@ def ratios(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for size, systems in section.items():
-        ours = systems.get(OURS, {})
-        if "put_gbps" not in ours:
+        if "put_gbps" not in systems.get(OURS, {}):
             out[size] = {"error": "rdmakv has no figure at this size"}
             continue
-        r: dict[str, Any] = {}
-        peers = {
-            n: v for n, v in systems.items() if n != OURS and n not in CEILINGS and "put_gbps" in v
-        }
-        for op in ("put", "get"):
-            key = f"{op}_gbps"
-            if peers:
-                best = max(peers, key=partial(_figure, peers, key))
-                r[f"{op}_vs_best_peer"] = round(ours[key] / peers[best][key], 3)
-                r[f"best_{op}_peer"] = best
-            else:
-                r[f"{op}_vs_best_peer"] = None
-            for c in CEILINGS:
-                ceil = systems.get(c, {})
-                if key in ceil:
-                    r[f"{op}_vs_{c}"] = round(ours[key] / ceil[key], 3)
-                    mid = f"{key}_median"
-                    if mid in ours and mid in ceil:  # the typical run beside the best one
-                        r[f"{op}_vs_{c}_median"] = round(ours[mid] / ceil[mid], 3)
-                elif c == CEILING and c in systems:
-                    r[f"{op}_vs_{c}"] = None
-        out[size] = r
+        out[size] = _size_ratios(systems, OURS)
+        for variant in OURS_VARIANTS:  # nested: rdmakv's own figures stay where they were
+            if "put_gbps" in systems.get(variant, {}):
+                out[size][variant] = _size_ratios(systems, variant)
     lat: dict[str, Any] = {}
     for i, (place, part) in enumerate(_latency_parts(latency)):
         own = _latency_ratios(part)
@@ -614,6 +602,34 @@ def ratios(
     if lat:
         out["latency"] = lat
     return out
+
+
+def _size_ratios(systems: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """``name``'s put/get over the best peer and over each ceiling, at one size."""
+    ours = systems[name]
+    r: dict[str, Any] = {}
+    peers = {
+        n: v for n, v in systems.items()
+        if n != OURS and n not in OURS_VARIANTS and n not in CEILINGS and "put_gbps" in v
+    }
+    for op in ("put", "get"):
+        key = f"{op}_gbps"
+        if peers:
+            best = max(peers, key=partial(_figure, peers, key))
+            r[f"{op}_vs_best_peer"] = round(ours[key] / peers[best][key], 3)
+            r[f"best_{op}_peer"] = best
+        else:
+            r[f"{op}_vs_best_peer"] = None
+        for c in CEILINGS:
+            ceil = systems.get(c, {})
+            if key in ceil:
+                r[f"{op}_vs_{c}"] = round(ours[key] / ceil[key], 3)
+                mid = f"{key}_median"
+                if mid in ours and mid in ceil:  # the typical run beside the best one
+                    r[f"{op}_vs_{c}_median"] = round(ours[mid] / ceil[mid], 3)
+            elif c == CEILING and c in systems:
+                r[f"{op}_vs_{c}"] = None
+    return r
 
 
 def _latency_parts(latency: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -654,7 +670,8 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
     # measure the emulated device, and the soft-RoCE VM has no /dev/shm for them.
     run_conc = cfg.concurrency and cfg.transport == "tcp"
     conc_systems = [s for s in systems if s in CONC_SYSTEMS] if run_conc else []
-    lat_systems = systems if cfg.latency else []
+    # a latency batch is never split: a variant of rdmakv would measure rdmakv again
+    lat_systems = [s for s in systems if s not in OURS_VARIANTS] if cfg.latency else []
     where = placements()
     progress = _Progress(
         len(sizes) * len(systems) + (len(lat_systems) + 1) * len(where) * bool(lat_systems)

@@ -46,6 +46,7 @@ Factory = Callable[..., Driver]
 # name -> (module, class, extra keyword arguments the class takes).
 _LAZY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "rdmakv": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {}),
+    "rdmakv_streams2": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {"streams": 2}),
     "socket_loop": ("rdmakv.bench.drivers.socket_loop", "SocketLoopDriver", {}),
     "redis": ("rdmakv.bench.drivers.redis", "RedisDriver", {}),
     "mooncake_te": ("rdmakv.bench.drivers.mooncake", "MooncakeTEDriver", {}),
@@ -58,12 +59,16 @@ _EXTRA: dict[str, Factory] = {}
 
 CEILING = "socket_loop"
 OURS = "rdmakv"
-FATAL = frozenset({OURS, CEILING})
+OURS_VARIANTS = ("rdmakv_streams2",)
+"""rdmakv in another configuration: ``streams=2`` (:mod:`rdmakv.streams`), two
+connections to the node with a big batch split across them. Throughput only:
+latency batches are never split, so there it is ``rdmakv`` itself."""
+FATAL = frozenset({OURS, *OURS_VARIANTS, CEILING})
 """Systems whose failure fails the whole run (they never skip)."""
 
 DEFAULT_SYSTEMS = {
-    "tcp": ("rdmakv", "socket_loop", "redis", "mooncake_te"),
-    "rdma": ("rdmakv", "perftest", "infinistore", "mooncake_te"),
+    "tcp": ("rdmakv", "rdmakv_streams2", "socket_loop", "redis", "mooncake_te"),
+    "rdma": ("rdmakv", "rdmakv_streams2", "perftest", "infinistore", "mooncake_te"),
 }
 
 

@@ -7,7 +7,9 @@ the data: one over a slab laid on the bench's source arena (puts read it in
 place), one over a slab laid on its destination arena (gets land in it in
 place), exactly as an engine lays a slab over its host KV pool. Each
 ``put``/``get`` is ONE client call with every key; the client splits it into
-pipelined sub-batches itself.
+pipelined sub-batches itself. With ``streams`` > 1 each of the two is a
+:class:`~rdmakv.streams.MultiStreamClient` (that many connections; a big
+batch is split across them), as ``KVCacheManager(streams=...)`` opens it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rdmakv.client import KVClient
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess, NodeStartError
 from rdmakv.slab import Slab
+from rdmakv.streams import MultiStreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +37,18 @@ POOL_SLACK_BLOCKS = 16
 class RdmakvDriver:
     name = "rdmakv"
 
-    def __init__(self, transport: str = "tcp", server: str | None = None) -> None:
+    def __init__(
+        self, transport: str = "tcp", server: str | None = None, streams: int = 1
+    ) -> None:
         if transport not in ("tcp", "rdma"):
             raise PeerUnavailable(f"rdmakv: unknown transport {transport!r}")
         self.transport = transport
+        self.streams = streams
         self.server: str | None = server
         self._owns_node = server is None
         self._node: LocalNodeProcess | None = None
-        self._put_c: KVClient | None = None
-        self._get_c: KVClient | None = None
+        self._put_c: KVClient | MultiStreamClient | None = None
+        self._get_c: KVClient | MultiStreamClient | None = None
         self._slabs: list[Slab] = []
         self._block = 0
         self._log: Path | None = None
@@ -81,14 +87,18 @@ class RdmakvDriver:
         dst_slab = Slab.over_buffer(dst, work.block_bytes)
         self._slabs = [src_slab, dst_slab]
         try:
-            self._put_c = KVClient(
-                host, int(port), src_slab, transport=self.transport, timeout=CLIENT_TIMEOUT_S
-            )
-            self._get_c = KVClient(
-                host, int(port), dst_slab, transport=self.transport, timeout=CLIENT_TIMEOUT_S
-            )
+            self._put_c = self._client(host, int(port), src_slab)
+            self._get_c = self._client(host, int(port), dst_slab)
         except RdmakvError as e:
             raise PeerUnavailable(f"rdmakv: cannot connect over {self.transport}: {e}") from e
+
+    def _client(self, host: str, port: int, slab: Slab) -> KVClient | MultiStreamClient:
+        if self.streams == 1:
+            return KVClient(host, port, slab, transport=self.transport, timeout=CLIENT_TIMEOUT_S)
+        return MultiStreamClient(
+            host, port, slab, streams=self.streams, transport=self.transport,
+            timeout=CLIENT_TIMEOUT_S,
+        )
 
     @staticmethod
     def _digests(keys: Sequence[bytes]) -> list[bytes]:
