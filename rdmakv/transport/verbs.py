@@ -403,6 +403,15 @@ class ConnInfo:
 
 
 # -- device objects ------------------------------------------------------------
+_Owners = list["weakref.ref[Any]"] | None
+
+
+def _holds(ref: weakref.ref[Any]) -> bool:
+    """The owner behind ``ref`` is alive and not closed: its memory is still the range."""
+    owner = ref()
+    return owner is not None and not getattr(owner, "closed", False)
+
+
 @dataclass(frozen=True)
 class DeviceAttrs:
     max_sge: int
@@ -512,7 +521,9 @@ class Device:
             self.close()
             raise RdmaUnavailable(f"{self.sel.device} port {self.sel.port} is not ACTIVE")
         self._lock = threading.Lock()
-        self._regions: dict[tuple[int, int], tuple[MemoryRegion, weakref.ref[Any] | None]] = {}
+        self._regions: dict[tuple[int, int], tuple[MemoryRegion, _Owners]] = {}
+        """(addr, length) -> the region and the owners it was asked for by (None: no
+        owner, registered for good)."""
         self._qps: list[QueuePair] = []
 
     @property
@@ -547,25 +558,31 @@ class Device:
         for the other way is an error (the two must not be mixed silently).
 
         Registered ONCE per range: asking again returns the existing region.
-        ``owner`` (e.g. the Slab) ties the registration to that object: if the
-        range is asked for by a different owner, or the owner was closed, the
-        old registration is stale (it pins the old pages), so it is dropped and
-        the range registered afresh.
+        ``owner`` (e.g. the Slab) ties the registration to that object. While
+        any owner it was asked for by is alive and not closed, the range is that
+        owner's memory, so the region is shared by every owner of it (two slabs
+        laid over one buffer, two connections over one slab). Once all of them
+        are gone or closed, the registration is stale (it pins pages that may
+        no longer be the range's), so it is dropped and registered afresh.
         """
         if addr <= 0 or length <= 0:
             raise ConfigError(f"cannot register addr=0x{addr:x} length={length}")
         with self._lock:
             entry = self._regions.get((addr, length))
             if entry is not None:
-                mr, ref = entry
-                old = ref() if ref is not None else None
-                fresh = ref is None or (old is not None and not getattr(old, "closed", False))
-                if fresh and (owner is None or ref is None or old is owner):
+                mr, refs = entry
+                live = None if refs is None else [r for r in refs if _holds(r)]
+                if live is None or live:
                     if mr.windows != windows:
                         raise ConfigError(
                             f"0x{addr:x}+{length} is already registered "
                             f"{'for windows only' if mr.windows else 'with remote access'}"
                         )
+                    if live is not None and owner is not None and all(
+                        r() is not owner for r in live
+                    ):
+                        live.append(weakref.ref(owner))
+                    self._regions[(addr, length)] = (mr, live)
                     return mr
                 del self._regions[(addr, length)]
                 mr._dereg()
@@ -578,7 +595,8 @@ class Device:
                 )
             mr = MemoryRegion(self, h, addr, length)
             mr.windows = windows
-            self._regions[(addr, length)] = (mr, weakref.ref(owner) if owner is not None else None)
+            owners = [weakref.ref(owner)] if owner is not None else None
+            self._regions[(addr, length)] = (mr, owners)
             return mr
 
     def _forget(self, mr: MemoryRegion) -> None:

@@ -18,6 +18,7 @@ import pytest
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
 from rdmakv.slab import Slab
+from rdmakv.streams import MIN_SPLIT_BATCH_BYTES, MIN_SPLIT_VALUE_BYTES, MultiStreamClient
 from rdmakv.transport import verbs
 from rdmakv.transport.base import IoOp
 from rdmakv.transport.rdma import RdmaOpsFailed, RdmaTransport
@@ -34,10 +35,10 @@ READY_LINE_TIMEOUT = 90.0
 class Node:
     """A real ``rdmakv serve`` subprocess."""
 
-    def __init__(self, transport: str = "rdma") -> None:
+    def __init__(self, transport: str = "rdma", block: int = BLOCK, pool: int = POOL) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rdmakv.cli", "serve", "--port", "0", "--pool-size",
-             str(POOL), "--block-size", str(BLOCK), "--transport", transport],
+             str(pool), "--block-size", str(block), "--transport", transport],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         assert self.proc.stdout is not None
@@ -120,6 +121,57 @@ def test_slab_registered_once_across_reconnects(node: Node, slab: Slab) -> None:
         assert rdma_of(c).device is dev
         assert dev.registrations == before
         assert c.reconnects >= 1
+
+
+def test_two_slabs_over_one_buffer_share_one_registration(node: Node) -> None:
+    """Two live slabs laid over one buffer (two managers over one host KV pool, two
+    bench drivers over one arena) are one range of pages: the second client must
+    reuse the first's region, not re-register it under the first's feet (which left
+    the first client's QP with a dead lkey: every WRITE a local QP error)."""
+    buf = np.frombuffer(bytearray(os.urandom(32 * BLOCK)), dtype=np.uint8)
+    a, b = Slab.over_buffer(buf, BLOCK), Slab.over_buffer(buf, BLOCK)
+    keys = [b"shared%d" % i for i in range(16)]
+    with KVClient("127.0.0.1", node.port, a, transport="rdma", timeout=CLIENT_TIMEOUT) as ca:
+        dev = rdma_of(ca).device
+        before = dev.registrations
+        with KVClient(
+            "127.0.0.1", node.port, b, transport="rdma", timeout=CLIENT_TIMEOUT
+        ) as cb:
+            assert dev.registrations == before
+            assert ca.put(keys, range(16), BLOCK, digests(16)) == [True] * 16
+            assert cb.get(keys, range(16, 32), digests(16)) == [True] * 16
+            assert cb.put([b"b%d" % i for i in range(4)], range(4), BLOCK, digests(4)) == [
+                True
+            ] * 4
+        assert bytes(buf[16 * BLOCK :]) == bytes(buf[: 16 * BLOCK])
+        assert ca.get(keys[:4], range(16, 20), digests(4)) == [True] * 4  # b closed: a goes on
+
+
+def test_multi_stream_client_splits_a_big_batch_over_two_queue_pairs() -> None:
+    block = MIN_SPLIT_VALUE_BYTES
+    n = MIN_SPLIT_BATCH_BYTES // block
+    node = Node(block=block, pool=(n + 16) * block)
+    slab = Slab(2 * n * block, block)
+    try:
+        src, dst = slab.alloc_many(n), slab.alloc_many(n)
+        for h in src:
+            slab.numpy(h)[:] = memoryview(bytearray(os.urandom(block)))
+        keys = [b"ms%d" % i for i in range(n)]
+        with MultiStreamClient(
+            "127.0.0.1", node.port, slab, streams=2, transport="rdma", timeout=CLIENT_TIMEOUT
+        ) as c:
+            assert c.transport_name == "rdma"
+            qps = {id(rdma_of(k).qp) for k in c.clients}
+            assert len(qps) == 2  # one queue pair per connection
+            assert c.put(keys, src, block, digests(n)) == [True] * n
+            assert c.get(keys, dst, digests(n)) == [True] * n
+            assert c.split_batches == 2
+            assert all(rdma_of(k).last_stats is not None for k in c.clients)  # both moved bytes
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
+    finally:
+        slab.close()
+        node.kill()
 
 
 def test_bad_remote_address_is_refused_before_posting(node: Node, slab: Slab) -> None:
