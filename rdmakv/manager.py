@@ -266,7 +266,7 @@ class KVCacheManager:
         self._prefetch_client: NodeClient | None = None
         self._new_client: Callable[[], NodeClient] | None = None
         if node is not None:
-            check_address(node)  # a malformed address fails here, before any connect
+            check_address(node, streams=streams)  # a bad address fails here, before any connect
 
             def new_client() -> NodeClient:
                 return open_remote(

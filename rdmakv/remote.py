@@ -31,12 +31,18 @@ REMOTE_FORMS = (
 )
 
 
-def check_address(spec: str) -> None:
-    """ConfigError naming what is wrong with ``spec``, before anything connects."""
+def check_address(spec: str, *, streams: int = DEFAULT_STREAMS) -> None:
+    """ConfigError naming what is wrong with ``spec`` (or with ``streams`` for
+    it), before anything connects."""
     if isinstance(spec, str) and spec.startswith(infinistore.SCHEME):
         infinistore.parse_address(spec)
+        one_node = False
     else:
-        parse_members(spec)
+        membership = parse_members(spec)
+        one_node = isinstance(membership, StaticMembership) and len(membership.resolve()) == 1
+    if streams != DEFAULT_STREAMS and not one_node:
+        # a cluster already moves each node's share of a batch at once
+        raise ConfigError(f"streams > 1 applies to one rdmakv node, not {spec!r}")
 
 
 def open_remote(
@@ -60,11 +66,10 @@ def open_remote(
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"remote address must be {REMOTE_FORMS}, got {spec!r}")
+    check_address(spec, streams=streams)
     if spec.startswith(infinistore.SCHEME):
         if replication != DEFAULT_REPLICATION:
             raise ConfigError(f"replication applies to clusters of rdmakv nodes, not {spec!r}")
-        if streams != DEFAULT_STREAMS:
-            raise ConfigError(f"streams applies to one rdmakv node, not {spec!r}")
         host, port = infinistore.parse_address(spec)
         return infinistore.InfiniStoreTier(host, port, slab, timeout=timeout)
     membership = parse_members(spec)
@@ -81,9 +86,6 @@ def open_remote(
                 timeout=timeout,
             )
         return KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
-    if streams != DEFAULT_STREAMS:
-        # a cluster already moves each node's share of a batch in parallel
-        raise ConfigError(f"streams > 1 applies to one node, not the cluster {spec!r}")
     return ClusterClient(
         membership,
         slab,

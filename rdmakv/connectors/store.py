@@ -142,7 +142,8 @@ class StoreOptions:
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                                  or not 0 <= port <= 65535):
             raise ConfigError(f"metrics_port must be a port in 0..65535 or null, got {port!r}")
-        check_address(values["node"])  # a malformed address fails at start-up
+        # a malformed address (or streams for a cluster) fails at start-up
+        check_address(values["node"], streams=values.get("streams", 1))
         return cls(**values, given=frozenset(values))
 
     def secret(self) -> str | None:
