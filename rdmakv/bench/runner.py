@@ -769,7 +769,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path, name: str) -> list[Path
             continue
         png = out_dir / f"{name}_{what}.png"
         fig.tight_layout()
-        fig.savefig(png, dpi=110)
+        fig.savefig(png, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(png)
     return written
@@ -803,7 +803,9 @@ def _plot_throughput(plt: Any, result: dict[str, Any]) -> Any:
         ax.set_xlabel("block size")
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("GB/s")
-    axes[1].legend()
+    # one legend above both panels: inside one it covered that panel's tallest bars
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(systems),
+               frameon=False, bbox_to_anchor=(0.5, 1.06))
     return fig
 
 
