@@ -864,14 +864,14 @@ def _plot_concurrency(plt: Any, result: dict[str, Any]) -> Any:
 
 def summary_lines(result: dict[str, Any], transport: str) -> Iterator[str]:
     """A short human-readable table of the throughput section."""
-    yield f"{'size':>9} {'system':<12} {'put GB/s':>9} {'get GB/s':>9}  note"
+    yield f"{'size':>9} {'system':<15} {'put GB/s':>9} {'get GB/s':>9}  note"
     for size, per in result[transport].items():
         for name, res in per.items():
             if "error" in res:
-                yield f"{int(size) // KiB:>6}KiB {name:<12} {'-':>9} {'-':>9}  {res['error'][:90]}"
+                yield f"{int(size) // KiB:>6}KiB {name:<15} {'-':>9} {'-':>9}  {res['error'][:90]}"
             else:
                 yield (
-                    f"{int(size) // KiB:>6}KiB {name:<12} {res['put_gbps']:>9.3f} "
+                    f"{int(size) // KiB:>6}KiB {name:<15} {res['put_gbps']:>9.3f} "
                     f"{res['get_gbps']:>9.3f}  verified {res['bytes_verified']} B"
                 )
 
