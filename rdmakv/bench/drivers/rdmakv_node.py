@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
-from rdmakv.client import KVClient
+from rdmakv.client import NodeClient
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess, NodeStartError
+from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
-from rdmakv.streams import MultiStreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class RdmakvDriver:
         self.server: str | None = server
         self._owns_node = server is None
         self._node: LocalNodeProcess | None = None
-        self._put_c: KVClient | MultiStreamClient | None = None
-        self._get_c: KVClient | MultiStreamClient | None = None
+        self._put_c: NodeClient | None = None
+        self._get_c: NodeClient | None = None
         self._slabs: list[Slab] = []
         self._block = 0
         self._log: Path | None = None
@@ -82,23 +82,21 @@ class RdmakvDriver:
                 )
             self.server = self._node.endpoint
         assert self.server is not None
-        host, port = self.server.rsplit(":", 1)
         src_slab = Slab.over_buffer(src, work.block_bytes)
         dst_slab = Slab.over_buffer(dst, work.block_bytes)
         self._slabs = [src_slab, dst_slab]
         try:
-            self._put_c = self._client(host, int(port), src_slab)
-            self._get_c = self._client(host, int(port), dst_slab)
+            # the engine's own path: a KVClient, or a MultiStreamClient for streams > 1;
+            # each assigned as soon as it exists, so close() closes it if the next fails
+            self._put_c = self._open_client(src_slab)
+            self._get_c = self._open_client(dst_slab)
         except RdmakvError as e:
             raise PeerUnavailable(f"rdmakv: cannot connect over {self.transport}: {e}") from e
 
-    def _client(self, host: str, port: int, slab: Slab) -> KVClient | MultiStreamClient:
-        if self.streams == 1:
-            return KVClient(host, port, slab, transport=self.transport, timeout=CLIENT_TIMEOUT_S)
-        return MultiStreamClient(
-            host, port, slab, streams=self.streams, transport=self.transport,
-            timeout=CLIENT_TIMEOUT_S,
-        )
+    def _open_client(self, slab: Slab) -> NodeClient:
+        assert self.server is not None
+        return open_remote(self.server, slab, transport=self.transport,
+                           timeout=CLIENT_TIMEOUT_S, streams=self.streams)
 
     @staticmethod
     def _digests(keys: Sequence[bytes]) -> list[bytes]:
