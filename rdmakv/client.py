@@ -43,6 +43,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
+
 from rdmakv.errors import (
     AuthError,
     ConfigError,
@@ -70,10 +72,10 @@ from rdmakv.protocol import (
     NodeInfo,
     Op,
     Reply,
-    decode_extents,
+    decode_extent_table,
     decode_flags,
     decode_json,
-    decode_lookup_results,
+    decode_lookup_table,
     decode_node_info,
     encode_alloc,
     encode_commit,
@@ -85,7 +87,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import Transport, get_transport, resolve_transport
-from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, IoOp
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, make_op_table
 
 log = logging.getLogger("rdmakv.client")
 _T = TypeVar("_T")
@@ -369,6 +371,8 @@ class KVClient:
         slab = self._need_slab()
         bs = slab.block_size  # handles were validated by put()
         arena = slab.buffer
+        offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
+        lengths = np.asarray(sizes, dtype=np.uint64)
         subs = self._sub_batches(len(keys))
         out = [False] * len(keys)
         allocs: deque[tuple[int, int, Reply]] = deque()
@@ -388,31 +392,33 @@ class KVClient:
             # here while the device reads the blocks (rdma).
             if fut.checksums is not None:
                 return list(fut.checksums)
-            offs = [handles[i] * bs for i in idx]
-            return [value_checksum(arena[o : o + sizes[i]]) for o, i in zip(offs, idx, strict=True)]
+            return [value_checksum(arena[o : o + sizes[i]])
+                    for o, i in zip(offsets[idx].tolist(), idx, strict=True)]
 
         try:
             while nxt < len(subs) and len(allocs) < PIPELINE_WINDOW:
                 submit_alloc()
             while allocs:
                 s, e, reply = allocs.popleft()
-                results = decode_extents(ch.wait(reply)[1], e - s)
-                ops: list[IoOp] = []
-                idx: list[int] = []
-                for i, r in enumerate(results, s):
-                    if r.extent is None:
-                        out[i] = r.status == AllocStatus.EXISTS
-                        continue
-                    if r.extent.length != sizes[i]:
-                        raise ProtocolError(
-                            f"node allocated {r.extent.length} bytes for a {sizes[i]}-byte value"
-                        )
-                    ops.append(IoOp(handles[i] * bs, r.extent.addr, sizes[i], r.extent.rkey))
-                    idx.append(i)
-                if not ops:
+                ext = decode_extent_table(ch.wait(reply)[1], e - s)
+                alloc = ext["status"] == AllocStatus.OK
+                for j in np.flatnonzero(~alloc).tolist():  # not ours to write
+                    out[s + j] = bool(ext["status"][j] == AllocStatus.EXISTS)
+                picked = np.flatnonzero(alloc)
+                at = picked + s  # the keys' positions in the put
+                got = ext["length"][picked]
+                if (got != lengths[at]).any():
+                    j = int(np.flatnonzero(got != lengths[at])[0])
+                    raise ProtocolError(
+                        f"node allocated {got[j]} bytes for a {lengths[at][j]}-byte value"
+                    )
+                if not len(at):
                     if nxt < len(subs):
                         submit_alloc()
                     continue
+                # the ops as one table: no Python object per op
+                ops = make_op_table(offsets[at], ext["addr"][picked], got, ext["rkey"][picked])
+                idx = at.tolist()
                 fut = tp.write(ops, self.timeout)
                 stage = _PutStage(fut, idx, [keys[i] for i in idx], checksums(fut, idx))
                 if nxt < len(subs):
@@ -537,6 +543,7 @@ class KVClient:
         slab = self._need_slab()
         bs = slab.block_size
         arena = slab.buffer
+        offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
         subs = self._sub_batches(len(keys))
         out: list[int | None] = [None] * len(keys)
         lookups: deque[tuple[int, int, Reply]] = deque()
@@ -570,7 +577,7 @@ class KVClient:
             for j, (i, length, checksum) in enumerate(hits):
                 if j in failed:
                     continue
-                off = handles[i] * bs
+                off = int(offsets[i])
                 got = value_checksum(arena[off : off + length]) if sums is None else sums[j]
                 if got != checksum:
                     corrupt.append(keys[i])  # corrupted on the way or in the pool: a miss
@@ -584,19 +591,20 @@ class KVClient:
                 submit_lookup()
             while lookups:
                 s, e, reply = lookups.popleft()
-                found = decode_lookup_results(ch.wait(reply)[1], e - s)
-                ops: list[IoOp] = []
-                hits: list[tuple[int, int, int]] = []
-                leases: list[int] = []
-                for i, res in enumerate(found, s):
-                    if res is None:
-                        continue
-                    leases.append(res.lease_id)
-                    length = res.extent.length
-                    if res.digest != digests[i] or not (0 < length <= bs):
-                        continue  # collision or foreign value: a miss, never wrong KV
-                    ops.append(IoOp(handles[i] * bs, res.extent.addr, length, res.extent.rkey))
-                    hits.append((i, length, res.checksum))
+                found = decode_lookup_table(ch.wait(reply)[1], e - s)
+                present = found["found"] != 0
+                leases = found["lease"][present].tolist()
+                length = found["length"]
+                wanted = np.frombuffer(b"".join(digests[s:e]), dtype=found.dtype["digest"])
+                # a collision or a foreign value is a miss, never wrong KV
+                picked = np.flatnonzero(
+                    present & (found["digest"] == wanted) & (length > 0) & (length <= bs)
+                )
+                at = picked + s  # the keys' positions in the get
+                ops = make_op_table(offsets[at], found["addr"][picked], length[picked],
+                                    found["rkey"][picked])
+                hits = list(zip(at.tolist(), length[picked].tolist(),
+                                found["checksum"][picked].tolist(), strict=True))
                 reading.append((tp.read(ops, self.timeout), hits, leases))
                 if nxt < len(subs):
                     submit_lookup()  # the node looks it up while this read moves

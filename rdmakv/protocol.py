@@ -92,6 +92,8 @@ from enum import IntEnum
 from operator import itemgetter
 from typing import Any, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from rdmakv.errors import (
@@ -207,6 +209,13 @@ ALLOC_ITEM_CODES = "I16s"
 ALLOC_ITEM = struct.Struct(f"<{ALLOC_ITEM_CODES}")  # after the key: size, digest
 EXTENT = struct.Struct("<BQII")
 LOOKUP_ENTRY = struct.Struct("<BQIIQ16sQ")
+EXTENT_DTYPE = np.dtype([("status", "u1"), ("addr", "<u8"), ("length", "<u4"), ("rkey", "<u4")])
+"""An ALLOC answer's :data:`EXTENT` entries as numpy reads them (same bytes)."""
+LOOKUP_ENTRY_DTYPE = np.dtype([
+    ("found", "u1"), ("addr", "<u8"), ("length", "<u4"), ("rkey", "<u4"), ("lease", "<u8"),
+    ("digest", "V16"), ("checksum", "<u8"),
+])
+"""A LOOKUP answer's :data:`LOOKUP_ENTRY` entries as numpy reads them (same bytes)."""
 DATA_OP = struct.Struct("<QI")
 GET_ENTRY_BYTES = U32.size + U64.size
 """Answer bytes per key of a GET: its length, then (after all lengths) its checksum."""
@@ -632,6 +641,7 @@ def encode_extents(results: Sequence[AllocResult]) -> bytes:
 
 
 _ALLOC_STATUSES = {int(v): v for v in AllocStatus}
+_ALLOC_STATUS_CODES = np.array(sorted(_ALLOC_STATUSES), dtype=np.uint8)
 
 
 def _per_key_entries(payload: Buffer, what: str, size: int, expected: int, name: str) -> bytes:
@@ -687,6 +697,25 @@ def encode_lookup_results(results: Sequence[LookupResult | None]) -> bytes:
                 )
             )
     return b"".join(parts)
+
+
+def decode_extent_table(payload: Buffer, expected: int) -> npt.NDArray[np.void]:
+    """:func:`decode_extents` as one array of :data:`EXTENT_DTYPE` records (the
+    extent fields are meaningful where ``status`` is OK): what a client builds
+    an op table from without a Python object per key."""
+    raw = _per_key_entries(payload, "ALLOC response", EXTENT.size, expected, "extents")
+    table = np.frombuffer(raw, dtype=EXTENT_DTYPE)
+    unknown = ~np.isin(table["status"], _ALLOC_STATUS_CODES)
+    if unknown.any():
+        raise ProtocolError(f"ALLOC response: unknown status {table['status'][unknown][0]}")
+    return table
+
+
+def decode_lookup_table(payload: Buffer, expected: int) -> npt.NDArray[np.void]:
+    """:func:`decode_lookup_results` as one array of :data:`LOOKUP_ENTRY_DTYPE`
+    records (a key was found where ``found`` is not 0)."""
+    raw = _per_key_entries(payload, "LOOKUP response", LOOKUP_ENTRY.size, expected, "entries")
+    return np.frombuffer(raw, dtype=LOOKUP_ENTRY_DTYPE)
 
 
 def decode_lookup_results(payload: Buffer, expected: int) -> list[LookupResult | None]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -29,7 +29,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import tcp
-from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, IoOp, Transport
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, IoOp, Ops, Transport, io_ops
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -378,11 +378,12 @@ class Misaddressing(Transport):
     def register_local(self, slab: Slab) -> None:
         self.inner.register_local(slab)
 
-    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def write(self, ops: Ops, timeout: float) -> IoFuture:
+        ops = io_ops(ops)  # the client hands over a table
         bad = ops[-1]._replace(remote_addr=ops[-1].remote_addr + BLOCK * 4096)
         return self.inner.write([*ops[:-1], bad], timeout)
 
-    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def read(self, ops: Ops, timeout: float) -> IoFuture:
         return self.inner.read(ops, timeout)
 
     def close(self) -> None:

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from rdmakv.errors import AuthError, ProtocolError, RemoteError
 from rdmakv.protocol import (
     DIGEST_LEN,
+    EXTENT,
     HEADER,
+    LOOKUP_ENTRY,
     MAX_KEY_LEN,
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
@@ -33,6 +35,7 @@ from rdmakv.protocol import (
     decode_alloc,
     decode_commit,
     decode_data_ops,
+    decode_extent_table,
     decode_extents,
     decode_flags,
     decode_get,
@@ -40,6 +43,7 @@ from rdmakv.protocol import (
     decode_hello,
     decode_keys,
     decode_lookup_results,
+    decode_lookup_table,
     decode_node_info,
     decode_u64_list,
     encode_alloc,
@@ -243,3 +247,62 @@ def test_channel_rejects_oversized_header_fields() -> None:
         Channel(b).recv_header()
     a.close()
     b.close()
+
+
+# -- the table decoders (what the rdma client builds op tables from) ----------------
+
+
+@given(
+    entries=st.lists(
+        st.tuples(
+            st.sampled_from([int(s) for s in AllocStatus]),
+            st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+        ),
+        max_size=40,
+    )
+)
+def test_extent_table_decodes_what_decode_extents_does(
+    entries: list[tuple[int, int, int, int]],
+) -> None:
+    payload = U32.pack(len(entries)) + b"".join(EXTENT.pack(*e) for e in entries)
+    table = decode_extent_table(payload, len(entries))
+    objects = decode_extents(payload, len(entries))
+    assert [int(x) for x in table["status"]] == [int(r.status) for r in objects]
+    for row, res in zip(table, objects, strict=True):
+        if res.extent is not None:
+            assert (int(row["addr"]), int(row["length"]), int(row["rkey"])) == tuple(res.extent)
+
+
+def test_extent_table_refuses_unknown_statuses_and_wrong_counts() -> None:
+    good = EXTENT.pack(0, 4096, 100, 7)
+    with pytest.raises(ProtocolError, match="unknown status 200"):
+        decode_extent_table(U32.pack(2) + good + EXTENT.pack(200, 0, 0, 0), 2)
+    with pytest.raises(ProtocolError, match="1 entries for 2 keys"):
+        decode_extent_table(U32.pack(1) + good, 2)
+    with pytest.raises(ProtocolError):
+        decode_extent_table(U32.pack(1) + good + b"x", 1)  # trailing bytes
+
+
+@given(
+    entries=st.lists(
+        st.tuples(
+            st.integers(0, 255), st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1),
+            st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.binary(min_size=16,
+                                                                             max_size=16),
+            st.integers(0, 2**64 - 1),
+        ),
+        max_size=40,
+    )
+)
+def test_lookup_table_decodes_what_decode_lookup_results_does(
+    entries: list[tuple[int, int, int, int, int, bytes, int]],
+) -> None:
+    payload = U32.pack(len(entries)) + b"".join(LOOKUP_ENTRY.pack(*e) for e in entries)
+    table = decode_lookup_table(payload, len(entries))
+    objects = decode_lookup_results(payload, len(entries))
+    for row, res in zip(table, objects, strict=True):
+        assert (row["found"] != 0) == (res is not None)
+        if res is not None:
+            assert (int(row["addr"]), int(row["length"]), int(row["rkey"])) == tuple(res.extent)
+            assert int(row["lease"]) == res.lease_id and int(row["checksum"]) == res.checksum
+            assert bytes(row["digest"]) == res.digest

@@ -2,7 +2,9 @@
 
 Client side (:class:`Transport`): the client registers its slab once, then
 issues batches of :class:`IoOp` -- ``(local_offset into the slab, absolute
-remote address inside the node's pool, length)``. ``write`` moves slab bytes
+remote address inside the node's pool, length, rkey)`` -- or the same rows as
+one :data:`OpTable` (what the client builds from a decoded ALLOC or LOOKUP
+answer without a Python object per op). ``write`` moves slab bytes
 into remote extents the node allocated for this client; ``read`` moves leased
 remote extents into the slab. Both return an :class:`IoFuture`; every wait on
 it is bounded by a timeout.
@@ -29,7 +31,10 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
 
 from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
 from rdmakv.protocol import AllocStatus, Channel, Header, NodeInfo
@@ -55,6 +60,35 @@ class IoOp(NamedTuple):
     length: int
     rkey: int = 0
     """The extent's remote key as the node handed it out (0: the connection's)."""
+
+
+OpTable: TypeAlias = npt.NDArray[np.uint64]
+"""A batch of ops as an ``(n, OP_TABLE_FIELDS)`` uint64 array, one row per op in
+:class:`IoOp`'s field order (``local_offset, remote_addr, length, rkey``): the
+layout the native RDMA loop reads as it is (``rk_op``)."""
+
+OP_TABLE_FIELDS = len(IoOp._fields)
+
+Ops: TypeAlias = "Sequence[IoOp] | OpTable"
+"""What :meth:`Transport.write` and :meth:`Transport.read` take."""
+
+
+def make_op_table(
+    local_offsets: npt.ArrayLike, remote_addrs: npt.ArrayLike, lengths: npt.ArrayLike,
+    rkeys: npt.ArrayLike,
+) -> OpTable:
+    """An :data:`OpTable` from its columns (each a sequence or an array, one entry per op)."""
+    table = np.empty((len(np.atleast_1d(lengths)), OP_TABLE_FIELDS), dtype=np.uint64)
+    for col, values in enumerate((local_offsets, remote_addrs, lengths, rkeys)):
+        table[:, col] = values
+    return table
+
+
+def io_ops(ops: Ops) -> Sequence[IoOp]:
+    """``ops`` as :class:`IoOp` s, for code that walks a batch op by op."""
+    if isinstance(ops, np.ndarray):
+        return [IoOp(*map(int, row)) for row in ops.tolist()]
+    return ops
 
 
 class Fetched(NamedTuple):
@@ -118,14 +152,41 @@ class IoFuture:
             raise self._error
 
 
-def check_local_ops(ops: Sequence[IoOp], slab: Slab | None) -> None:
+def check_local_ops(ops: Ops, slab: Slab | None) -> None:
     """Every op must lie inside the registered slab (bad input never corrupts it)."""
     if slab is None:
         raise ConfigError("no local region registered: call register_local(slab) first")
     limit = slab.nbytes
+    if isinstance(ops, np.ndarray):
+        op = _first_outside(ops[:, 0], ops[:, 2], 0, limit, ops)
+        if op is not None:
+            raise ConfigError(f"I/O op {op} lies outside the registered {limit}-byte local slab")
+        return
     for op in ops:
         if op.length < 0 or op.local_offset < 0 or op.local_offset + op.length > limit:
             raise ConfigError(f"I/O op {op} lies outside the registered {limit}-byte local slab")
+
+
+def check_remote_ops(table: OpTable, pool_base: int, pool_len: int) -> None:
+    """Every op of ``table`` must lie inside the node's pool ``[pool_base,
+    pool_base + pool_len)``: a wrong address is a clear error here, never a
+    remote access fault (or, without windows, someone else's block)."""
+    hi = pool_base + pool_len
+    op = _first_outside(table[:, 1], table[:, 2], pool_base, hi, table)
+    if op is not None:
+        raise ConfigError(f"I/O op {op} lies outside the node pool 0x{pool_base:x}..0x{hi:x}")
+
+
+def _first_outside(
+    start: OpTable, length: OpTable, lo: int, hi: int, table: OpTable
+) -> IoOp | None:
+    """The first op of ``table`` whose ``[start, start + length)`` leaves ``[lo, hi)``.
+    uint64 columns: nothing is negative, and the end is compared as ``length >
+    hi - start`` so a huge length cannot wrap around."""
+    bad = (start < lo) | (start > hi) | (length > hi - np.minimum(start, hi))
+    if not bad.any():
+        return None
+    return io_ops(table[np.flatnonzero(bad)[:1]])[0]
 
 
 class Transport(ABC):
@@ -142,11 +203,11 @@ class Transport(ABC):
         """Register the client slab (once per slab; RDMA registers the MR here)."""
 
     @abstractmethod
-    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def write(self, ops: Ops, timeout: float) -> IoFuture:
         """One-sided write: slab ranges -> remote extents allocated to this client."""
 
     @abstractmethod
-    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def read(self, ops: Ops, timeout: float) -> IoFuture:
         """One-sided read: remote extents leased to this client -> slab ranges.
 
         Until the future is collected, the caller sends at most

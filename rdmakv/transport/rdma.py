@@ -42,8 +42,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from rdmakv.errors import (
     ConfigError,
     ConnectionLost,
@@ -60,12 +58,14 @@ from rdmakv.transport.base import (
     CONFINE_WINDOWS,
     ExtentGuard,
     IoFuture,
-    IoOp,
     NodeDataPath,
     NodeHandler,
     NodeSession,
+    Ops,
+    OpTable,
     Transport,
     check_local_ops,
+    check_remote_ops,
 )
 
 log = logging.getLogger("rdmakv.rdma")
@@ -146,14 +146,13 @@ def rdma_usable() -> tuple[bool, str]:
 class _Job:
     """One batch handed to the QP worker."""
 
-    __slots__ = ("done", "opcode", "ops", "started", "stats", "status", "table", "timeout")
+    __slots__ = ("done", "opcode", "started", "stats", "status", "table", "timeout")
 
-    def __init__(self, opcode: int, ops: list[IoOp], timeout: float) -> None:
+    def __init__(self, opcode: int, table: OpTable, timeout: float) -> None:
         self.opcode = opcode
-        self.ops = ops
         # Built on the submitting thread, while the QP still runs the previous
         # batch: converting on the worker would leave the QP idle meanwhile.
-        self.table = verbs.op_table(ops)
+        self.table = table
         self.timeout = timeout
         self.status: list[int] | None = None  # None: skipped (QP was broken)
         self.stats: verbs.JobStats | None = None
@@ -189,7 +188,7 @@ class RdmaFuture(IoFuture):
                     self._tp._recover_quietly()
                 self._settled = True
                 self._error = TransportTimeout(
-                    f"RDMA batch of {len(self._job.ops)} ops not complete after {wait} s"
+                    f"RDMA batch of {len(self._job.table)} ops not complete after {wait} s"
                 )
             else:
                 self._settled = True
@@ -285,11 +284,16 @@ class RdmaTransport(Transport):
             fresh.setdefault(old, new)
         self._rkey_map = fresh
 
-    def _mapped(self, ops: Sequence[IoOp]) -> list[IoOp]:
+    def _mapped(self, table: OpTable) -> OpTable:
+        """``table`` with the rkeys the node rebound since it handed them out
+        replaced (a fresh table; the caller's is left as it is)."""
         m = self._rkey_map
         if not m:
-            return list(ops)
-        return [op._replace(rkey=m.get(op.rkey, op.rkey)) if op.rkey else op for op in ops]
+            return table
+        rkeys = table[:, 3].tolist()
+        out = table.copy()
+        out[:, 3] = [m.get(k, k) if k else 0 for k in rkeys]
+        return out
 
     def _recover(self) -> None:
         """Reset the QP and reconnect it if a failure broke it (the node
@@ -334,29 +338,24 @@ class RdmaTransport(Transport):
     def qp(self) -> verbs.QueuePair:
         return self._qp
 
-    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def write(self, ops: Ops, timeout: float) -> IoFuture:
         return self._submit(verbs.OP_WRITE, ops, timeout)
 
-    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def read(self, ops: Ops, timeout: float) -> IoFuture:
         return self._submit(verbs.OP_READ, ops, timeout)
 
-    def _check_remote(self, ops: Sequence[IoOp]) -> None:
-        lo, hi = self._info.pool_base, self._info.pool_base + self._info.pool_len
-        for op in ops:
-            if op.length < 0 or op.remote_addr < lo or op.remote_addr + op.length > hi:
-                raise ConfigError(f"I/O op {op} lies outside the node pool 0x{lo:x}..0x{hi:x}")
-
-    def _submit(self, opcode: int, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def _submit(self, opcode: int, ops: Ops, timeout: float) -> IoFuture:
         check_local_ops(ops, self._slab)
-        self._check_remote(ops)
-        if not ops:
+        table = verbs.op_table(ops)
+        check_remote_ops(table, self._info.pool_base, self._info.pool_len)
+        if not len(table):
             return IoFuture.completed()
         try:
             if self._broken or self._remote is None:  # an earlier failure
                 self._recover()
         except RdmakvError as e:
             return IoFuture.completed(e)
-        job = _Job(opcode, self._mapped(ops), timeout)
+        job = _Job(opcode, self._mapped(table), timeout)
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="rdmakv-rdma-qp", daemon=True)
             self._worker.start()
@@ -392,13 +391,13 @@ class RdmaTransport(Transport):
                 job.done.set()
 
     def _execute(
-        self, opcode: int, ops: Sequence[IoOp] | np.ndarray, timeout: float
+        self, opcode: int, table: OpTable, timeout: float
     ) -> tuple[list[int], verbs.JobStats]:
-        """Run ops (or their :func:`verbs.op_table`) on the QP (caller holds _qp_lock)."""
+        """Run the ops of ``table`` on the QP (caller holds _qp_lock)."""
         assert self._mr is not None and self._remote is not None
         t0 = time.perf_counter()
         status, stats = self._qp.run(
-            opcode, self._mr, self._remote.rkey, ops, timeout, sge_limit=self.sge_limit
+            opcode, self._mr, self._remote.rkey, table, timeout, sge_limit=self.sge_limit
         )
         self.last_run_s = time.perf_counter() - t0
         self.last_stats = stats
@@ -407,7 +406,7 @@ class RdmaTransport(Transport):
             self._broken = True  # the QP is in ERROR now
             log.warning(
                 "rdmakv rdma: %d of %d ops failed (first: %s); the QP will be reset",
-                stats.failed_ops, len(ops), verbs.status_name(stats.first_error),
+                stats.failed_ops, len(table), verbs.status_name(stats.first_error),
             )
         return status, stats
 
@@ -416,7 +415,7 @@ class RdmaTransport(Transport):
         retry ops that were only flushed or never posted; the error (if any)
         names the ops that really failed."""
         what = "RDMA WRITE" if job.opcode == verbs.OP_WRITE else "RDMA READ"
-        n = len(job.ops)
+        n = len(job.table)
         if job.status is None and self._closing:
             return ConnectionLost(f"{what}: the transport was closed before the batch ran")
         if job.status is None:  # skipped: the QP was already broken
@@ -439,7 +438,7 @@ class RdmaTransport(Transport):
                 self._recover()
                 with self._qp_lock:
                     status, _ = self._execute(
-                        job.opcode, self._mapped([job.ops[i] for i in retry]), job.timeout
+                        job.opcode, self._mapped(job.table[retry]), job.timeout
                     )
             except RdmakvError as e:
                 log.warning("rdmakv rdma: retry after a QP error failed: %s", e)

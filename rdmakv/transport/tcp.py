@@ -100,9 +100,11 @@ from rdmakv.transport.base import (
     NodeDataPath,
     NodeHandler,
     NodeSession,
+    Ops,
     Stored,
     Transport,
     check_local_ops,
+    io_ops,
 )
 
 READ_PIPELINE_DEPTH = 2
@@ -452,7 +454,8 @@ class TcpTransport(Transport):
                 fut.result()
         self._lazy = []
 
-    def write(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def write(self, ops: Ops, timeout: float) -> IoFuture:
+        ops = io_ops(ops)  # op by op: tcp's own puts go through store()
         self._settle_lazy()
         chunks = self._chunks(ops)
         assert self._local is not None
@@ -485,7 +488,8 @@ class TcpTransport(Transport):
         fut.checksums = None if sums is None else sums.tolist()  # hashed as they went out
         return fut
 
-    def read(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
+    def read(self, ops: Ops, timeout: float) -> IoFuture:
+        ops = io_ops(ops)  # op by op: tcp's own gets go through fetch()
         chunks = self._chunks(ops)
         assert self._local is not None
         local = self._local
