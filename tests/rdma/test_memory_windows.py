@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,7 +38,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import verbs
-from rdmakv.transport.base import IoFuture, IoOp
+from rdmakv.transport.base import IoFuture, IoOp, Ops, io_ops
 from rdmakv.transport.rdma import RdmaOpsFailed, RdmaTransport
 
 pytestmark = pytest.mark.timeout(240)
@@ -92,8 +92,8 @@ class _RecordWrites:
         self.ops: list[IoOp] = []
         tp.write = self  # type: ignore[method-assign]
 
-    def __call__(self, ops: Sequence[IoOp], timeout: float) -> IoFuture:
-        self.ops.extend(ops)
+    def __call__(self, ops: Ops, timeout: float) -> IoFuture:
+        self.ops.extend(io_ops(ops))  # the client hands over a table
         return self.real(ops, timeout)
 
 
