@@ -641,7 +641,9 @@ def encode_extents(results: Sequence[AllocResult]) -> bytes:
 
 
 _ALLOC_STATUSES = {int(v): v for v in AllocStatus}
-_ALLOC_STATUS_CODES = np.array(sorted(_ALLOC_STATUSES), dtype=np.uint8)
+_KNOWN_ALLOC_STATUS = np.zeros(256, dtype=bool)
+_KNOWN_ALLOC_STATUS[sorted(_ALLOC_STATUSES)] = True
+"""Per status byte: is it an :class:`AllocStatus` (one gather checks a whole answer)."""
 
 
 def _per_key_entries(payload: Buffer, what: str, size: int, expected: int, name: str) -> bytes:
@@ -705,7 +707,7 @@ def decode_extent_table(payload: Buffer, expected: int) -> npt.NDArray[np.void]:
     an op table from without a Python object per key."""
     raw = _per_key_entries(payload, "ALLOC response", EXTENT.size, expected, "extents")
     table = np.frombuffer(raw, dtype=EXTENT_DTYPE)
-    unknown = ~np.isin(table["status"], _ALLOC_STATUS_CODES)
+    unknown = ~_KNOWN_ALLOC_STATUS[table["status"]]
     if unknown.any():
         raise ProtocolError(f"ALLOC response: unknown status {table['status'][unknown][0]}")
     return table
