@@ -524,7 +524,44 @@ def decode_node_info(payload: Buffer) -> NodeInfo:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _alloc_items_dtype(klen: int) -> np.dtype[np.void]:
+    """An ALLOC item with a ``klen``-byte key, as numpy lays it out (the same bytes)."""
+    return np.dtype([("klen", "<u2"), ("key", f"V{klen}"), ("size", "<u4"), ("digest", "V16")])
+
+
+def _encode_uniform_alloc(
+    keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]
+) -> bytes | None:
+    """ALLOC's payload in a few C-level passes when every key is ``bytes`` of one
+    valid length, every digest ``bytes`` of DIGEST_LEN and every size fits its
+    field (an engine's batches); None sends the caller to the per-key encoder,
+    which also names what is wrong."""
+    n = len(keys)
+    if not n or len(sizes) != n or len(digests) != n:
+        return None
+    if set(map(type, keys)) != {bytes} or set(map(type, digests)) != {bytes}:
+        return None
+    klens = set(map(len, keys))
+    if len(klens) != 1 or set(map(len, digests)) != {DIGEST_LEN}:
+        return None
+    (klen,) = klens
+    distinct = set(sizes)  # usually one: every block of a batch is full
+    if not 0 < klen <= MAX_KEY_LEN or set(map(type, distinct)) != {int} \
+            or min(distinct) < 0 or max(distinct) > 0xFFFFFFFF:
+        return None
+    items = np.empty(n, dtype=_alloc_items_dtype(klen))
+    items["klen"] = klen
+    items["key"] = np.frombuffer(b"".join(keys), dtype=items.dtype["key"])
+    items["size"] = distinct.pop() if len(distinct) == 1 else sizes
+    items["digest"] = np.frombuffer(b"".join(digests), dtype=items.dtype["digest"])
+    return U32.pack(n) + items.tobytes()
+
+
 def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]) -> bytes:
+    uniform = _encode_uniform_alloc(keys, sizes, digests)
+    if uniform is not None:
+        return uniform
     parts = [U32.pack(len(keys))]
     pack_len, pack_item = U16.pack, ALLOC_ITEM.pack
     for k, size, d in zip(keys, sizes, digests, strict=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from rdmakv.errors import AuthError, ProtocolError, RemoteError
 from rdmakv.protocol import (
+    ALLOC_ITEM,
     DIGEST_LEN,
     EXTENT,
     HEADER,
@@ -20,6 +22,7 @@ from rdmakv.protocol import (
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
     PROTOCOL_VERSION,
+    U16,
     U32,
     AllocResult,
     AllocStatus,
@@ -306,3 +309,34 @@ def test_lookup_table_decodes_what_decode_lookup_results_does(
             assert (int(row["addr"]), int(row["length"]), int(row["rkey"])) == tuple(res.extent)
             assert int(row["lease"]) == res.lease_id and int(row["checksum"]) == res.checksum
             assert bytes(row["digest"]) == res.digest
+
+
+@given(
+    klen=st.integers(1, 64),
+    n=st.integers(1, 40),
+    sizes=st.one_of(st.integers(0, 2**32 - 1), st.lists(st.integers(0, 2**32 - 1),
+                                                          min_size=40, max_size=40)),
+    data=st.data(),
+)
+def test_alloc_of_uniform_keys_encodes_the_bytes_of_the_per_key_encoder(
+    klen: int, n: int, sizes: int | list[int], data: st.DataObject,
+) -> None:
+    keys = [data.draw(st.binary(min_size=klen, max_size=klen)) for _ in range(n)]
+    digests = [data.draw(st.binary(min_size=DIGEST_LEN, max_size=DIGEST_LEN)) for _ in range(n)]
+    per_key = [sizes] * n if isinstance(sizes, int) else sizes[:n]
+    fast = encode_alloc(keys, per_key, digests)
+    assert fast == U32.pack(n) + b"".join(
+        U16.pack(klen) + k + ALLOC_ITEM.pack(s, d) for k, s, d in zip(keys, per_key, digests,
+                                                                      strict=True))
+    assert decode_alloc(fast) == list(zip(keys, per_key, digests, strict=True))
+
+
+def test_alloc_refuses_what_does_not_fit_its_fields_on_every_path() -> None:
+    keys, digests = [b"k1", b"k2"], [bytes(DIGEST_LEN)] * 2
+    for sizes in ([2**32, 1], [-1, 1], [1.5, 1]):
+        with pytest.raises((struct.error, TypeError)):
+            encode_alloc(keys, sizes, digests)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        encode_alloc(keys, [1], digests)  # counts differ
+    with pytest.raises(ProtocolError):
+        encode_alloc(keys, [1, 1], [bytes(DIGEST_LEN), b"short"])
