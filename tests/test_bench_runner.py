@@ -16,8 +16,8 @@ import pytest
 
 from rdmakv.bench import runner
 from rdmakv.bench.driver import PeerUnavailable, Workload
-from rdmakv.bench.drivers import make_driver, register, unregister
-from rdmakv.bench.drivers.socket_loop import SocketLoopDriver
+from rdmakv.bench.drivers import make_driver, register, socket_loop, unregister
+from rdmakv.bench.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
 from rdmakv.bench.placement import placements
 
 QUICK_SIZES = ("16384", "262144")
@@ -178,17 +178,23 @@ def test_registry_is_lazy_and_names_what_is_missing() -> None:
         make_driver("no_such_system", "tcp")
 
 
-def test_socket_loop_moves_bytes_out_and_back() -> None:
-    work = Workload(block_bytes=4096, blocks=1500, batch=1500)  # > IOV_MAX blocks per call
-    src, dst = runner.arena(4096 * 1500), runner.arena(4096 * 1500)
+@pytest.mark.parametrize(
+    ("block", "blocks", "first"),
+    [(4096, 1500, 700),  # > IOV_MAX blocks per call
+     (WINDOW_BYTES + 4096 + 3, 5, 2)],  # every call cuts a block somewhere
+    ids=["many_blocks", "blocks_over_a_window"],
+)
+def test_socket_loop_moves_bytes_out_and_back(block: int, blocks: int, first: int) -> None:
+    work = Workload(block_bytes=block, blocks=blocks, batch=blocks)
+    src, dst = runner.arena(block * blocks), runner.arena(block * blocks)
     runner.fill_random(src, seed=3)
     drv = make_driver("socket_loop", "tcp")
     try:
         drv.open(work, src, dst)
         keys = work.keys("t")
         drv.put(keys)
-        drv.get(keys[700:703])  # a short, non-zero-offset run lands in dst blocks 0..2
-        assert bytes(dst[: 3 * 4096]) == bytes(src[700 * 4096 : 703 * 4096])
+        drv.get(keys[first : first + 2])  # a short, non-zero-offset run lands in dst 0..1
+        assert bytes(dst[: 2 * block]) == bytes(src[first * block : (first + 2) * block])
         drv.get(keys)
         assert runner.wrong_bytes(src, dst) == 0
     finally:
@@ -196,40 +202,20 @@ def test_socket_loop_moves_bytes_out_and_back() -> None:
 
 
 def test_socket_loop_windows_are_capped_in_bytes_and_cover_every_byte() -> None:
-    from rdmakv.bench.drivers import socket_loop as sl
-
     data = bytes(range(256)) * 16384  # 4 MiB
-    sizes = [5, sl.WINDOW_BYTES + 7, 4096, 3 * sl.WINDOW_BYTES, 1]
+    sizes = [5, WINDOW_BYTES + 7, 4096, 3 * WINDOW_BYTES, 1]
     mv, views, at = memoryview(data), [], 0
     for n in sizes:
         views.append(mv[at : at + n])
         at += n
     i, off, seen = 0, 0, bytearray()
     while i < len(views):
-        win = sl._window(views, i, off)
+        win = socket_loop._window(views, i, off)
         moved = sum(map(len, win))
-        assert 0 < moved <= sl.WINDOW_BYTES and len(win) <= sl.IOV_MAX
+        assert 0 < moved <= WINDOW_BYTES and len(win) <= IOV_MAX
         seen += b"".join(win)
-        i, off = sl._advance(views, i, off, moved)
+        i, off = socket_loop._advance(views, i, off, moved)
     assert bytes(seen) == data[:at]  # in order, nothing skipped or repeated
-
-
-def test_socket_loop_moves_blocks_larger_than_its_window() -> None:
-    from rdmakv.bench.drivers.socket_loop import WINDOW_BYTES
-
-    block = WINDOW_BYTES + 4096 + 3  # every call cuts a block somewhere
-    work = Workload(block_bytes=block, blocks=5, batch=5)
-    src, dst = runner.arena(block * 5), runner.arena(block * 5)
-    runner.fill_random(src, seed=4)
-    drv = make_driver("socket_loop", "tcp")
-    try:
-        drv.open(work, src, dst)
-        keys = work.keys("w")
-        drv.put(keys)
-        drv.get(keys)
-        assert runner.wrong_bytes(src, dst) == 0
-    finally:
-        drv.close()
 
 
 def test_round_trip_names_its_transport() -> None:
