@@ -40,7 +40,7 @@ blocks) than windows of 1024 whole blocks (16-256 MiB per call: 3.7-3.9 GB/s),
 and more than 128 KiB, 256 KiB or 1 MiB windows; the send side's cap mattered
 most. Each call's bytes are still in the CPU cache when the kernel copies them
 on. It is also the window rdmakv's native send loop uses (``RK_TCP_HASH_WINDOW``).
-Runs before 2026-11-25 10:50 UTC had no byte cap, a weaker ceiling."""
+Runs before 2026-11-25 10:05 UTC had no byte cap, a weaker ceiling."""
 ACCEPT_TIMEOUT_S = 60.0
 _HDR = struct.Struct("!cII")  # command, first block, block count
 ACK = b"k"
