@@ -83,3 +83,9 @@ def test_remote_check_edges() -> None:
     for addr, length in ((base - 1, 1), (base + 4096, 4097), (base + size + 1, 0), (base, U64)):
         with pytest.raises(ConfigError, match="outside the node pool"):
             check_remote_ops(make_op_table([0], [addr], [length], [0]), base, size)
+
+
+def test_ops_that_cannot_be_a_table_are_config_errors() -> None:
+    for bad in ([IoOp(0, -5, 10)], [(1, 2), (1, 2, 3)], [(1, 2, 3, 4, 5)]):
+        with pytest.raises(ConfigError, match="I/O ops"):
+            verbs.op_table(bad)

@@ -115,7 +115,10 @@ def op_table(ops: Any) -> np.ndarray:
     if (isinstance(ops, np.ndarray) and ops.dtype == np.uint64 and ops.ndim == 2
             and ops.shape[1] == OP_FIELDS and ops.flags.c_contiguous):
         return ops  # already the table (base.make_op_table builds them)
-    arr = np.asarray(ops, dtype=np.uint64).reshape(len(ops), -1)
+    try:
+        arr = np.asarray(ops, dtype=np.uint64).reshape(len(ops), -1)
+    except (OverflowError, TypeError, ValueError) as e:  # negative, fractional, ragged
+        raise ConfigError(f"I/O ops must be rows of integers in [0, 2**64): {e}") from None
     if arr.shape[1] == OP_FIELDS - 1:  # no rkey column
         arr = np.hstack([arr, np.zeros((len(ops), 1), dtype=np.uint64)])
     if arr.shape[1] != OP_FIELDS:
