@@ -407,8 +407,9 @@ class KVClient:
                 picked = np.flatnonzero(alloc)
                 at = picked + s  # the keys' positions in the put
                 got = ext["length"][picked]
-                if (got != lengths[at]).any():
-                    j = int(np.flatnonzero(got != lengths[at])[0])
+                wrong = np.flatnonzero(got != lengths[at])
+                if len(wrong):
+                    j = int(wrong[0])
                     raise ProtocolError(
                         f"node allocated {got[j]} bytes for a {lengths[at][j]}-byte value"
                     )

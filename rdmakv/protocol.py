@@ -369,14 +369,24 @@ def check_digest(digest: bytes) -> None:
         )
 
 
+def _one_key_len(keys: Sequence[bytes]) -> int | None:
+    """The length of ``keys`` when there are some and all are ``bytes`` of one
+    valid length (an engine's keys are one digest size), checked in C-level
+    passes; None sends an encoder to its per-key path, which names a bad key."""
+    if not keys or set(map(type, keys)) != {bytes}:
+        return None
+    lengths = set(map(len, keys))
+    if len(lengths) != 1:
+        return None
+    (n,) = lengths
+    return n if 0 < n <= MAX_KEY_LEN else None
+
+
 def encode_keys(keys: Sequence[bytes]) -> bytes:
-    if keys and set(map(type, keys)) == {bytes}:
-        lengths = set(map(len, keys))
-        if len(lengths) == 1:  # one digest size: one C-level join, no per-key Python
-            (n,) = lengths
-            if 0 < n <= MAX_KEY_LEN:
-                prefix = U16.pack(n)
-                return U32.pack(len(keys)) + prefix + prefix.join(keys)
+    n = _one_key_len(keys)
+    if n is not None:  # one C-level join, no per-key Python
+        prefix = U16.pack(n)
+        return U32.pack(len(keys)) + prefix + prefix.join(keys)
     parts = [U32.pack(len(keys))]
     pack = U16.pack
     for k in keys:
@@ -538,17 +548,13 @@ def _encode_uniform_alloc(
     field (an engine's batches); None sends the caller to the per-key encoder,
     which also names what is wrong."""
     n = len(keys)
-    if not n or len(sizes) != n or len(digests) != n:
+    klen = _one_key_len(keys)
+    if klen is None or len(sizes) != n or len(digests) != n:
         return None
-    if set(map(type, keys)) != {bytes} or set(map(type, digests)) != {bytes}:
+    if set(map(type, digests)) != {bytes} or set(map(len, digests)) != {DIGEST_LEN}:
         return None
-    klens = set(map(len, keys))
-    if len(klens) != 1 or set(map(len, digests)) != {DIGEST_LEN}:
-        return None
-    (klen,) = klens
     distinct = set(sizes)  # usually one: every block of a batch is full
-    if not 0 < klen <= MAX_KEY_LEN or set(map(type, distinct)) != {int} \
-            or min(distinct) < 0 or max(distinct) > 0xFFFFFFFF:
+    if set(map(type, distinct)) != {int} or min(distinct) < 0 or max(distinct) > 0xFFFFFFFF:
         return None
     items = np.empty(n, dtype=_alloc_items_dtype(klen))
     items["klen"] = klen

@@ -87,7 +87,7 @@ def make_op_table(
 def io_ops(ops: Ops) -> Sequence[IoOp]:
     """``ops`` as :class:`IoOp` s, for code that walks a batch op by op."""
     if isinstance(ops, np.ndarray):
-        return [IoOp(*map(int, row)) for row in ops.tolist()]
+        return [IoOp(*row) for row in ops.tolist()]  # tolist(): Python ints
     return ops
 
 
