@@ -534,34 +534,51 @@ def decode_node_info(payload: Buffer) -> NodeInfo:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _alloc_items_dtype(klen: int) -> np.dtype[np.void]:
-    """An ALLOC item with a ``klen``-byte key, as numpy lays it out (the same bytes)."""
-    return np.dtype([("klen", "<u2"), ("key", f"V{klen}"), ("size", "<u4"), ("digest", "V16")])
+@functools.lru_cache(maxsize=16)
+def _keyed_items_dtype(klen: int, sized: bool) -> np.dtype[np.void]:
+    """An ALLOC item (``sized``: with its size field) or a GET item with a
+    ``klen``-byte key, as numpy lays it out (the same bytes)."""
+    size = [("size", "<u4")] if sized else []
+    return np.dtype([("klen", "<u2"), ("key", f"V{klen}"), *size, ("digest", "V16")])
+
+
+def _uniform_keyed_items(
+    keys: Sequence[bytes], digests: Sequence[bytes], sized: bool
+) -> npt.NDArray[np.void] | None:
+    """Items of keys each followed by its digest (``sized``: with the size
+    field between them, left for the caller to fill), laid out in a few C-level
+    passes when every key is ``bytes`` of one valid length and every digest
+    ``bytes`` of DIGEST_LEN (an engine's batches); None sends the caller to its
+    per-key encoder, which also names what is wrong."""
+    klen = _one_key_len(keys)
+    if klen is None or len(digests) != len(keys):
+        return None
+    if set(map(type, digests)) != {bytes} or set(map(len, digests)) != {DIGEST_LEN}:
+        return None
+    items = np.empty(len(keys), dtype=_keyed_items_dtype(klen, sized))
+    items["klen"] = klen
+    items["key"] = np.frombuffer(b"".join(keys), dtype=items.dtype["key"])
+    items["digest"] = np.frombuffer(b"".join(digests), dtype=items.dtype["digest"])
+    return items
 
 
 def _encode_uniform_alloc(
     keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]
 ) -> bytes | None:
-    """ALLOC's payload in a few C-level passes when every key is ``bytes`` of one
-    valid length, every digest ``bytes`` of DIGEST_LEN and every size fits its
-    field (an engine's batches); None sends the caller to the per-key encoder,
-    which also names what is wrong."""
-    n = len(keys)
-    klen = _one_key_len(keys)
-    if klen is None or len(sizes) != n or len(digests) != n:
-        return None
-    if set(map(type, digests)) != {bytes} or set(map(len, digests)) != {DIGEST_LEN}:
+    """ALLOC's payload without per-key Python (see :func:`_uniform_keyed_items`),
+    when also every size fits its field."""
+    if len(sizes) != len(keys):
         return None
     distinct = set(sizes)  # usually one: every block of a batch is full
-    if set(map(type, distinct)) != {int} or min(distinct) < 0 or max(distinct) > 0xFFFFFFFF:
+    if not distinct or set(map(type, distinct)) != {int}:
         return None
-    items = np.empty(n, dtype=_alloc_items_dtype(klen))
-    items["klen"] = klen
-    items["key"] = np.frombuffer(b"".join(keys), dtype=items.dtype["key"])
+    if min(distinct) < 0 or max(distinct) > 0xFFFFFFFF:
+        return None
+    items = _uniform_keyed_items(keys, digests, sized=True)
+    if items is None:
+        return None
     items["size"] = distinct.pop() if len(distinct) == 1 else sizes
-    items["digest"] = np.frombuffer(b"".join(digests), dtype=items.dtype["digest"])
-    return U32.pack(n) + items.tobytes()
+    return U32.pack(len(keys)) + items.tobytes()
 
 
 def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]) -> bytes:
@@ -600,6 +617,9 @@ def decode_alloc(payload: Buffer, what: str = "ALLOC") -> list[tuple[bytes, int,
 
 def encode_get(keys: Sequence[bytes], digests: Sequence[bytes]) -> bytes:
     """GET's payload: each key followed by the digest it must be stored with."""
+    uniform = _uniform_keyed_items(keys, digests, sized=False)
+    if uniform is not None:
+        return U32.pack(len(keys)) + uniform.tobytes()
     parts = [U32.pack(len(keys))]
     pack_len = U16.pack
     for k, d in zip(keys, digests, strict=True):
@@ -643,6 +663,16 @@ def decode_get_answer(payload: Buffer, expected: int) -> tuple[list[int], list[i
     raw = _per_key_entries(payload, "GET response", GET_ENTRY_BYTES, expected, "entries")
     values = struct.unpack(f"<{expected}I{expected}Q", raw)
     return list(values[:expected]), list(values[expected:])
+
+
+def decode_get_answer_arrays(
+    payload: Buffer, expected: int
+) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
+    """:func:`decode_get_answer` as two arrays over the answer's bytes: what a
+    client reads a batch's hits with, without a Python int per key."""
+    raw = _per_key_entries(payload, "GET response", GET_ENTRY_BYTES, expected, "entries")
+    lengths = np.frombuffer(raw, dtype="<u4", count=expected)
+    return lengths, np.frombuffer(raw, dtype="<u8", count=expected, offset=expected * U32.size)
 
 
 def encode_put_answer(statuses: Sequence[AllocStatus]) -> bytes:

@@ -43,6 +43,7 @@ from rdmakv.protocol import (
     decode_flags,
     decode_get,
     decode_get_answer,
+    decode_get_answer_arrays,
     decode_hello,
     decode_keys,
     decode_lookup_results,
@@ -107,7 +108,23 @@ def test_get_roundtrip(items: list[tuple[bytes, bytes]]) -> None:
 @given(st.lists(st.tuples(u32, u64), max_size=40))
 def test_get_answer_roundtrip(rows: list[tuple[int, int]]) -> None:
     lengths, sums = [n for n, _ in rows], [c for _, c in rows]
-    assert decode_get_answer(encode_get_answer(lengths, sums), len(rows)) == (lengths, sums)
+    payload = encode_get_answer(lengths, sums)
+    assert decode_get_answer(payload, len(rows)) == (lengths, sums)
+    arrays = decode_get_answer_arrays(payload, len(rows))
+    assert (arrays[0].tolist(), arrays[1].tolist()) == (lengths, sums)
+
+
+@given(klen=st.integers(1, 64), n=st.integers(1, 40), data=st.data())
+def test_get_of_uniform_keys_encodes_the_bytes_of_the_per_key_encoder(
+    klen: int, n: int, data: st.DataObject
+) -> None:
+    keys = [data.draw(st.binary(min_size=klen, max_size=klen)) for _ in range(n)]
+    digests = [data.draw(digest_st) for _ in range(n)]
+    fast = encode_get(keys, digests)
+    assert fast == U32.pack(n) + b"".join(
+        U16.pack(klen) + k + d for k, d in zip(keys, digests, strict=True))
+    # a bytearray digest leaves the fast path; the bytes are the same
+    assert encode_get(keys, [*digests[:-1], bytearray(digests[-1])]) == fast
 
 
 def test_malformed_get_and_get_answers_are_refused() -> None:
@@ -118,11 +135,15 @@ def test_malformed_get_and_get_answers_are_refused() -> None:
     with pytest.raises(ProtocolError, match="digest must be 16 bytes"):
         encode_get([b"a"], [b"short"])
     answer = encode_get_answer([5, 0], [9, 0])
-    with pytest.raises(ProtocolError, match="2 entries for 3 keys"):
-        decode_get_answer(answer, 3)
-    for bad in (answer[:-1], answer + b"x"):
-        with pytest.raises(ProtocolError):
-            decode_get_answer(bad, 2)
+    for decode in (decode_get_answer, decode_get_answer_arrays):
+        with pytest.raises(ProtocolError, match="2 entries for 3 keys"):
+            decode(answer, 3)
+        for bad in (answer[:-1], answer + b"x"):
+            with pytest.raises(ProtocolError):
+                decode(bad, 2)
+    for digests in ([bytes(16), b"short"], [bytes(16)]):  # a short one; counts differ
+        with pytest.raises((ProtocolError, ValueError)):
+            encode_get([b"ab", b"cd"], digests)
     with pytest.raises(ProtocolError, match="2 lengths with 1 checksums"):
         encode_get_answer([1, 2], [3])
 

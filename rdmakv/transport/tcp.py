@@ -57,6 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
@@ -79,7 +80,7 @@ from rdmakv.protocol import (
     decode_data_ops,
     decode_flags,
     decode_get,
-    decode_get_answer,
+    decode_get_answer_arrays,
     decode_put_answer,
     encode_alloc,
     encode_commit,
@@ -576,6 +577,7 @@ class TcpTransport(Transport):
         self._settle_lazy()
         bs = slab.block_size
         per_answer = max(1, self._info.max_bulk // bs)
+        handle_table = np.asarray(handles, dtype=np.uint64)
         out: list[int | None] = [None] * len(keys)
         corrupt: list[bytes] = []
         refused: list[RemoteError] = []
@@ -598,7 +600,7 @@ class TcpTransport(Transport):
                     payload = encode_get(keys[s:e], digests[s:e])
                     while ahead and sum(n for _, n in ahead) + len(payload) > REQUEST_BYTES_AHEAD:
                         collect()
-                    receiver = _GetReceiver(ch, slab, keys, handles, s, e, out, corrupt)
+                    receiver = _GetReceiver(ch, slab, keys, handle_table, s, e, out, corrupt)
                     receiver.reply = ch.submit(Op.GET, payload, "GET", on_ok=receiver)
                     ahead.append((receiver.reply, len(payload) + HEADER.size))
             while ahead:
@@ -723,15 +725,17 @@ class _PutStage:
 
 class _GetReceiver:
     """Reads one GET answer's values into the slab (a :class:`Reply`'s on_ok):
-    hits of keys ``[start, end)`` go to their ``handles`` blocks, and those whose
-    bytes match their checksum are written into ``out`` as their lengths."""
+    hits of keys ``[start, end)`` go to their ``handles`` blocks (a uint64
+    array of the whole fetch), and those whose bytes match their checksum are
+    written into ``out`` as their lengths. Per hit, the Python left is the
+    write into ``out``: the answer is read, checked and laid out as arrays."""
 
     def __init__(
         self,
         ch: Channel,
         slab: Slab,
         keys: Sequence[bytes],
-        handles: Sequence[int],
+        handles: npt.NDArray[np.uint64],
         start: int,
         end: int,
         out: list[int | None],
@@ -744,37 +748,40 @@ class _GetReceiver:
     def __call__(self, hdr: Header) -> None:
         assert self.reply is not None
         s, e, bs = self.start, self.end, self.slab.block_size
-        lengths, sums = decode_get_answer(self.reply.payload, e - s)
-        hits = [j for j, n in enumerate(lengths) if n]
-        if any(lengths[j] > bs for j in hits):
+        lengths, sums = decode_get_answer_arrays(self.reply.payload, e - s)
+        hits = np.flatnonzero(lengths)
+        sizes = lengths[hits]
+        if len(sizes) and int(sizes.max()) > bs:
             raise ProtocolError(f"GET response names a value longer than the {bs}-byte blocks")
-        total = sum(lengths)
+        total = int(sizes.sum(dtype=np.uint64))
         if hdr.bulk_len != total:
             raise ProtocolError(
                 f"GET response carries {hdr.bulk_len} bytes, its entries name {total}"
             )
-        offsets = [self.handles[s + j] * bs for j in hits]
-        got: Sequence[int] | None = None
+        offsets = self.handles[s + hits] * np.uint64(bs)
+        got: npt.NDArray[np.uint64] | None = None
         if use_native:
             iov = np.empty((len(hits), 2), dtype=np.uint64)
-            iov[:, 0] = _u64(offsets)
+            iov[:, 0] = offsets
             iov[:, 0] += np.uint64(self.slab.base_addr)
-            iov[:, 1] = _u64([lengths[j] for j in hits])
-            hashed = np.empty(len(hits), dtype=np.uint64) if native_checksums() else None
-            recv_iov_from(self.ch, iov, total, hashed)  # the slab is mapped while we run
-            got = None if hashed is None else hashed.tolist()
+            iov[:, 1] = sizes
+            got = np.empty(len(hits), dtype=np.uint64) if native_checksums() else None
+            recv_iov_from(self.ch, iov, total, got)  # the slab is mapped while we run
         else:
             buf = self.slab.buffer
-            self.ch.recv_bulk([buf[o : o + lengths[j]] for o, j in zip(offsets, hits, strict=True)])
+            self.ch.recv_bulk([buf[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist(),
+                                                              strict=True)])
         if got is None:
             buf = self.slab.buffer
-            got = [value_checksum(buf[o : o + lengths[j]])
-                   for o, j in zip(offsets, hits, strict=True)]
-        for j, checksum in zip(hits, got, strict=True):
-            if checksum == sums[j]:
-                self.out[s + j] = lengths[j]
-            else:  # corrupted on the way or in the pool: a miss, never wrong KV
-                self.corrupt.append(self.keys[s + j])
+            got = np.array([value_checksum(buf[o : o + n])
+                            for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True)],
+                           dtype=np.uint64)
+        ok = got == sums[hits]
+        out = self.out
+        for j, n in zip((hits[ok] + s).tolist(), sizes[ok].tolist(), strict=True):
+            out[j] = n
+        # corrupted on the way or in the pool: a miss, never wrong KV
+        self.corrupt.extend(self.keys[j] for j in (hits[~ok] + s).tolist())
 
 
 class TcpNodeDataPath(NodeDataPath):
