@@ -713,6 +713,13 @@ def encode_extents(results: Sequence[AllocResult]) -> bytes:
     return b"".join(parts)
 
 
+def encode_extent_table(table: npt.NDArray[np.void]) -> bytes:
+    """:func:`encode_extents` of an :data:`EXTENT_DTYPE` array (the same bytes)."""
+    if table.dtype != EXTENT_DTYPE or table.ndim != 1:
+        raise ProtocolError(f"an extent table is a 1-d array of EXTENT_DTYPE, got {table.dtype}")
+    return U32.pack(len(table)) + table.tobytes()
+
+
 _ALLOC_STATUSES = {int(v): v for v in AllocStatus}
 _KNOWN_ALLOC_STATUS = np.zeros(256, dtype=bool)
 _KNOWN_ALLOC_STATUS[sorted(_ALLOC_STATUSES)] = True

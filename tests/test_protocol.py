@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,8 +17,10 @@ from rdmakv.protocol import (
     ALLOC_ITEM,
     DIGEST_LEN,
     EXTENT,
+    EXTENT_DTYPE,
     HEADER,
     LOOKUP_ENTRY,
+    LOOKUP_ENTRY_DTYPE,
     MAX_KEY_LEN,
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
@@ -53,6 +56,7 @@ from rdmakv.protocol import (
     encode_alloc,
     encode_commit,
     encode_data_ops,
+    encode_extent_table,
     encode_extents,
     encode_flags,
     encode_get,
@@ -153,7 +157,18 @@ def test_extents_roundtrip(rows: list[tuple[AllocStatus, int, int, int]]) -> Non
     results = [
         AllocResult(s, Extent(a, n, k) if s == AllocStatus.OK else None) for s, a, n, k in rows
     ]
-    assert decode_extents(encode_extents(results), len(results)) == results
+    payload = encode_extents(results)
+    assert decode_extents(payload, len(results)) == results
+    table = np.zeros(len(rows), dtype=EXTENT_DTYPE)
+    for i, r in enumerate(results):
+        table[i] = (r.status, *(r.extent or (0, 0, 0)))
+    assert encode_extent_table(table) == payload
+
+
+def test_extent_table_of_another_shape_is_refused() -> None:
+    for bad in (np.zeros(2, dtype=LOOKUP_ENTRY_DTYPE), np.zeros((2, 2), dtype=EXTENT_DTYPE)):
+        with pytest.raises(ProtocolError, match="1-d array of EXTENT_DTYPE"):
+            encode_extent_table(bad)
 
 
 @given(st.lists(st.none() | st.tuples(u64, u32, u32, u64, digest_st, u64), max_size=40))

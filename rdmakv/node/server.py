@@ -59,7 +59,7 @@ from rdmakv.protocol import (
     decode_hello,
     decode_keys,
     decode_u64_list,
-    encode_extents,
+    encode_extent_table,
     encode_flags,
     encode_json,
     encode_lookup_results,
@@ -611,7 +611,7 @@ class KVNode:
     # -- control handlers ----------------------------------------------------------------
     def _alloc(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         items = decode_alloc(payload)
-        s.reply(req, encode_extents(self.store.alloc(s.session_id, items)))
+        s.reply(req, encode_extent_table(self.store.alloc_table(s.session_id, items)))
 
     def _commit(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         keys, checksums = decode_commit(payload)

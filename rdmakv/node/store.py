@@ -34,10 +34,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from rdmakv.errors import ConfigError
 from rdmakv.node.index import NO_CHECKSUM, Entry, Index
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.protocol import (
+    EXTENT_DTYPE,
     MAX_BULK_BYTES,
     AllocResult,
     AllocStatus,
@@ -205,23 +209,42 @@ class KVStore:
     def alloc(
         self, session: int, items: Sequence[tuple[bytes, int, bytes]]
     ) -> list[AllocResult]:
-        """Reserve one extent per (key, size, digest); invisible until commit."""
+        """:meth:`alloc_table` as one AllocResult per item."""
+        ok = AllocStatus.OK
+        return [
+            AllocResult(AllocStatus(st), Extent(addr, length, rkey) if st == ok else None)
+            for st, addr, length, rkey in self.alloc_table(session, items).tolist()
+        ]
+
+    def alloc_table(
+        self, session: int, items: Sequence[tuple[bytes, int, bytes]]
+    ) -> npt.NDArray[np.void]:
+        """Reserve one extent per (key, size, digest); invisible until commit.
+
+        Per item one :data:`~rdmakv.protocol.EXTENT_DTYPE` record: its status,
+        and where that is OK its extent (address, length, rkey); zeros
+        elsewhere. Laid out in array passes, not an object per key: ALLOC is
+        the node's busiest control request."""
         with self._lock:
             statuses, entries = self._reserve(session, items)
-            base, bs, rkey = self._base, self.block_size, self.rkey
-            out = [
-                AllocResult(st, None) if e is None
-                else AllocResult(st, Extent(base + e.block * bs, e.length, rkey))
-                for st, e in zip(statuses, entries, strict=True)
-            ]
-            if self._guard is not None:
-                ok = [i for i, r in enumerate(out) if r.extent is not None]
-                exts = [(r.extent.addr, r.extent.length) for r in out if r.extent is not None]
-                if exts:
-                    keys = self._guard.grant(session, exts, write=True)
-                    for i, (addr, size), k in zip(ok, exts, keys, strict=True):
-                        out[i] = AllocResult(AllocStatus.OK, Extent(addr, size, k))
-        return out
+            table = np.zeros(len(items), dtype=EXTENT_DTYPE)
+            table["status"] = np.frombuffer(bytes(statuses), dtype=np.uint8)
+            mine = [e for e in entries if e is not None]  # exactly the OK items
+            if not mine:
+                return table
+            ok = table["status"] == AllocStatus.OK
+            addrs = np.array([e.block for e in mine], dtype=np.uint64)
+            addrs *= np.uint64(self.block_size)
+            addrs += np.uint64(self._base)
+            lengths = [e.length for e in mine]
+            table["addr"][ok] = addrs
+            table["length"][ok] = lengths
+            if self._guard is None:
+                table["rkey"][ok] = self.rkey
+            else:
+                extents = list(zip(addrs.tolist(), lengths, strict=True))
+                table["rkey"][ok] = self._guard.grant(session, extents, write=True)
+        return table
 
     def alloc_received(
         self, session: int, items: Sequence[tuple[bytes, int, bytes]]
@@ -268,20 +291,24 @@ class KVStore:
             mine = self._pending_by_session.get(session, {})
             pending = self._index.pending_map
             commit = self._index.commit
-            guard = self._guard
+            revoked: list[int] = []  # pool blocks whose write grant ends
             for key, checksum in zip(keys, checksums, strict=True):
                 e = pending.get(key)
                 if e is None or e.owner != session or (require_written and not e.written):
                     flag(False)
                     continue
-                if guard is not None:
-                    self._revoke_write(session, e)  # before anyone else can see it
+                revoked.append(e.block)
                 del mine[e.block]
                 e.checksum = checksum
                 commit(key)
                 if not e.written:
                     one_sided += e.length
                 flag(True)
+            if self._guard is not None and revoked:
+                # one call for the batch, still under the lock: nobody can see
+                # these entries before their write grants are gone
+                base, bs = self._base, self.block_size
+                self._guard.revoke(session, [base + b * bs for b in revoked], write=True)
             self.counters.commits += out.count(True)
             self.counters.bytes_committed_one_sided += one_sided
         return out
