@@ -1,7 +1,7 @@
 """rdmakv through a real ``rdmakv serve`` (TCP or RDMA), batched as KVClient batches.
 
-``open()`` starts a node (``--no-lock``, a pool that holds the workload plus
-slack; it evicts older keys as any cache does) unless ``server="HOST:PORT"``
+``open()`` starts a node (``--no-lock``, a pool that holds the workload twice
+plus slack; it evicts older keys as any cache does) unless ``server="HOST:PORT"``
 names a running one. Two :class:`~rdmakv.client.KVClient` connections carry
 the data: one over a slab laid on the bench's source arena (puts read it in
 place), one over a slab laid on its destination arena (gets land in it in
@@ -31,6 +31,13 @@ from rdmakv.slab import Slab
 logger = logging.getLogger(__name__)
 
 CLIENT_TIMEOUT_S = 120.0
+POOL_WORKLOADS = 2
+"""The node's pool holds the workload this many times over (plus slack). A
+repeat's put follows the previous repeat's get and delete at once, on another
+connection, and the get's session unpins the blocks it sent only once its
+send call has returned, which may be after the client has every byte: with
+room for one workload only, that put would find the pool full for a moment
+and store a part (the node answers NO_SPACE rather than wait)."""
 POOL_SLACK_BLOCKS = 16
 
 
@@ -60,7 +67,7 @@ class RdmakvDriver:
             fd, log = tempfile.mkstemp(prefix="rdmakv-bench-node-", suffix=".log")
             os.close(fd)
             self._log = Path(log)
-            pool = work.block_bytes * (work.blocks + POOL_SLACK_BLOCKS)
+            pool = work.block_bytes * (POOL_WORKLOADS * work.blocks + POOL_SLACK_BLOCKS)
             options = {
                 "pool-size": str(pool),
                 "block-size": str(work.block_bytes),
