@@ -660,9 +660,8 @@ def encode_get_answer(lengths: Sequence[int], checksums: Sequence[int]) -> bytes
 
 def decode_get_answer(payload: Buffer, expected: int) -> tuple[list[int], list[int]]:
     """(lengths, checksums) of a GET answer for ``expected`` keys."""
-    raw = _per_key_entries(payload, "GET response", GET_ENTRY_BYTES, expected, "entries")
-    values = struct.unpack(f"<{expected}I{expected}Q", raw)
-    return list(values[:expected]), list(values[expected:])
+    lengths, checksums = decode_get_answer_arrays(payload, expected)
+    return lengths.tolist(), checksums.tolist()
 
 
 def decode_get_answer_arrays(

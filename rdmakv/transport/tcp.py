@@ -315,6 +315,15 @@ def _u64(values: Sequence[int]) -> np.ndarray:
     return np.frombuffer(array.array("Q", values), dtype=np.uint64)
 
 
+def _iov_at(base: int, offsets: npt.ArrayLike, lengths: np.ndarray) -> np.ndarray:
+    """An iovec table for the native loop: row i is ``(base + offsets[i], lengths[i])``."""
+    iov = np.empty((len(lengths), 2), dtype=np.uint64)
+    iov[:, 0] = offsets
+    iov[:, 0] += np.uint64(base)
+    iov[:, 1] = lengths
+    return iov
+
+
 def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, int]:
     """A batch's wire payload (``encode_data_ops`` of its remote ranges), its
     local iovec table (slab ``base`` + offsets) and its byte count, without
@@ -327,11 +336,7 @@ def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, 
     wire = np.empty(n, dtype=_WIRE_OP)
     wire["addr"] = _u64(remote)
     wire["len"] = lens
-    iov = np.empty((n, 2), dtype=np.uint64)
-    iov[:, 0] = _u64(local)
-    iov[:, 0] += np.uint64(base)
-    iov[:, 1] = lens
-    return U32.pack(n) + wire.tobytes(), iov, int(lens.sum())
+    return U32.pack(n) + wire.tobytes(), _iov_at(base, _u64(local), lens), int(lens.sum())
 
 
 def _address_of(buf: bytes | bytearray | np.ndarray) -> int:
@@ -646,10 +651,7 @@ class TcpTransport(Transport):
                     ks, ns = keys[s:e], sizes[s:e]
                     payload = encode_alloc(ks, ns, digests[s:e])
                     if use_native:
-                        iov = np.empty((e - s, 2), dtype=np.uint64)
-                        iov[:, 0] = _u64([h * bs for h in handles[s:e]])
-                        iov[:, 0] += np.uint64(base)
-                        iov[:, 1] = _u64(ns)
+                        iov = _iov_at(base, _u64([h * bs for h in handles[s:e]]), _u64(ns))
                         put = ch.submit(Op.PUT, payload, "PUT", bulk_len=sum(ns))
                         hashed = np.empty(e - s, dtype=np.uint64) if native_checksums() else None
                         send_iov(ch.sock, iov, hashed)  # the slab stays registered meanwhile
@@ -761,10 +763,7 @@ class _GetReceiver:
         offsets = self.handles[s + hits] * np.uint64(bs)
         got: npt.NDArray[np.uint64] | None = None
         if use_native:
-            iov = np.empty((len(hits), 2), dtype=np.uint64)
-            iov[:, 0] = offsets
-            iov[:, 0] += np.uint64(self.slab.base_addr)
-            iov[:, 1] = sizes
+            iov = _iov_at(self.slab.base_addr, offsets, sizes)
             got = np.empty(len(hits), dtype=np.uint64) if native_checksums() else None
             recv_iov_from(self.ch, iov, total, got)  # the slab is mapped while we run
         else:
@@ -890,10 +889,8 @@ class TcpNodeDataPath(NodeDataPath):
         the bytes of the values refused into a scratch buffer."""
         refused = sum(size for size, o in zip(sizes, offsets, strict=True) if o is None)
         if use_native and not refused:  # the common case: one table, built in C
-            iov = np.empty((len(sizes), 2), dtype=np.uint64)
-            iov[:, 0] = _u64(cast("Sequence[int]", offsets))  # no None: nothing refused
-            iov[:, 0] += np.uint64(self.pool.base_addr)
-            iov[:, 1] = _u64(sizes)
+            # no None among the offsets: nothing refused
+            iov = _iov_at(self.pool.base_addr, _u64(cast("Sequence[int]", offsets)), _u64(sizes))
             recv_iov_from(ch, iov, total)  # the store's extents: inside the pool
             return
         scratch = bytearray(min(refused, PUT_DRAIN_BYTES))
