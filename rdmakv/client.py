@@ -88,6 +88,7 @@ from rdmakv.protocol import (
 from rdmakv.slab import Slab
 from rdmakv.transport import Transport, get_transport, resolve_transport
 from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, make_op_table
+from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.client")
 _T = TypeVar("_T")
@@ -221,6 +222,7 @@ class KVClient:
         ch = Channel(sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            apply_congestion(sock)
             _, payload = ch.call(Op.HELLO, encode_hello(self.token), "HELLO")
             info = _sane_node_info(decode_node_info(payload))
             name = resolve_transport(self._want_transport, info.transports)

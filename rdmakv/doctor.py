@@ -17,6 +17,7 @@ from typing import Any
 
 from rdmakv.errors import RdmakvError
 from rdmakv.transport import verbs
+from rdmakv.transport.congestion import probe_congestion
 
 MEMLOCK_RECOMMENDED = 1 << 30
 """Below this, a typical slab or node pool (GiBs) cannot be pinned/registered."""
@@ -52,6 +53,10 @@ class Report:
     memory_windows: str = ""
     """Type-2 memory windows on the selected device: what a node needs to confine
     each RDMA client to its own extents (KVNode rdma_confinement="windows")."""
+    tcp_congestion: str = ""
+    """The TCP congestion control rdmakv's connections run here (and, when the
+    kernel refused the one they ask for, why and the fix). Speed only: not a
+    problem for the exit status."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -175,6 +180,9 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
                 "ulimit -l unlimited (shell); LimitMEMLOCK=infinity (systemd); "
                 "docker run --ulimit memlock=-1; or raise memlock in /etc/security/limits.conf",
             ))
+    running, refused = probe_congestion()
+    report.tcp_congestion = (running or "unknown (no TCP_CONGESTION here)") + (
+        f"; {refused}" if refused else "")
     if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
         try:
             sel = verbs.select()
@@ -209,6 +217,7 @@ def render(report: Report) -> str:
         lines.append(f"rdmakv would use: {report.selected}")
     if report.memory_windows:
         lines.append(f"memory windows: {report.memory_windows}")
+    lines.append(f"tcp congestion control: {report.tcp_congestion}")
     if report.ok:
         lines.append("OK: RDMA is usable (transport auto picks rdma)")
     else:

@@ -1136,10 +1136,29 @@ class Channel:
         on_ok: Callable[[Header], None] | None = None,
     ) -> Reply:
         """Send a request now; its response is read by a later :meth:`wait`."""
+        reply, hdr = self.enqueue(opcode, len(payload), what, flags=flags, bulk_len=bulk_len,
+                                  on_ok=on_ok)
+        send_views(self.sock, [hdr, payload, *bulk])
+        return reply
+
+    def enqueue(
+        self,
+        opcode: int,
+        payload_len: int,
+        what: str = "",
+        *,
+        flags: int = 0,
+        bulk_len: int = 0,
+        on_ok: Callable[[Header], None] | None = None,
+    ) -> tuple[Reply, bytes]:
+        """Queue a request's :class:`Reply` and return its header, for a caller
+        that sends the header, payload and bulk itself, together with other
+        frames in one system call. It must send them before it sends anything
+        else on this channel or waits for any reply: the node answers in the
+        order requests arrive, and replies are matched in the order queued."""
         reply = Reply(opcode, self.next_req_id(), what or f"opcode {opcode}", on_ok)
         self._queue.append(reply)
-        self.send(opcode, payload, flags=flags, req_id=reply.req_id, bulk=bulk, bulk_len=bulk_len)
-        return reply
+        return reply, HEADER.pack(opcode, flags, 0, payload_len, bulk_len, reply.req_id)
 
     @property
     def in_flight(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient, sub_batch_si
 from rdmakv.errors import AuthError, ConfigError, RdmakvError, RemoteError, TransportError
 from rdmakv.protocol import (
     DATA_OP,
+    HEADER,
     LOOKUP_FLAG_LEASE,
     MAX_KEYS_PER_REQUEST,
     Op,
@@ -436,7 +438,7 @@ def test_sigterm_with_a_client_stalled_mid_frame(node: NodeProcess, client_slab:
     """A client that announced a payload and went silent must not hold up shutdown."""
     import socket as socket_mod
 
-    from rdmakv.protocol import HEADER, encode_hello
+    from rdmakv.protocol import encode_hello
 
     with socket_mod.create_connection(node.address, timeout=10) as s:
         hello = encode_hello(None)
@@ -504,6 +506,45 @@ def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
             assert c.exists(keys[:3]) == [True] * 3
         for s_, d in zip(src, dst, strict=True):
             assert slab.view(s_) == slab.view(d)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_put_whose_answers_outgrow_what_may_stay_unread_stores_every_value(
+    node_factory: Callable[..., NodeProcess], native: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20,000 small values: the PUT and COMMIT answers of the whole put are
+    more than may stay unread, so the native path sends its frames in several
+    calls and reads the oldest answers in between (a COMMIT's checksums go
+    out in the same call as its values). Every value must be stored with the
+    right checksum: the get verifies each one."""
+    monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
+    sends: list[int] = []
+    real_send = tcp._PutFrames.send
+
+    def counted(self: tcp._PutFrames, sock: socket.socket) -> None:
+        sends.append(len(self._parts))
+        real_send(self, sock)
+
+    monkeypatch.setattr(tcp._PutFrames, "send", counted)
+    n, block = 20_000, 256
+    plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST)
+    assert sum(2 * (HEADER.size + 4 + k) for k in plan) > REQUEST_BYTES_AHEAD
+    node = node_factory(block_size=block, pool_size=2 * n * block)
+    keys = [hashlib.sha256(k).digest() for k in keys_for("many", n)]
+    with Slab(2 * n * block, block, lock=False) as slab:
+        src, dst = slab.alloc_many(n), slab.alloc_many(n)
+        digests = fill(slab, src, seed=11)
+        with KVClient(*node.address, slab) as c:
+            assert all(c.put(keys, src, block, digests))
+            assert all(c.get(keys, dst, digests))
+            assert c.exists(keys[-3:]) == [True] * 3
+        for s_, d in zip(src, dst, strict=True):
+            assert slab.view(s_) == slab.view(d)
+    if tcp._PutFrames.usable():
+        assert len([k for k in sends if k]) >= 2, sends  # frames went out in several calls
+        assert sum(sends) == len(plan)
+    else:
+        assert not any(sends)
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["put_get", "alloc_write"])

@@ -215,7 +215,7 @@ def test_each_range_is_hashed_on_the_way_out_and_in_as_value_checksum_would(
     rng = np.random.default_rng(3)
     sizes = [int(n) for n in rng.integers(0, 40_000, 200)]
     sizes[5] = sizes[-1] = 0
-    sizes[17] = 3 * tcp._lib.RK_TCP_HASH_WINDOW + 5
+    sizes[17] = 3 * tcp._lib.RK_TCP_WINDOW + 5
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     dst = [np.zeros(n, np.uint8) for n in sizes]
     want = [value_checksum(x.tobytes()) for x in src]
@@ -244,10 +244,10 @@ def test_hashing_resumes_where_a_signal_interrupted_it(
     old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
     rng = np.random.default_rng(5)
     # the second range is streamed through the hash in pieces (longer than a window)
-    sizes = [3000, 3 * tcp._lib.RK_TCP_HASH_WINDOW + 5, 3000, 3000]
+    sizes = [3000, 3 * tcp._lib.RK_TCP_WINDOW + 5, 3000, 3000]
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     wire = b"".join(x.tobytes() for x in src)
-    early = sizes[0] + tcp._lib.RK_TCP_HASH_WINDOW + 1000  # stops inside the long range
+    early = sizes[0] + tcp._lib.RK_TCP_WINDOW + 1000  # stops inside the long range
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
         # a range and a half now, the rest after several interruptions
@@ -266,3 +266,44 @@ def test_hashing_resumes_where_a_signal_interrupted_it(
     assert hits[0] > 0
     assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
     assert [int(x) for x in got] == [value_checksum(x.tobytes()) for x in src]
+
+
+@needs_checksums
+def test_a_range_that_is_the_hashes_of_earlier_ranges_goes_out_holding_them(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """What the tcp transport's PUT relies on: ranges are hashed in order, each
+    one whole before any of its bytes is sent, so a COMMIT's checksum row
+    (pointing into the call's own hashes) goes out holding the hashes of the
+    values before it; here three groups, values both side of window edges."""
+    a, b = pair
+    a.settimeout(10)
+    b.settimeout(10)
+    rng = np.random.default_rng(7)
+    groups = [[int(n) for n in rng.integers(1, 90_000, k)] for k in (5, 40, 9)]
+    groups[1][3] = tcp._lib.RK_TCP_WINDOW + 17  # longer than a window: hashed in pieces
+    values = [[rng.integers(0, 256, n, dtype=np.uint8) for n in g] for g in groups]
+    rows = sum(len(g) + 1 for g in groups)
+    hashes = np.zeros(rows, np.uint64)
+    at, out, r = hashes.ctypes.data, [], 0
+    for vs in values:
+        out += [[v.ctypes.data, v.nbytes] for v in vs]
+        out.append([at + 8 * r, 8 * len(vs)])  # the hashes of the rows just above
+        r += len(vs) + 1
+    iov = np.array(out, dtype=np.uint64)
+    wire = b"".join(b"".join(v.tobytes() for v in vs) + bytes(8 * len(vs)) for vs in values)
+    into = np.zeros(len(wire), np.uint8)
+    receiver = threading.Thread(target=tcp.recv_iov, args=(b, table([into])))
+    receiver.start()
+    tcp.send_iov(a, iov, hashes)
+    receiver.join()
+    got = into.tobytes()
+    pos = 0
+    for vs in values:
+        for v in vs:
+            assert got[pos : pos + v.nbytes] == v.tobytes()
+            pos += v.nbytes
+        trailer = np.frombuffer(bytes(got[pos : pos + 8 * len(vs)]), dtype="<u8")
+        assert trailer.tolist() == [value_checksum(v.tobytes()) for v in vs]
+        pos += 8 * len(vs)
+    assert pos == len(wire)

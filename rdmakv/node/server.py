@@ -68,6 +68,7 @@ from rdmakv.protocol import (
 from rdmakv.slab import Slab
 from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
 from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress
+from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.node")
 
@@ -527,6 +528,7 @@ class KVNode:
 
     def _admit(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        apply_congestion(sock)  # this end sends every GET's values
         # A client whose machine vanished never sends FIN: keepalive ends its
         # session, so its uncommitted extents and leases are reclaimed.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

@@ -30,8 +30,9 @@ write failed is never published.
 
 The per-block loop runs in the native core when it is built
 (``rdmakv._native_tcp``, plain libc, no libibverbs): one C call moves a whole
-request's bulk -- ``sendmsg`` / ``readv`` of up to 1024 blocks per system
-call, resuming after short transfers, waiting with ``poll`` on EAGAIN -- with
+request's bulk -- ``sendmsg`` / ``readv`` of up to 1024 blocks and 512 KiB
+per system call (``RK_TCP_WINDOW``: fewer, bigger calls measured slower over
+loopback), resuming after short transfers, waiting with ``poll`` on EAGAIN -- with
 the GIL released, so the client's and the node's Python threads keep running.
 The same loop hashes each block with XXH3 (the protocol's value checksum)
 right before sending it and right after receiving it, while the block is in
@@ -53,6 +54,7 @@ import dataclasses
 import importlib
 import os
 import socket
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -67,6 +69,7 @@ from rdmakv.protocol import (
     MAX_BULK_BYTES,
     RESPONSE_BIT,
     U32,
+    U64,
     AllocStatus,
     Channel,
     Header,
@@ -344,6 +347,15 @@ def _address_of(buf: bytes | bytearray | np.ndarray) -> int:
     return int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf)))
 
 
+def _with_head(head: bytes, iov: np.ndarray) -> np.ndarray:
+    """``iov`` with a first row for ``head`` (bytes the caller keeps alive):
+    frames that go out in the same system call as the values behind them."""
+    table = np.empty((1 + len(iov), 2), dtype=np.uint64)
+    table[0] = (_address_of(head), len(head))
+    table[1:] = iov
+    return table
+
+
 def _node_iov(
     payload: bytearray, count: int, pool: Slab, head: bytes | None = None
 ) -> np.ndarray:
@@ -353,11 +365,7 @@ def _node_iov(
     ``head`` (bytes the caller keeps alive) the table starts with it, so a
     READ answer's header goes out in the same system call as its bytes."""
     wire = np.frombuffer(payload, dtype=_WIRE_OP, count=count, offset=U32.size)
-    first = 0 if head is None else 1
-    table = np.empty((first + count, 2), dtype=np.uint64)
-    if head is not None:
-        table[0] = (_address_of(head), len(head))
-    iov = table[first:]
+    iov = np.empty((count, 2), dtype=np.uint64)
     iov[:, 0] = wire["addr"]
     iov[:, 1] = wire["len"]
     lo, hi = np.uint64(pool.base_addr), np.uint64(pool.base_addr + pool.nbytes)
@@ -366,7 +374,7 @@ def _node_iov(
     # hi - addr cannot wrap where addr <= hi; addr + length could, so it is never formed
     if count and not (inside.all() and (length <= hi - np.where(inside, addr, hi)).all()):
         raise ProtocolError("data op outside the node pool")  # unreachable: the store checked
-    return table
+    return iov if head is None else _with_head(head, iov)
 
 
 def _await_answer(ch: Channel, reply: Reply) -> RdmakvError | None:
@@ -627,48 +635,58 @@ class TcpTransport(Transport):
     ) -> Stored:
         """One PUT per batch (split so its values fit one request's bulk), the
         values sent straight from the slab and hashed on the way out, then its
-        COMMIT with those checksums right behind it (the node commits only
-        values it received in full). Answers are read only once more than
+        COMMIT with those checksums (the node commits only values it received
+        in full). Answers are read only once more than
         :data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD` of them are due,
-        so they always fit this end's receive buffer while it keeps sending."""
+        so they always fit this end's receive buffer while it keeps sending.
+
+        With the native loop every PUT and COMMIT up to that point goes out
+        in ONE call (see :class:`_PutFrames`): the bytes never stop between
+        sub-batches, and the node never waits for this end's Python."""
         slab = self._slab
         if slab is None:
             raise ProtocolError("store before register_local")
         self._settle_lazy()
-        bs, base = slab.block_size, slab.base_addr
+        bs = slab.block_size
         per_request = max(1, self._info.max_bulk // bs)
         out = [False] * len(keys)
         refused: list[RemoteError] = []
-        due: list[_PutStage] = []  # sent, answers not yet read
+        due: list[_PutStage] = []  # sent (or in `frames`), answers not yet read
         ch = self._ch
+        frames = _PutFrames() if _PutFrames.usable() else None
+        values = None if frames is None else \
+            _iov_at(slab.base_addr, _u64(handles) * np.uint64(bs), _u64(sizes))
         try:
             ch.set_timeout(timeout)
             for start, end in batches:
                 for s in range(start, end, per_request):
                     e = min(end, s + per_request)
-                    while due and sum(st.answer_bytes for st in due) > REQUEST_BYTES_AHEAD:
-                        due.pop(0).settle(ch, keys, out, refused)
+                    if due and sum(st.answer_bytes for st in due) > REQUEST_BYTES_AHEAD:
+                        if frames is not None:
+                            frames.send(ch.sock)  # before any wait: see Channel.enqueue
+                        while due and sum(st.answer_bytes for st in due) > REQUEST_BYTES_AHEAD:
+                            due.pop(0).settle(ch, keys, out, refused)
                     ks, ns = keys[s:e], sizes[s:e]
                     payload = encode_alloc(ks, ns, digests[s:e])
-                    if use_native:
-                        iov = _iov_at(base, _u64([h * bs for h in handles[s:e]]), _u64(ns))
-                        put = ch.submit(Op.PUT, payload, "PUT", bulk_len=sum(ns))
-                        hashed = np.empty(e - s, dtype=np.uint64) if native_checksums() else None
-                        send_iov(ch.sock, iov, hashed)  # the slab stays registered meanwhile
-                        sums = None if hashed is None else hashed.tolist()
+                    if frames is not None and values is not None:
+                        put, put_hdr = ch.enqueue(Op.PUT, len(payload), "PUT", bulk_len=sum(ns))
+                        named = encode_keys(ks)  # COMMIT's payload up to its checksums
+                        commit, commit_hdr = ch.enqueue(
+                            Op.COMMIT, len(named) + U64.size * (e - s), "COMMIT",
+                            flags=COMMIT_FLAG_REQUIRE_WRITTEN,
+                        )
+                        frames.add(put_hdr + payload, values[s:e], commit_hdr + named)
                     else:
                         buf = slab.buffer
                         views = [buf[h * bs : h * bs + n] for h, n in zip(handles[s:e], ns,
                                                                         strict=True)]
                         put = ch.submit(Op.PUT, payload, "PUT", bulk=views, bulk_len=sum(ns))
-                        sums = None
-                    if sums is None:
-                        buf = slab.buffer
-                        sums = [value_checksum(buf[h * bs : h * bs + n])
-                                for h, n in zip(handles[s:e], ns, strict=True)]
-                    commit = ch.submit(Op.COMMIT, encode_commit(ks, sums), "COMMIT",
-                                       flags=COMMIT_FLAG_REQUIRE_WRITTEN)
+                        sums = [value_checksum(v) for v in views]
+                        commit = ch.submit(Op.COMMIT, encode_commit(ks, sums), "COMMIT",
+                                           flags=COMMIT_FLAG_REQUIRE_WRITTEN)
                     due.append(_PutStage(s, e, put, commit))
+            if frames is not None:
+                frames.send(ch.sock)
             while due:
                 due.pop(0).settle(ch, keys, out, refused)
         except OSError as e:
@@ -679,6 +697,55 @@ class TcpTransport(Transport):
         self._slab = None
         self._local = None
         self._lazy = []
+
+
+class _PutFrames:
+    """PUT and COMMIT frames of several sub-batches, sent in ONE native call.
+
+    Per sub-batch the rows are: the PUT's header and items, its values (slab
+    blocks), the COMMIT's header and keys, and the COMMIT's checksums. That
+    last row points into the call's own ``hashes`` array, at the entries of
+    the value rows before it: the native loop hashes ranges in order, each
+    before any of its bytes goes out (rk_tcp.h), so those entries hold the
+    values' checksums by the time the row is sent. The checksums are made on
+    the way out, with no pass of their own, and nothing stops between a PUT
+    and its COMMIT. The COMMIT carries them little-endian, as numpy's uint64
+    holds them only on a little-endian host: elsewhere :meth:`usable` is
+    False and the caller hashes in Python.
+
+    The replies are queued (``Channel.enqueue``) as the frames are added:
+    :meth:`send` must run before anything else is sent or awaited.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[bytes, np.ndarray, bytes]] = []
+
+    @staticmethod
+    def usable() -> bool:
+        return use_native and native_checksums() and sys.byteorder == "little"
+
+    def add(self, put_head: bytes, values: np.ndarray, commit_head: bytes) -> None:
+        """A sub-batch: PUT header + items, its ``values`` rows, COMMIT header + keys."""
+        self._parts.append((put_head, values, commit_head))
+
+    def send(self, sock: socket.socket) -> None:
+        """Send every frame added since the last call, in order."""
+        parts, self._parts = self._parts, []
+        if not parts:
+            return
+        rows = sum(len(values) + 3 for _, values, _ in parts)
+        table = np.empty((rows, 2), dtype=np.uint64)
+        hashes = np.empty(rows, dtype=np.uint64)
+        at = _address_of(hashes)
+        r = 0
+        for put_head, values, commit_head in parts:
+            n = len(values)
+            table[r] = (_address_of(put_head), len(put_head))
+            table[r + 1 : r + 1 + n] = values
+            table[r + 1 + n] = (_address_of(commit_head), len(commit_head))
+            table[r + 2 + n] = (at + U64.size * (r + 1), U64.size * n)  # hashes of the values
+            r += n + 3
+        send_iov(sock, table, hashes)  # `parts` and `hashes` live until it returns
 
 
 @dataclasses.dataclass

@@ -5,8 +5,9 @@ sends the bench's source blocks into it and waits for a one-byte ack; ``get``
 asks for them back and receives them into the bench's destination arena. Each
 direction is ``sendmsg`` / ``recvmsg_into`` with scatter lists of up to
 ``IOV_MAX`` (1024) separate blocks and at most :data:`WINDOW_BYTES` per system
-call on both ends, no per-block round trip, no copies, TCP_NODELAY and
-kernel-autotuned socket buffers. The runner verifies the bytes
+call on both ends, no per-block round trip, no copies, TCP_NODELAY,
+kernel-autotuned socket buffers and the congestion control rdmakv's
+connections run (:mod:`rdmakv.transport.congestion`). The runner verifies the bytes
 that come back, so the loop really moved them out and back. The runner takes
 the best of at least :attr:`SocketLoopDriver.min_repeats` runs.
 
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
+from rdmakv.transport.congestion import apply_congestion
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 WINDOW_BYTES = 512 * 1024
@@ -39,7 +41,7 @@ moved 1.5-1.8x more per second (best of 9: 6.8-7.0 GB/s at 16 KiB to 256 KiB
 blocks) than windows of 1024 whole blocks (16-256 MiB per call: 3.7-3.9 GB/s),
 and more than 128 KiB, 256 KiB or 1 MiB windows; the send side's cap mattered
 most. Each call's bytes are still in the CPU cache when the kernel copies them
-on. It is also the window rdmakv's native send loop uses (``RK_TCP_HASH_WINDOW``).
+on. It is also the window of every call of rdmakv's native loop (``RK_TCP_WINDOW``).
 Runs before 2026-11-25 10:05 UTC had no byte cap, a weaker ceiling."""
 ACCEPT_TIMEOUT_S = 60.0
 _HDR = struct.Struct("!cII")  # command, first block, block count
@@ -51,6 +53,10 @@ def _tune(sock: socket.socket) -> None:
     # Socket buffers stay kernel-autotuned: fixing SO_RCVBUF/SO_SNDBUF (4 MiB)
     # turns autotuning off and measured slower here at 16 KiB, no faster above.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # The congestion control rdmakv's own connections ask for: the ceiling
+    # must not lose to rdmakv by running a slower algorithm (BBR, where that
+    # is the system default).
+    apply_congestion(sock)
 
 
 def _advance(views: Sequence[memoryview], i: int, off: int, moved: int) -> tuple[int, int]:
