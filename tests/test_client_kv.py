@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -545,6 +546,41 @@ def test_a_put_whose_answers_outgrow_what_may_stay_unread_stores_every_value(
         assert sum(sends) == len(plan)
     else:
         assert not any(sends)
+
+
+def test_a_put_that_fails_between_sub_batches_leaves_the_connection_in_sync(
+    node_factory: Callable[..., NodeProcess], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure while the put lays out its third sub-batch (injected into the
+    real encoder), after two sub-batches' frames were queued but not yet sent:
+    they still go out, so the replies queued for them arrive and the next call
+    on the connection works instead of waiting for answers never asked for."""
+    n = 600  # sub-batches of 64, 128, 108, 108, 128, 64
+    node = node_factory(pool_size=2 * n * BLOCK)  # room for all: nothing evicted
+    with Slab(n * BLOCK, BLOCK, lock=False) as slab:
+        src = slab.alloc_many(n)
+        digests = fill(slab, src, seed=12)
+        keys = keys_for("fail", n)
+        real = tcp.encode_alloc
+        calls = [0]
+
+        def failing(*args: Any) -> bytes:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise ValueError("injected: cannot lay out this sub-batch")
+            return real(*args)
+
+        monkeypatch.setattr(tcp, "encode_alloc", failing)
+        with KVClient(*node.address, slab, timeout=5.0) as c:
+            with pytest.raises(ValueError, match="injected"):
+                c.put(keys, src, BLOCK, digests)
+            monkeypatch.setattr(tcp, "encode_alloc", real)
+            done = calls[0]
+            stored = c.exists(keys)
+            assert stored == [True] * 192 + [False] * (n - 192)  # the two sub-batches sent
+            assert all(c.put(keys, src, BLOCK, digests))
+            assert c.exists(keys) == [True] * n
+            assert done == 3
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["put_get", "alloc_write"])

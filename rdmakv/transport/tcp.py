@@ -691,6 +691,11 @@ class TcpTransport(Transport):
                 due.pop(0).settle(ch, keys, out, refused)
         except OSError as e:
             raise wrap_socket_errors("PUT", e) from e
+        except BaseException:
+            if frames is not None:  # their replies are queued: they must go out, or
+                with contextlib.suppress(OSError):  # the channel's next wait never ends
+                    frames.send(ch.sock)
+            raise
         return Stored(out, refused[0] if refused else None)
 
     def close(self) -> None:
