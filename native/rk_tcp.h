@@ -17,11 +17,12 @@
 
 #define RK_TCP_IOV_MAX 1024
 /* Bytes per system call at most (a longer range moves in pieces). Not the
- * fewest calls: over loopback, 512 KiB windows moved 16 MiB of 16-64 KiB
- * blocks at 4.7-5.9 GB/s median where whole lists of 1024 ranges per call
- * (up to 64 MiB) managed 3.7 (best of 15), since each call's bytes are still
- * in the CPU cache when the kernel copies them on. When hashing, a range is
- * hashed and moved within one window for the same reason. */
+ * fewest calls: over loopback, an unhashed send of 16 MiB of 16 KiB blocks
+ * ran at 3.3-3.9 GB/s median as whole lists of 1024 ranges per call and at
+ * 4.7-6.0 in 512 KiB windows (15 runs each, three sessions), since each
+ * call's bytes are still in the CPU cache when the kernel copies them on.
+ * When hashing, a range is hashed and moved within one window for the same
+ * reason. */
 #define RK_TCP_WINDOW 524288
 
 /* Return codes. */
