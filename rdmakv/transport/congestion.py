@@ -39,6 +39,7 @@ SYSTEM = "system"
 """The ``RDMAKV_TCP_CONGESTION`` value that leaves the kernel's default alone."""
 ALLOWED_PATH = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
 _NAME_MAX = 16  # TCP_CA_NAME_MAX: the kernel's longest algorithm name, NUL included
+_OPT: int | None = getattr(socket, "TCP_CONGESTION", None)  # None: not Linux
 
 _refusals_logged: set[tuple[str, str]] = set()  # (algorithm, reason) already logged
 _log_lock = threading.Lock()
@@ -52,16 +53,15 @@ def wanted_congestion() -> str | None:
 
 def congestion_of(sock: socket.socket) -> str | None:
     """The algorithm ``sock`` runs (None where the platform cannot say)."""
-    opt = getattr(socket, "TCP_CONGESTION", None)
-    if opt is None:
+    if _OPT is None:
         return None
-    raw = sock.getsockopt(socket.IPPROTO_TCP, opt, _NAME_MAX)
+    raw = sock.getsockopt(socket.IPPROTO_TCP, _OPT, _NAME_MAX)
     return raw.split(b"\0", 1)[0].decode("ascii", "replace")
 
 
-def apply_congestion(sock: socket.socket, name: str | None = None) -> str | None:
+def apply_congestion(sock: socket.socket, name: str | None = None) -> None:
     """Ask the kernel to run ``name`` (default: :func:`wanted_congestion`) on
-    ``sock``; returns the algorithm it runs now. A refusal leaves the
+    ``sock`` (:func:`congestion_of` says what it runs). A refusal leaves the
     system's default and is logged (once per algorithm and reason)."""
     name = wanted_congestion() if name is None else name
     refused = _ask(sock, name)
@@ -72,7 +72,6 @@ def apply_congestion(sock: socket.socket, name: str | None = None) -> str | None
         if first:
             log.info("TCP congestion control %s; connections keep the system default",
                      refusal_text(name, refused))
-    return congestion_of(sock)
 
 
 def probe_congestion() -> tuple[str | None, str | None]:
@@ -87,11 +86,10 @@ def probe_congestion() -> tuple[str | None, str | None]:
 
 def _ask(sock: socket.socket, name: str | None) -> str | None:
     """Set ``name`` on ``sock``; the kernel's reason when it refuses, else None."""
-    opt = getattr(socket, "TCP_CONGESTION", None)
-    if name is None or opt is None:
+    if name is None or _OPT is None:
         return None
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, opt, name.encode("ascii"))
+        sock.setsockopt(socket.IPPROTO_TCP, _OPT, name.encode("ascii"))
     except (OSError, UnicodeEncodeError) as e:
         code = getattr(e, "errno", None)
         return os.strerror(code) if code else str(e)

@@ -653,9 +653,10 @@ class TcpTransport(Transport):
         refused: list[RemoteError] = []
         due: list[_PutStage] = []  # sent (or in `frames`), answers not yet read
         ch = self._ch
-        frames = _PutFrames() if _PutFrames.usable() else None
-        values = None if frames is None else \
-            _iov_at(slab.base_addr, _u64(handles) * np.uint64(bs), _u64(sizes))
+        frames: _PutFrames | None = None
+        if _PutFrames.usable():  # every value's (address, length), laid out once
+            frames = _PutFrames(_iov_at(slab.base_addr, _u64(handles) * np.uint64(bs),
+                                        _u64(sizes)))
         try:
             ch.set_timeout(timeout)
             for start, end in batches:
@@ -668,14 +669,14 @@ class TcpTransport(Transport):
                             due.pop(0).settle(ch, keys, out, refused)
                     ks, ns = keys[s:e], sizes[s:e]
                     payload = encode_alloc(ks, ns, digests[s:e])
-                    if frames is not None and values is not None:
+                    if frames is not None:
                         put, put_hdr = ch.enqueue(Op.PUT, len(payload), "PUT", bulk_len=sum(ns))
                         named = encode_keys(ks)  # COMMIT's payload up to its checksums
                         commit, commit_hdr = ch.enqueue(
                             Op.COMMIT, len(named) + U64.size * (e - s), "COMMIT",
                             flags=COMMIT_FLAG_REQUIRE_WRITTEN,
                         )
-                        frames.add(put_hdr + payload, values[s:e], commit_hdr + named)
+                        frames.add(put_hdr + payload, s, e, commit_hdr + named)
                     else:
                         buf = slab.buffer
                         views = [buf[h * bs : h * bs + n] for h, n in zip(handles[s:e], ns,
@@ -720,18 +721,21 @@ class _PutFrames:
 
     The replies are queued (``Channel.enqueue``) as the frames are added:
     :meth:`send` must run before anything else is sent or awaited.
+    ``values``: the whole put's (address, length) rows, one per key.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
         self._parts: list[tuple[bytes, np.ndarray, bytes]] = []
 
     @staticmethod
     def usable() -> bool:
         return use_native and native_checksums() and sys.byteorder == "little"
 
-    def add(self, put_head: bytes, values: np.ndarray, commit_head: bytes) -> None:
-        """A sub-batch: PUT header + items, its ``values`` rows, COMMIT header + keys."""
-        self._parts.append((put_head, values, commit_head))
+    def add(self, put_head: bytes, start: int, end: int, commit_head: bytes) -> None:
+        """Sub-batch ``[start, end)``: PUT header + items, the keys' values,
+        COMMIT header + keys."""
+        self._parts.append((put_head, self._values[start:end], commit_head))
 
     def send(self, sock: socket.socket) -> None:
         """Send every frame added since the last call, in order."""
@@ -923,12 +927,10 @@ class TcpNodeDataPath(NodeDataPath):
             head = HEADER.pack(
                 req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), total, req.req_id
             ) + answer
-            base = self.pool.base_addr
-            rows = [_address_of(head), len(head)]
-            for offset, length, _ in hits:
-                rows += (base + offset, length)
+            values = _iov_at(self.pool.base_addr, _u64([o for o, _, _ in hits]),
+                             _u64([n for _, n, _ in hits]))
             # the pins keep the blocks; the pool stays mapped
-            send_iov(session.channel.sock, _u64(rows).reshape(-1, 2))
+            send_iov(session.channel.sock, _with_head(head, values))
         finally:
             unpin()
 
