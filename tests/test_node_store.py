@@ -54,6 +54,20 @@ def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order() -> No
     assert idx.touch_all([]) == []
 
 
+def test_touch_matching_finds_keys_stored_with_the_digest_and_makes_only_those_recent() -> None:
+    idx = Index()
+    other = bytes(range(16))
+    for block, k in enumerate((b"a", b"b", b"c")):
+        idx.pending_map[k] = Entry(k, block, 1, D, 0, owner=1)
+        idx.commit(k)
+    found = idx.touch_matching([b"a", b"b", b"zz", b"a"], [other, D, D, D])
+    assert [None if e is None else e.key for e in found] == [None, b"b", None, b"a"]
+    # a's first naming had another digest (a miss: no touch); c was never a hit
+    assert [e.key for e in idx.oldest_first()] == [b"c", b"b", b"a"]
+    with pytest.raises(ValueError):
+        idx.touch_matching([b"a"], [])
+
+
 def test_alloc_statuses(pool: Slab) -> None:
     s = KVStore(pool)
     assert s.alloc(1, [(b"a", 0, D)])[0].status == AllocStatus.TOO_LARGE
@@ -142,8 +156,11 @@ def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> 
     assert s.commit(1, [b"a"], [77]) == [True]
     assert s.alloc(1, [(b"p", 10, D)])[0].status == AllocStatus.OK  # uncommitted: invisible
     other = bytes(range(16))
-    found, unpin = s.pin_values([b"a", b"a", b"p", b"zz"], [D, other, D, D])
-    assert found == [(res.extent.addr - pool.base_addr, 100, 77), None, None, None]
+    found = s.pin_values([b"a", b"a", b"p", b"zz"], [D, other, D, D])
+    assert (found.lengths, found.checksums) == ([100, 0, 0, 0], [77, 0, 0, 0])
+    assert found.offsets.tolist() == [res.extent.addr - pool.base_addr]
+    assert found.hit_lengths().tolist() == [100]
+    assert found.nbytes == 100
     stats = s.stats()
     assert (stats["hits"], stats["misses"], stats["bytes_read"]) == (1, 3, 100)
     # pinned: neither delete nor eviction frees the block while it is being sent
@@ -152,7 +169,7 @@ def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> 
     assert pool.refcount(block) == 1
     statuses = [r.status for r in s.alloc(2, [(k, 10, D) for k in KEYS[1:5]])]
     assert statuses.count(AllocStatus.NO_SPACE) == 2  # 4 blocks: pinned + pending + 2 new
-    unpin()
+    found.unpin()
     assert pool.refcount(block) == 0
     assert s.alloc(2, [(b"g", 10, D)])[0].status == AllocStatus.OK
 
@@ -174,9 +191,10 @@ def test_alloc_received_commits_only_after_every_byte_arrived(pool: Slab) -> Non
     assert s.commit(1, [b"a"], [5], require_written=True) == [False]
     received()
     assert s.commit(1, [b"a", b"b"], [5, 6], require_written=True) == [True, True]
-    found, unpin = s.pin_values([b"a", b"b"], [D, D])
-    assert found == [(a, 100, 5), (b, BLOCK, 6)]
-    unpin()
+    found = s.pin_values([b"a", b"b"], [D, D])
+    assert found.offsets.tolist() == [a, b]
+    assert (found.lengths, found.checksums) == ([100, BLOCK], [5, 6])
+    found.unpin()
     assert s.stats()["bytes_written"] == 100 + BLOCK
 
 

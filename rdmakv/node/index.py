@@ -77,6 +77,23 @@ class Index:
                 move(key)
         return found
 
+    def touch_matching(
+        self, keys: Sequence[bytes], digests: Sequence[bytes]
+    ) -> list[Entry | None]:
+        """Per key, its committed entry when stored with that digest (else
+        None), in order; only those hits become most recently used."""
+        get, move = self._lru.get, self._lru.move_to_end
+        found: list[Entry | None] = []
+        add = found.append
+        for key, digest in zip(keys, digests, strict=True):
+            e = get(key)
+            if e is None or e.digest != digest:
+                add(None)
+                continue
+            move(key)
+            add(e)
+        return found
+
     def pending(self, key: bytes) -> Entry | None:
         return self._pending.get(key)
 

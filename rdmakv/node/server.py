@@ -67,7 +67,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
-from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress
+from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress, PinnedValues
 from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.node")
@@ -154,9 +154,7 @@ class Session:
     ) -> tuple[list[memoryview], Callable[[], None]]:
         return self.node.store.pin_readable(self.session_id, ops)
 
-    def pin_values(
-        self, keys: Sequence[bytes], digests: Sequence[bytes]
-    ) -> tuple[list[tuple[int, int, int] | None], Callable[[], None]]:
+    def pin_values(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> PinnedValues:
         return self.node.store.pin_values(keys, digests)
 
     def alloc_received(

@@ -50,7 +50,7 @@ from rdmakv.protocol import (
     LookupResult,
 )
 from rdmakv.slab import Slab
-from rdmakv.transport.base import BadAddress, ExtentGuard
+from rdmakv.transport.base import BadAddress, ExtentGuard, PinnedValues
 
 DEFAULT_LEASE_TIMEOUT = 30.0
 DEFAULT_MAX_LEASES_PER_BLOCK = 4
@@ -548,31 +548,32 @@ class KVStore:
 
         return views, unpin
 
-    def pin_values(
-        self, keys: Sequence[bytes], digests: Sequence[bytes]
-    ) -> tuple[list[tuple[int, int, int] | None], Callable[[], None]]:
-        """Per key, ``(pool offset, length, checksum)`` of its committed value
-        when stored with that digest (else None: a miss), and unpin().
+    def pin_values(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> PinnedValues:
+        """Each key's committed value when stored with that digest (else a
+        miss), its block pinned until ``unpin()``.
 
         A lookup and a read in one step (GET): hits become most recently used
         and their blocks are pinned, so nothing evicts or reuses them, until
         unpin() -- the caller sends their bytes in between. No lease: the pin
         never outlives the request.
         """
-        found: list[tuple[int, int, int] | None] = []
+        # The answer's columns, built as the entries are found: a GET's per-key
+        # Python is in series with the send of its values, which limits it.
+        lengths: list[int] = []
+        checksums: list[int] = []
         blocks: list[int] = []
+        length, checksum, block = lengths.append, checksums.append, blocks.append
         with self._lock:
-            entries = self._index.touch_all(keys)
-            bs = self.block_size
-            nbytes = 0
-            for e, digest in zip(entries, digests, strict=True):
-                if e is None or e.digest != digest:
-                    found.append(None)
+            for e in self._index.touch_matching(keys, digests):
+                if e is None:
+                    length(0)
+                    checksum(0)
                     continue
-                blocks.append(e.block)
-                found.append((e.block * bs, e.length, e.checksum))
-                nbytes += e.length
+                block(e.block)
+                length(e.length)
+                checksum(e.checksum)
             self.pool.incref_many(blocks)  # index entries: live blocks
+            nbytes = sum(lengths)
             c = self.counters
             c.lookups += len(keys)
             c.hits += len(blocks)
@@ -583,7 +584,8 @@ class KVStore:
             with self._lock:
                 self.pool.decref_many(blocks)
 
-        return found, unpin
+        offsets = np.array(blocks, dtype=np.uint64) * np.uint64(self.block_size)
+        return PinnedValues(lengths, checksums, offsets, nbytes, unpin)
 
     # -- introspection ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -257,6 +257,30 @@ TransportFactory = Callable[[Channel, NodeInfo, float], Transport]
 """Builds a client transport over an authenticated control channel."""
 
 
+class PinnedValues(NamedTuple):
+    """What a GET found (:meth:`NodeSession.pin_values`), in the shape its
+    answer is sent in.
+
+    ``lengths[i]`` and ``checksums[i]`` are key i's value length and checksum,
+    both 0 for a miss (no stored value is empty). ``offsets`` are the pool
+    offsets of the hits, in key order; ``nbytes`` is the sum of their lengths.
+    The hits' blocks stay pinned -- nothing evicts or reuses them -- until
+    ``unpin()`` is called, once: the caller sends their bytes in between.
+    """
+
+    lengths: list[int]
+    checksums: list[int]
+    offsets: npt.NDArray[np.uint64]
+    nbytes: int
+    unpin: Callable[[], None]
+
+    def hit_lengths(self) -> npt.NDArray[np.uint64]:
+        """The hits' lengths, in key order (``offsets``' partners)."""
+        lengths = np.fromiter(self.lengths, dtype=np.uint64, count=len(self.lengths))
+        hits: npt.NDArray[np.uint64] = lengths[lengths != 0]
+        return hits
+
+
 class NodeSession(Protocol):
     """What a node-side handler may use for one client connection."""
 
@@ -293,12 +317,9 @@ class NodeSession(Protocol):
         """Free this session's uncommitted extents of ``keys``."""
         ...
 
-    def pin_values(
-        self, keys: Sequence[bytes], digests: Sequence[bytes]
-    ) -> tuple[list[tuple[int, int, int] | None], Callable[[], None]]:
-        """Per key, ``(pool offset, length, checksum)`` of the value committed
-        under it with that digest, or None (a miss); the hits' blocks stay
-        pinned until the returned unpin() is called."""
+    def pin_values(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> PinnedValues:
+        """The values committed under ``keys`` with those digests (any other: a
+        miss), their blocks pinned until ``unpin()``."""
         ...
 
     def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:

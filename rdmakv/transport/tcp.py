@@ -906,33 +906,31 @@ class TcpNodeDataPath(NodeDataPath):
 
     def _get(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         keys, digests = decode_get(payload)
-        found, unpin = session.pin_values(keys, digests)
+        found = session.pin_values(keys, digests)
         try:
-            hits = [f for f in found if f is not None]
-            total = sum(n for _, n, _ in hits)
-            if total > MAX_BULK_BYTES:  # the answer would be over the frame limit
+            if found.nbytes > MAX_BULK_BYTES:  # the answer would be over the frame limit
                 raise LimitExceeded(
-                    f"GET of {len(keys)} keys finds {total} bytes, more than "
+                    f"GET of {len(keys)} keys finds {found.nbytes} bytes, more than "
                     f"{MAX_BULK_BYTES} in one answer"
                 )
-            answer = encode_get_answer(
-                [0 if f is None else f[1] for f in found],
-                [0 if f is None else f[2] for f in found],
-            )
+            answer = encode_get_answer(found.lengths, found.checksums)
             if not use_native:
                 buf = self.pool.buffer
-                session.reply(req, answer, [buf[o : o + n] for o, n, _ in hits])
+                session.reply(req, answer, [
+                    buf[o : o + n]
+                    for o, n in zip(found.offsets.tolist(), found.hit_lengths().tolist(),
+                                    strict=True)
+                ])
                 return
             # header, answer and the values in one system call: the client wakes once
             head = HEADER.pack(
-                req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), total, req.req_id
+                req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), found.nbytes, req.req_id
             ) + answer
-            values = _iov_at(self.pool.base_addr, _u64([o for o, _, _ in hits]),
-                             _u64([n for _, n, _ in hits]))
+            values = _iov_at(self.pool.base_addr, found.offsets, found.hit_lengths())
             # the pins keep the blocks; the pool stays mapped
             send_iov(session.channel.sock, _with_head(head, values))
         finally:
-            unpin()
+            found.unpin()
 
     def _put(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         items = decode_alloc(payload, "PUT")
