@@ -520,11 +520,13 @@ static void mark(int32_t *status, const uint32_t *first, uint32_t wr_lo, uint32_
  * Returns the number of failed ops (0: all done); status[i] says why op i
  * failed. Never waits past timeout_s (plus a bounded drain): on timeout the QP
  * is forced to ERROR so the device lets go of every posted WR before we
- * return, and the caller must reset/reconnect it. */
+ * return, and the caller must reset/reconnect it. A stall (stall_s without a
+ * completion while WRs are out, see rk_verbs.h) ends the run the same way,
+ * early, with RK_ST_STALLED for the ops in flight. */
 int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t rkey,
               const rk_op *ops, uint32_t n, int32_t *status, uint32_t sge_limit,
               uint32_t signal_every, uint64_t max_inflight_bytes, double timeout_s,
-              rk_stats *st) {
+              double stall_s, rk_stats *st) {
     memset(st, 0, sizeof(*st));
     if (n == 0) return 0;
     if (ensure_cap(q, n)) {
@@ -613,6 +615,8 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
     int32_t first_err = 0;
     uint32_t err_wr = 0;
     int timed_out = 0;
+    int32_t lost = RK_ST_TIMEOUT;   /* the status of WRs in flight when we give up */
+    double last_progress = now_s(); /* the last completion (or the start) */
     int marked_rest = 0;
     struct ibv_wc wc[CQ_POLL_BATCH];
     while (done < nwr) {
@@ -669,6 +673,7 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
         }
         if (got > 0) {
             st->polls++;
+            last_progress = now_s();
         } else if (got == 0) {
             /* Nothing completed: let other runnable threads have the CPU.
              * Free when nothing else wants it (a real NIC host); under
@@ -706,15 +711,24 @@ int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t
             if (now_s() > deadline + DRAIN_TIMEOUT_S) break;
             continue;
         }
-        if (got == 0 && now_s() > deadline) {
-            timed_out = 1;
-            break;
+        if (got == 0) {
+            double now = now_s();
+            if (now > deadline) {
+                timed_out = 1;
+                break;
+            }
+            if (stall_s > 0 && posted > done &&
+                now - last_progress > stall_s + (double)inflight / RK_STALL_FLOOR_BPS) {
+                timed_out = 1;
+                lost = RK_ST_STALLED;
+                break;
+            }
         }
     }
     if (timed_out) {
-        mark(status, q->wr_first_op, done, posted, RK_ST_TIMEOUT);
+        mark(status, q->wr_first_op, done, posted, lost);
         mark(status, q->wr_first_op, posted, nwr, RK_ST_NOT_POSTED);
-        if (!first_err) first_err = RK_ST_TIMEOUT;
+        if (!first_err) first_err = lost;
         rk_qp_force_error(q);
         /* Wait (bounded) for the flush of the last posted WR, so no WR still
          * references caller memory when we return. */

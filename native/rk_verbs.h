@@ -19,6 +19,7 @@
 #define RK_ST_NOT_POSTED 1002   /* op never reached the device (QP already failed) */
 #define RK_ST_POST_FAILED 1003  /* ibv_post_send refused the WR */
 #define RK_ST_FLUSHED 1004      /* flushed because an earlier WR on the QP failed */
+#define RK_ST_STALLED 1005      /* in flight while the QP gave no completion for stall_s */
 
 #define RK_OP_WRITE 0
 #define RK_OP_READ 1
@@ -117,8 +118,15 @@ int rk_qp_bind_mws(rk_qp *q, rk_mr *mr, rk_mw **mws, const uint64_t *addrs,
                    const uint64_t *lens, int access, uint32_t n, int32_t *status,
                    double timeout_s);
 
+/* stall_s > 0: when WRs are outstanding and the CQ yields nothing for
+ * stall_s seconds plus the time their bytes take at RK_STALL_FLOOR_BPS, the
+ * QP is taken for stalled (a device that keeps its own retry contract
+ * completes or fails every WR well within that): it is forced to ERROR and
+ * the ops in flight get RK_ST_STALLED, the rest RK_ST_NOT_POSTED, so that the
+ * caller can reset the QP and move them again. */
+#define RK_STALL_FLOOR_BPS 8000000  /* bytes/s; soft-RoCE in the CI VM moves ~60 MB/s per QP */
 int rk_qp_run(rk_qp *q, int opcode, uint64_t local_base, uint32_t lkey, uint32_t rkey,
               const rk_op *ops, uint32_t n, int32_t *status, uint32_t sge_limit,
               uint32_t signal_every, uint64_t max_inflight_bytes, double timeout_s,
-              rk_stats *stats);
+              double stall_s, rk_stats *stats);
 #endif

@@ -73,6 +73,7 @@ ST_TIMEOUT = 1001
 ST_NOT_POSTED = 1002
 ST_POST_FAILED = 1003
 ST_FLUSHED = 1004
+ST_STALLED = 1005
 ST_REMOTE_ACCESS = 10  # IBV_WC_REM_ACCESS_ERR: bad remote address or rkey
 ST_RETRY_EXCEEDED = 12  # IBV_WC_RETRY_EXC_ERR: peer unreachable or its QP gone
 QPS_RTS = 3  # enum ibv_qp_state: RESET=0, INIT, RTR, RTS, SQD, SQE, ERR=6
@@ -92,9 +93,10 @@ WC_STATUS_NAMES = {
     ST_NOT_POSTED: "not posted (QP had already failed)",
     ST_POST_FAILED: "ibv_post_send failed",
     ST_FLUSHED: "flushed after an earlier failure",
+    ST_STALLED: "in flight while the QP stalled (no completion for QP_STALL_S)",
 }
 # Statuses that say nothing about the op itself: it may be retried on a fresh QP.
-RETRYABLE = frozenset({ST_NOT_POSTED, ST_FLUSHED, ST_POST_FAILED, 5})
+RETRYABLE = frozenset({ST_NOT_POSTED, ST_FLUSHED, ST_POST_FAILED, ST_STALLED, 5})
 
 OP_WRITE = 0
 OP_READ = 1
@@ -131,6 +133,16 @@ def op_table(ops: Any) -> np.ndarray:
 # detected in well under a second with QP_RETRY_CNT retries.
 QP_TIMEOUT = 14
 QP_RETRY_CNT = 7
+QP_STALL_S = 2.0
+"""Seconds without any completion, while WRs are out, after which a QP counts
+as stalled (plus the time the outstanding bytes take at 8 MB/s,
+``RK_STALL_FLOOR_BPS``, so a big READ on a slow link is not one): its ops are
+given up (``ST_STALLED``, retryable on a reset QP) instead of waiting out the
+caller's whole timeout. A device that keeps its
+retry contract completes or fails a WR within (QP_RETRY_CNT + 1) transport
+timeouts, ~0.55 s here; soft-RoCE was seen to leave a READ batch without
+either for the bench's whole 120 s (2 of 2 full RDMA bench runs at 64 KiB
+with two streams, 2026-11-25)."""
 QP_RNR_RETRY = 7  # 7 = retry forever; one-sided traffic never sees RNR NAKs
 DEFAULT_MAX_WR = 1024  # send queue depth per QP (capped by the device's max_qp_wr)
 ENV_INFLIGHT = "RDMAKV_RDMA_INFLIGHT_BYTES"
@@ -752,12 +764,14 @@ class QueuePair:
         sge_limit: int = 0,
         signal_every: int = 0,
         max_inflight_bytes: int | None = None,
+        stall_s: float = QP_STALL_S,
     ) -> tuple[list[int], JobStats]:
         """Run one job of same-opcode ops; returns per-op status and stats.
 
         ``ops`` is a sequence of (local_offset, remote_addr, length). The call
-        releases the GIL and returns within ``timeout`` (plus a bounded drain);
-        a non-zero status means that op's bytes were not (all) moved.
+        releases the GIL and returns within ``timeout`` (plus a bounded drain),
+        or once the QP gave no completion for ``stall_s`` (0: never); a
+        non-zero status means that op's bytes were not (all) moved.
         """
         lib = _need_native()
         n = len(ops)
@@ -784,6 +798,7 @@ class QueuePair:
             signal_every,
             inflight,
             float(timeout),
+            float(stall_s),
             st,
         )
         status = list(_ffi.unpack(self._status_buf, n)) if n else []

@@ -4,6 +4,7 @@ on the same device, bytes verified end to end."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -341,6 +342,67 @@ def _misaim(
 
     monkeypatch.setattr(verbs.QueuePair, "run", run)
     return inj
+
+
+class _StallOnce:
+    """Fault injection: the real QP's first READ batch ends as the native loop
+    ends one on a stall (``test_verbs`` produces a real one): the QP forced
+    to ERROR and every op reported ``ST_STALLED``, its bytes zeroed as if the
+    device never delivered them. A device that stops completing cannot be
+    produced on demand against a live node (soft-RoCE once left a batch
+    without completions for 120 s)."""
+
+    def __init__(self) -> None:
+        self.real_run = verbs.QueuePair.run
+        self.stalled = 0
+        self.reads = 0
+
+    def run(self, qp: verbs.QueuePair, opcode: int, mr: verbs.MemoryRegion, rkey: int,
+            ops: object, timeout: float, **kw: int) -> tuple[list[int], verbs.JobStats]:
+        status, stats = self.real_run(qp, opcode, mr, rkey, ops, timeout, **kw)
+        if opcode != verbs.OP_READ:
+            return status, stats
+        self.reads += 1
+        if self.stalled:
+            return status, stats
+        table = np.asarray(ops, dtype=np.uint64)
+        view = np.frombuffer((ctypes.c_char * mr.length).from_address(mr.addr), np.uint8)
+        for local, _remote, length in table[:, :3].tolist():
+            view[local : local + length] = 0
+        qp.force_error()
+        self.stalled = len(table)
+        return [verbs.ST_STALLED] * len(table), dataclasses.replace(
+            stats, first_error=verbs.ST_STALLED, failed_ops=len(table)
+        )
+
+
+def test_a_stalled_read_batch_is_moved_again_on_a_reset_qp(
+    node: Node, slab: Slab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 64
+    src = slab.alloc_many(n)
+    dst = slab.alloc_many(n)
+    fill(slab, src)
+    keys = [b"st%d" % i for i in range(n)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.put(keys, src, BLOCK, digests(n)) == [True] * n
+        tp = rdma_of(c)
+        reconnects = tp.reconnects
+        inj = _StallOnce()
+
+        def run(
+            qp: verbs.QueuePair, *args: object, **kw: float
+        ) -> tuple[list[int], verbs.JobStats]:
+            return inj.run(qp, *args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(verbs.QueuePair, "run", run)
+        hits = c.get(keys, dst, digests(n))
+        assert inj.stalled == n and inj.reads == 2  # one stalled batch, then moved again
+        assert hits == [True] * n
+        assert tp.reconnects > reconnects  # on a reset QP
+        for i in range(n):
+            assert bytes(slab.view(dst[i])) == bytes(slab.view(src[i])), f"key {i}"
+        assert c.stats()["leases_active"] == 0
 
 
 def test_failed_read_ops_are_misses_for_exactly_those_keys(
