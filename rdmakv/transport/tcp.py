@@ -662,11 +662,10 @@ class TcpTransport(Transport):
             for start, end in batches:
                 for s in range(start, end, per_request):
                     e = min(end, s + per_request)
-                    if due and sum(st.answer_bytes for st in due) > REQUEST_BYTES_AHEAD:
-                        if frames is not None:
-                            frames.send(ch.sock)  # before any wait: see Channel.enqueue
-                        while due and sum(st.answer_bytes for st in due) > REQUEST_BYTES_AHEAD:
-                            due.pop(0).settle(ch, keys, out, refused)
+                    while due and sum(st.answer_bytes for st in due) > REQUEST_BYTES_AHEAD:
+                        if frames is not None:  # before any wait (Channel.enqueue);
+                            frames.send(ch.sock)  # a no-op once nothing is queued
+                        due.pop(0).settle(ch, keys, out, refused)
                     ks, ns = keys[s:e], sizes[s:e]
                     payload = encode_alloc(ks, ns, digests[s:e])
                     if frames is not None:

@@ -331,17 +331,30 @@ class _MisaimOneOp:
         return self.real_run(qp, opcode, mr, rkey, ops, timeout, **kw)
 
 
-def _misaim(
-    monkeypatch: pytest.MonkeyPatch, c: KVClient, opcode: int, index: int
-) -> _MisaimOneOp:
-    assert c.info is not None
-    inj = _MisaimOneOp(opcode, index, c.info.pool_base + c.info.pool_len)
+def _inject(monkeypatch: pytest.MonkeyPatch, inj: _MisaimOneOp | _StallOnce) -> None:
+    """Route every ``QueuePair.run`` through ``inj.run``, which calls the real one."""
 
     def run(qp: verbs.QueuePair, *args: object, **kw: int) -> tuple[list[int], verbs.JobStats]:
         return inj.run(qp, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(verbs.QueuePair, "run", run)
+
+
+def _misaim(
+    monkeypatch: pytest.MonkeyPatch, c: KVClient, opcode: int, index: int
+) -> _MisaimOneOp:
+    assert c.info is not None
+    inj = _MisaimOneOp(opcode, index, c.info.pool_base + c.info.pool_len)
+    _inject(monkeypatch, inj)
     return inj
+
+
+def _filled(slab: Slab, n: int, prefix: bytes) -> tuple[list[int], list[int], list[bytes]]:
+    """``n`` source blocks filled with bytes, ``n`` destination blocks, ``n`` keys."""
+    src = slab.alloc_many(n)
+    dst = slab.alloc_many(n)
+    fill(slab, src)
+    return src, dst, [b"%s%d" % (prefix, i) for i in range(n)]
 
 
 class _StallOnce:
@@ -380,22 +393,13 @@ def test_a_stalled_read_batch_is_moved_again_on_a_reset_qp(
     node: Node, slab: Slab, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     n = 64
-    src = slab.alloc_many(n)
-    dst = slab.alloc_many(n)
-    fill(slab, src)
-    keys = [b"st%d" % i for i in range(n)]
+    src, dst, keys = _filled(slab, n, b"st")
     with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
         assert c.put(keys, src, BLOCK, digests(n)) == [True] * n
         tp = rdma_of(c)
         reconnects = tp.reconnects
         inj = _StallOnce()
-
-        def run(
-            qp: verbs.QueuePair, *args: object, **kw: float
-        ) -> tuple[list[int], verbs.JobStats]:
-            return inj.run(qp, *args, **kw)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(verbs.QueuePair, "run", run)
+        _inject(monkeypatch, inj)
         hits = c.get(keys, dst, digests(n))
         assert inj.stalled == n and inj.reads == 2  # one stalled batch, then moved again
         assert hits == [True] * n
@@ -410,10 +414,7 @@ def test_failed_read_ops_are_misses_for_exactly_those_keys(
 ) -> None:
     n = 12
     bad = 5  # every key hits, so read op #5 of the (single) batch is key #5
-    src = slab.alloc_many(n)
-    dst = slab.alloc_many(n)
-    fill(slab, src)
-    keys = [b"g%d" % i for i in range(n)]
+    src, dst, keys = _filled(slab, n, b"g")
     with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
         assert c.put(keys, src, BLOCK, digests(n)) == [True] * n
         tp = rdma_of(c)
@@ -437,10 +438,7 @@ def test_failed_write_ops_are_false_and_aborted_for_exactly_those_keys(
 ) -> None:
     n = 12
     bad = 3  # every key is new, so write op #3 of the (single) batch is key #3
-    src = slab.alloc_many(n)
-    dst = slab.alloc_many(n)
-    fill(slab, src)
-    keys = [b"w%d" % i for i in range(n)]
+    src, dst, keys = _filled(slab, n, b"w")
     with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
         inj = _misaim(monkeypatch, c, verbs.OP_WRITE, bad)
         ok = c.put(keys, src, BLOCK, digests(n))
