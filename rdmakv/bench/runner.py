@@ -76,11 +76,12 @@ DEFAULT_REPEATS = 3
 LATENCY_BLOCK = 64 * KiB
 LATENCY_KEYS = (1, 16, 64)
 LATENCY_SAMPLES = 1000
-"""Samples per latency figure. A p99 over 200 samples is the second-largest one,
-so one stray wake-up moved it: on 2026-11-25 three runs of the same code read
-rdmakv's 64-key lookup p99 over the round trip's as 0.45x (a 0.30 ms round-trip
-sample), 2.17x and 1.46x; with 1000 samples (p99: the tenth-largest) 1.52x,
-1.91x and 1.74x. Runs before 2026-11-25 18:50 UTC took 200."""
+"""Samples per latency figure. The p99 of 200 samples lies between the second-
+and third-largest, so one or two stray wake-ups set it: on 2026-11-25 three runs
+of the same code read rdmakv's 64-key lookup p99 over the round trip's as 0.45x
+(a 0.30 ms round-trip sample), 2.17x and 1.46x; with 1000 samples (p99: between
+the tenth- and eleventh-largest) 1.52x, 1.91x and 1.74x. Runs before 2026-11-25
+18:50 UTC took 200."""
 QUICK_LATENCY_SAMPLES = 20
 CONC_BLOCK = 256 * KiB
 CONC_BATCH = 16
