@@ -138,11 +138,10 @@ QP_STALL_S = 2.0
 as stalled (plus the time the outstanding bytes take at 8 MB/s,
 ``RK_STALL_FLOOR_BPS``, so a big READ on a slow link is not one): its ops are
 given up (``ST_STALLED``, retryable on a reset QP) instead of waiting out the
-caller's whole timeout. A device that keeps its
-retry contract completes or fails a WR within (QP_RETRY_CNT + 1) transport
-timeouts, ~0.55 s here; soft-RoCE was seen to leave a READ batch without
-either for the bench's whole 120 s (2 of 2 full RDMA bench runs at 64 KiB
-with two streams, 2026-11-25)."""
+caller's whole timeout. A device that keeps its retry contract completes or
+fails a WR within (QP_RETRY_CNT + 1) transport timeouts, ~0.55 s here;
+soft-RoCE was seen to leave a READ batch without either for the bench's whole
+120 s (2 of 2 full RDMA bench runs at 64 KiB with two streams, 2026-11-25)."""
 QP_RNR_RETRY = 7  # 7 = retry forever; one-sided traffic never sees RNR NAKs
 DEFAULT_MAX_WR = 1024  # send queue depth per QP (capped by the device's max_qp_wr)
 ENV_INFLIGHT = "RDMAKV_RDMA_INFLIGHT_BYTES"
