@@ -60,18 +60,26 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
     ours = lat["systems"]["rdmakv"]
     for op in ("exists_1", "exists_16", "exists_64", "get_1"):
         assert 0 < ours[op]["p50_ms"] <= ours[op]["p99_ms"], op
+        # a round trip beside every sample, under the same load
+        trip = ours[op]["paired_round_trip"]
+        assert 0 < trip["p50_ms"] <= trip["p99_ms"], op
     assert "get_1" in lat["systems"]["socket_loop"]
     assert "exists_1" not in lat["systems"]["socket_loop"]  # no lookup there
     # Every placement measures the round trip and every system the same way.
     names = [p.name for p in placements()]
     assert lat["placement"] == names[0] and lat["cpus"]
-    assert "exists_64_p99_vs_round_trip_p99" in res["ratios"]["latency"]
+    lat_ratios = res["ratios"]["latency"]
+    assert lat_ratios["exists_64_p99_vs_paired_round_trip_p99"] == round(
+        ours["exists_64"]["p99_ms"] / ours["exists_64"]["paired_round_trip"]["p99_ms"], 3
+    )
+    assert "exists_64_p99_vs_round_trip_p99" in lat_ratios
     for name in names[1:]:
         part = lat[name]
         assert part["cpus"] and part["round_trip"]["p50_ms"] > 0
         assert part["systems"]["rdmakv"]["exists_64"]["p50_ms"] > 0
         assert "get_1" in part["systems"]["socket_loop"]
         assert "exists_64_p99_vs_round_trip_p99" in res["ratios"]["latency"][name]
+        assert "exists_64_p99_vs_paired_round_trip_p99" in res["ratios"]["latency"][name]
     conc = res["concurrency"]["systems"]
     assert set(conc) == {"rdmakv"}  # the socket loop is not a server clients share
     for n in ("1", "2"):
@@ -226,3 +234,13 @@ def test_round_trip_names_its_transport() -> None:
         assert rdma["kind"].startswith("rdma") and rdma["p50_ms"] > 0
     else:  # no device: the TCP round trip, saying why there is no RDMA one
         assert "no rdma round trip" in rdma["kind"] and rdma["p50_ms"] > 0
+
+
+def test_echo_peer_times_round_trips_until_closed() -> None:
+    from rdmakv.bench.drivers.socket_loop import EchoPeer
+
+    with EchoPeer() as echo:
+        trips = [echo.ping_ms() for _ in range(5)]
+        proc = echo._proc
+    assert all(t > 0 for t in trips)
+    assert proc.returncode == 0  # the child saw EOF and left by itself

@@ -315,19 +315,37 @@ def _seconds(drv: Driver, self_timed: bool, t0: float) -> float:
 # -- latency -----------------------------------------------------------------------------
 
 
-def _time_ms(fn: Callable[[], Any], samples: int) -> list[float]:
+def _time_ms(
+    fn: Callable[[], Any], samples: int, pair: Callable[[], float] | None = None
+) -> dict[str, Any]:
+    """p50/p99 of ``samples`` timed calls of ``fn``. With ``pair`` (a round trip
+    in ms), one round trip follows each call, and its p50/p99 sit beside the
+    call's as ``paired_round_trip``: both met the same machine weather."""
     fn()  # warm up (and surface errors before sampling)
-    out = []
+    out: list[float] = []
+    trips: list[float] = []
     for _ in range(samples):
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
-    return out
+        if pair is not None:
+            trips.append(pair())
+    res: dict[str, Any] = _pct(out)
+    if trips:
+        res["paired_round_trip"] = _pct(trips)
+    return res
 
 
 def latency_one(
     name: str, cfg: BenchConfig, samples: int, placement: Placement = UNPINNED
 ) -> dict[str, Any]:
+    """``name``'s lookup and 1-block-get latency, each sample followed by a TCP
+    round trip to an echo child placed like the servers (``paired_round_trip``):
+    the round trip measured once for the section drifts with the machine's load
+    between it and these samples (2026-11-25: the same code's lookups ran 45%
+    slower at p50 in one run than in the next)."""
+    from rdmakv.bench.drivers.socket_loop import EchoPeer
+
     blocks = max(LATENCY_KEYS)
     work = Workload(block_bytes=LATENCY_BLOCK, blocks=blocks, batch=blocks)
     src, dst = arena(LATENCY_BLOCK * blocks), arena(LATENCY_BLOCK * blocks)
@@ -338,9 +356,10 @@ def latency_one(
         if not getattr(drv, "moves_keys", True):
             return {"skipped": f"{name} moves no keys: nothing to look up or get"}
         drv.open(work, src, dst)
-        placement.pin_servers()
-        with placement.client():
-            return _latency_samples(name, drv, work, src, dst, samples)
+        with EchoPeer() as echo:
+            placement.pin_servers()  # the echo child too
+            with placement.client():
+                return _latency_samples(name, drv, work, src, dst, samples, echo.ping_ms)
     except Exception as e:
         return _err(e)
     finally:
@@ -348,7 +367,13 @@ def latency_one(
 
 
 def _latency_samples(
-    name: str, drv: Driver, work: Workload, src: Arena, dst: Arena, samples: int
+    name: str,
+    drv: Driver,
+    work: Workload,
+    src: Arena,
+    dst: Arena,
+    samples: int,
+    pair: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Store the workload's keys, then time lookups and a 1-block get (bytes checked)."""
     keys = work.keys(f"lat{name[:8]}")
@@ -364,8 +389,8 @@ def _latency_samples(
                 continue
             if list(got) != [True] * k:
                 raise RuntimeError(f"exists on {k} stored keys answered {list(got)[:8]}...")
-            res[f"exists_{k}"] = _pct(_time_ms(partial(drv.exists, sub), samples))
-    res["get_1"] = _pct(_time_ms(partial(drv.get, keys[:1]), samples))
+            res[f"exists_{k}"] = _time_ms(partial(drv.exists, sub), samples, pair)
+    res["get_1"] = _time_ms(partial(drv.get, keys[:1]), samples, pair)
     bad = wrong_bytes(src[:LATENCY_BLOCK], dst[:LATENCY_BLOCK])
     if bad:
         return {"error": f"{bad} wrong bytes of {LATENCY_BLOCK} in the 1-block get"}
@@ -648,11 +673,17 @@ def _latency_parts(latency: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _latency_ratios(part: dict[str, Any]) -> dict[str, Any]:
-    """rdmakv's 64-key lookup p99 over the round trip's p99, measured under one placement."""
+    """rdmakv's 64-key lookup p99 over the round trip's p99 under one placement:
+    over the round trips taken between its lookups, and over the section's."""
     rt = part.get("round_trip", {})
     ours_lat = part.get("systems", {}).get(OURS, {})
     big = f"exists_{max(LATENCY_KEYS)}"
     out: dict[str, Any] = {}
+    paired = ours_lat.get(big, {}).get("paired_round_trip", {})
+    if "p99_ms" in paired:  # the target's ratio: both sides under the same load
+        out[f"{big}_p99_vs_paired_round_trip_p99"] = round(
+            ours_lat[big]["p99_ms"] / paired["p99_ms"], 3
+        )
     if "p99_ms" in rt and "p99_ms" in ours_lat.get(big, {}):
         out[f"{big}_p99_vs_round_trip_p99"] = round(ours_lat[big]["p99_ms"] / rt["p99_ms"], 3)
         tcp = rt.get("tcp", {})

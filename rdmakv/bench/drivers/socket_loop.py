@@ -11,8 +11,8 @@ connections run (:mod:`rdmakv.transport.congestion`). The runner verifies the by
 that come back, so the loop really moved them out and back. The runner takes
 the best of at least :attr:`SocketLoopDriver.min_repeats` runs.
 
-There is no lookup: ``exists`` raises PeerUnavailable. :func:`tcp_ping_pong_ms`
-is the one-byte round trip the latency section compares lookups with.
+There is no lookup: ``exists`` raises PeerUnavailable. :class:`EchoPeer` is
+the one-byte round trip the latency section compares lookups with.
 
 ``python -m rdmakv.bench.drivers.socket_loop --peer PORT BLOCK COUNT`` and
 ``--echo PORT`` are the child processes.
@@ -46,6 +46,8 @@ Runs before 2026-11-25 10:05 UTC had no byte cap, a weaker ceiling."""
 ACCEPT_TIMEOUT_S = 60.0
 _HDR = struct.Struct("!cII")  # command, first block, block count
 ACK = b"k"
+ECHO_WARM_UP = 10
+"""Round trips an :class:`EchoPeer` makes before anyone times one."""
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -164,28 +166,52 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
     return proc, conn
 
 
+class EchoPeer:
+    """A child process that echoes one byte back: the bare TCP round trip.
+
+    Lives until :meth:`close`; each :meth:`ping_ms` is one round trip, so the
+    latency section can take one beside each lookup it times (both then meet
+    the same machine weather). ``on_spawned`` runs once the child is connected
+    (to place it, say)."""
+
+    def __init__(self, on_spawned: Callable[[], object] | None = None) -> None:
+        self._proc, self._sock = _spawn(["--echo"])
+        try:
+            if on_spawned is not None:
+                on_spawned()
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(ECHO_WARM_UP):
+                self.ping_ms()
+        except BaseException:
+            self.close()
+            raise
+
+    def ping_ms(self) -> float:
+        t0 = time.perf_counter()
+        self._sock.sendall(b"x")
+        if self._sock.recv(1) != b"x":
+            raise ConnectionError("echo child closed")
+        return (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        self._sock.close()  # the child sees EOF and exits
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> EchoPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def tcp_ping_pong_ms(samples: int, on_spawned: Callable[[], object] | None = None) -> list[float]:
-    """``samples`` one-byte TCP round trips to a child process, in milliseconds.
-    ``on_spawned`` runs once the child is connected (to place it, say)."""
-    proc, sock = _spawn(["--echo"])
-    if on_spawned is not None:
-        on_spawned()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out: list[float] = []
-    try:
-        for _ in range(10):  # warm up
-            sock.sendall(b"x")
-            sock.recv(1)
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            sock.sendall(b"x")
-            if sock.recv(1) != b"x":
-                raise ConnectionError("echo child closed")
-            out.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        sock.close()
-        proc.wait(10)
-    return out
+    """``samples`` one-byte TCP round trips to a child process, in milliseconds."""
+    with EchoPeer(on_spawned) as peer:
+        return [peer.ping_ms() for _ in range(samples)]
 
 
 # -- the driver -----------------------------------------------------------------------
