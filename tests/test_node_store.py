@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import Entry, Index
+from rdmakv.node.index import NO_BLOCK, Entry, Index
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
 from rdmakv.protocol import AllocStatus
 from rdmakv.slab import Slab
@@ -43,29 +44,54 @@ def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
     return store.commit(session, [key], [0]) == [True]
 
 
+def _index_of(*keys: bytes) -> Index:
+    """An index with ``keys`` committed in order, key i in block i, value length i + 1."""
+    idx = Index(8)
+    for block, k in enumerate(keys):
+        idx.commit(Entry(k, block, block + 1, D, owner=1), 100 + block)
+    return idx
+
+
 def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order() -> None:
-    idx = Index()
-    for block, k in enumerate((b"a", b"b", b"c")):
-        idx.pending_map[k] = Entry(k, block, 1, D, 0, owner=1)
-        idx.commit(k)
+    idx = _index_of(b"a", b"b", b"c")
     found = idx.touch_all([b"b", b"zz", b"a", b"b"])
-    assert [None if e is None else e.key for e in found] == [b"b", None, b"a", b"b"]
-    assert [e.key for e in idx.oldest_first()] == [b"c", b"a", b"b"]  # the last touch wins
+    assert found == [1, NO_BLOCK, 0, 1]
+    assert [k for k, _ in idx.oldest_first()] == [b"c", b"a", b"b"]  # the last touch wins
     assert idx.touch_all([]) == []
 
 
-def test_touch_matching_finds_keys_stored_with_the_digest_and_makes_only_those_recent() -> None:
-    idx = Index()
+def test_rows_hold_each_committed_value_and_a_miss_reads_as_zeros() -> None:
+    idx = _index_of(b"a", b"b", b"c")
     other = bytes(range(16))
-    for block, k in enumerate((b"a", b"b", b"c")):
-        idx.pending_map[k] = Entry(k, block, 1, D, 0, owner=1)
-        idx.commit(k)
+    idx.commit(Entry(b"d", 5, 4000, other, owner=2), 7)
+    assert idx.lengths([5, 1, NO_BLOCK]) == [4000, 2, 0]
+    assert idx.checksums([5, 1, NO_BLOCK]) == [7, 101, 0]
+    assert idx.digests([5, 1]) == [other, D]
+    assert idx.committed_bytes == 1 + 2 + 3 + 4000
+    assert idx.remove(b"d") == 5 and idx.remove(b"d") is None
+    assert idx.committed_bytes == 6 and len(idx) == 3
+    assert idx.touch_all([b"d"]) == [NO_BLOCK]
+
+
+def test_touch_matching_finds_keys_stored_with_the_digest_and_makes_only_those_recent() -> None:
+    idx = _index_of(b"a", b"b", b"c")
+    other = bytes(range(16))
     found = idx.touch_matching([b"a", b"b", b"zz", b"a"], [other, D, D, D])
-    assert [None if e is None else e.key for e in found] == [None, b"b", None, b"a"]
+    assert found == [NO_BLOCK, 1, NO_BLOCK, 0]
     # a's first naming had another digest (a miss: no touch); c was never a hit
-    assert [e.key for e in idx.oldest_first()] == [b"c", b"b", b"a"]
+    assert [k for k, _ in idx.oldest_first()] == [b"c", b"b", b"a"]
     with pytest.raises(ValueError):
         idx.touch_matching([b"a"], [])
+    # an unknown key never matches the miss row's empty digest
+    assert idx.touch_matching([b"zz", b"a"], [b"", D[:8]]) == [NO_BLOCK, NO_BLOCK]
+
+
+def test_the_index_keeps_no_object_per_committed_key_for_the_collector() -> None:
+    idx = _index_of(*(bytes([i]) * 16 for i in range(8)))
+    gc.collect()
+    tracked = {id(o) for o in gc.get_objects()}
+    # keys and blocks are bytes and ints: nothing a full collection must walk
+    assert not any(id(k) in tracked or id(b) in tracked for k, b in idx.oldest_first())
 
 
 def test_alloc_statuses(pool: Slab) -> None:
@@ -159,7 +185,7 @@ def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> 
     found = s.pin_values([b"a", b"a", b"p", b"zz"], [D, other, D, D])
     assert (found.lengths, found.checksums) == ([100, 0, 0, 0], [77, 0, 0, 0])
     assert found.offsets.tolist() == [res.extent.addr - pool.base_addr]
-    assert found.hit_lengths().tolist() == [100]
+    assert found.hit_lengths.tolist() == [100]
     assert found.nbytes == 100
     stats = s.stats()
     assert (stats["hits"], stats["misses"], stats["bytes_read"]) == (1, 3, 100)
@@ -283,11 +309,11 @@ class StoreMachine(RuleBasedStateMachine):
     )
     def alloc(self, session: int, keys: list[bytes], commit: bool) -> None:
         index = self.store._index
-        before = {k: e.block for k in KEYS if (e := index.get(k)) is not None}
+        before = {k: b for k in KEYS if (b := index.committed_map.get(k)) is not None}
         res = self.store.alloc(session, [(k, 100, D) for k in keys])
         leased = {blk for (_, _, blk) in self.leases.values()}
         for k, blk in before.items():
-            if index.get(k) is None:  # evicted by this alloc
+            if k not in index.committed_map:  # evicted by this alloc
                 assert blk not in leased, f"evicted {k!r} while its block {blk} was leased"
         ok = [k for k, r in zip(keys, res, strict=True) if r.status == AllocStatus.OK]
         if commit:
@@ -327,8 +353,9 @@ class StoreMachine(RuleBasedStateMachine):
         """Each block's references = its entry (committed or pending) + its leases."""
         index = self.store._index
         expected: dict[int, int] = {}
-        for e in [*index._lru.values(), *index._pending.values()]:
-            expected[e.block] = expected.get(e.block, 0) + 1
+        blocks = [*index.committed_map.values(), *(e.block for e in index.pending_map.values())]
+        for block in blocks:
+            expected[block] = expected.get(block, 0) + 1
         for _, _, blk in self.leases.values():
             expected[blk] = expected.get(blk, 0) + 1
         pool = self.pool

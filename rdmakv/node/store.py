@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import NO_CHECKSUM, Entry, Index
+from rdmakv.node.index import NO_BLOCK, Entry, Index
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.protocol import (
     EXTENT_DTYPE,
@@ -125,7 +125,7 @@ class KVStore:
         self._guard = guard  # told of every extent handed to / taken from a session
         self._clock = clock
         self._lock = threading.Lock()
-        self._index = Index()
+        self._index = Index(pool.num_blocks)
         self._leases = LeaseTable()
         self._pending_by_session: dict[int, dict[int, Entry]] = {}  # session -> block -> entry
         self.counters = Counters()
@@ -151,10 +151,10 @@ class KVStore:
             self._guard.revoke(session, [self._base + e.block * self.block_size], write=True)
 
     def _evict_one(self) -> bool:
-        for e in self._index.oldest_first():
-            if self.pool.refcount(e.block) == 1:  # only the index holds it
-                self._index.remove(e.key)
-                self.pool.decref(e.block)
+        for key, block in self._index.oldest_first():
+            if self.pool.refcount(block) == 1:  # only the index holds it
+                self._index.remove(key)
+                self.pool.decref(block)
                 self.counters.evictions += 1
                 return True
         return False
@@ -198,7 +198,7 @@ class KVStore:
                     status(AllocStatus.NO_SPACE)
                     entry(None)
                     continue
-                e = Entry(key, block, size, digest, NO_CHECKSUM, session)
+                e = Entry(key, block, size, digest, session)
                 pending[key] = mine[block] = e
                 status(ok)
                 entry(e)
@@ -297,10 +297,9 @@ class KVStore:
                 if e is None or e.owner != session or (require_written and not e.written):
                     flag(False)
                     continue
+                del pending[key], mine[e.block]  # a repeat of the key in this batch: False
                 revoked.append(e.block)
-                del mine[e.block]
-                e.checksum = checksum
-                commit(key)
+                commit(e, checksum)
                 if not e.written:
                     one_sided += e.length
                 flag(True)
@@ -309,7 +308,7 @@ class KVStore:
                 # these entries before their write grants are gone
                 base, bs = self._base, self.block_size
                 self._guard.revoke(session, [base + b * bs for b in revoked], write=True)
-            self.counters.commits += out.count(True)
+            self.counters.commits += len(revoked)
             self.counters.bytes_committed_one_sided += one_sided
         return out
 
@@ -342,14 +341,18 @@ class KVStore:
         with self._lock:
             self._expire()
             base, bs, rkey = self._base, self.block_size, self.rkey
-            for e in self._index.touch_all(keys):
-                if e is None:
+            index = self._index
+            blocks = index.touch_all(keys)
+            rows = zip(blocks, index.lengths(blocks), index.digests(blocks),
+                       index.checksums(blocks), strict=True)
+            for block, length, digest, checksum in rows:
+                if block == NO_BLOCK:
                     found.append(None)
                     continue
-                addr = base + e.block * bs
-                found.append((Extent(addr, e.length, rkey), e.digest, e.checksum))
+                addr = base + block * bs
+                found.append((Extent(addr, length, rkey), digest, checksum))
                 if lease:
-                    extents.append((e.block, addr, e.length))
+                    extents.append((block, addr, length))
             lease_id = 0
             if extents:
                 now = self._clock()
@@ -370,7 +373,7 @@ class KVStore:
                         else (Extent(f[0].addr, f[0].length, next(rkeys)), f[1], f[2])
                         for f in found
                     ]
-            hits = len(extents) if lease else sum(f is not None for f in found)
+            hits = len(keys) - blocks.count(NO_BLOCK)
             self.counters.lookups += len(keys)
             self.counters.hits += hits
             self.counters.misses += len(keys) - hits
@@ -428,11 +431,11 @@ class KVStore:
         with self._lock:
             remove, decref = self._index.remove, self.pool.decref
             for key in keys:
-                e = remove(key)
-                if e is None:
+                block = remove(key)
+                if block is None:
                     flag(False)
                     continue
-                decref(e.block)
+                decref(block)
                 flag(True)
             self.counters.deletes += out.count(True)
         return out
@@ -443,7 +446,7 @@ class KVStore:
         counts hit tokens, its worker loads them a step later), so those blocks
         must not be the next eviction victims."""
         with self._lock:
-            return [e is not None for e in self._index.touch_all(keys)]
+            return [block != NO_BLOCK for block in self._index.touch_all(keys)]
 
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
@@ -557,35 +560,29 @@ class KVStore:
         unpin() -- the caller sends their bytes in between. No lease: the pin
         never outlives the request.
         """
-        # The answer's columns, built as the entries are found: a GET's per-key
-        # Python is in series with the send of its values, which limits it.
-        lengths: list[int] = []
-        checksums: list[int] = []
-        blocks: list[int] = []
-        length, checksum, block = lengths.append, checksums.append, blocks.append
+        # A GET's per-key Python is in series with the send of its values,
+        # which limits it: C-level passes where they do.
+        index = self._index
         with self._lock:
-            for e in self._index.touch_matching(keys, digests):
-                if e is None:
-                    length(0)
-                    checksum(0)
-                    continue
-                block(e.block)
-                length(e.length)
-                checksum(e.checksum)
-            self.pool.incref_many(blocks)  # index entries: live blocks
-            nbytes = sum(lengths)
+            blocks = index.touch_matching(keys, digests)
+            hits = list(filter(NO_BLOCK.__ne__, blocks))
+            self.pool.incref_many(hits)  # index entries: live blocks
+            hit_lengths = index.lengths(hits)
+            lengths, checksums = index.lengths(blocks), index.checksums(blocks)
+            nbytes = sum(hit_lengths)
             c = self.counters
             c.lookups += len(keys)
-            c.hits += len(blocks)
-            c.misses += len(keys) - len(blocks)
+            c.hits += len(hits)
+            c.misses += len(keys) - len(hits)
             c.bytes_read += nbytes
 
         def unpin() -> None:
             with self._lock:
-                self.pool.decref_many(blocks)
+                self.pool.decref_many(hits)
 
-        offsets = np.array(blocks, dtype=np.uint64) * np.uint64(self.block_size)
-        return PinnedValues(lengths, checksums, offsets, nbytes, unpin)
+        offsets = np.array(hits, dtype=np.uint64) * np.uint64(self.block_size)
+        return PinnedValues(lengths, checksums, offsets, np.array(hit_lengths, dtype=np.uint64),
+                            nbytes, unpin)
 
     # -- introspection ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -262,23 +262,19 @@ class PinnedValues(NamedTuple):
     answer is sent in.
 
     ``lengths[i]`` and ``checksums[i]`` are key i's value length and checksum,
-    both 0 for a miss (no stored value is empty). ``offsets`` are the pool
-    offsets of the hits, in key order; ``nbytes`` is the sum of their lengths.
-    The hits' blocks stay pinned -- nothing evicts or reuses them -- until
-    ``unpin()`` is called, once: the caller sends their bytes in between.
+    both 0 for a miss (no stored value is empty). ``offsets`` and
+    ``hit_lengths`` are the pool offsets and lengths of the hits, in key order;
+    ``nbytes`` is the sum of their lengths. The hits' blocks stay pinned --
+    nothing evicts or reuses them -- until ``unpin()`` is called, once: the
+    caller sends their bytes in between.
     """
 
     lengths: list[int]
     checksums: list[int]
     offsets: npt.NDArray[np.uint64]
+    hit_lengths: npt.NDArray[np.uint64]
     nbytes: int
     unpin: Callable[[], None]
-
-    def hit_lengths(self) -> npt.NDArray[np.uint64]:
-        """The hits' lengths, in key order (``offsets``' partners)."""
-        lengths = np.fromiter(self.lengths, dtype=np.uint64, count=len(self.lengths))
-        hits: npt.NDArray[np.uint64] = lengths[lengths != 0]
-        return hits
 
 
 class NodeSession(Protocol):

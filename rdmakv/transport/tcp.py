@@ -917,7 +917,7 @@ class TcpNodeDataPath(NodeDataPath):
                 buf = self.pool.buffer
                 session.reply(req, answer, [
                     buf[o : o + n]
-                    for o, n in zip(found.offsets.tolist(), found.hit_lengths().tolist(),
+                    for o, n in zip(found.offsets.tolist(), found.hit_lengths.tolist(),
                                     strict=True)
                 ])
                 return
@@ -925,7 +925,7 @@ class TcpNodeDataPath(NodeDataPath):
             head = HEADER.pack(
                 req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), found.nbytes, req.req_id
             ) + answer
-            values = _iov_at(self.pool.base_addr, found.offsets, found.hit_lengths())
+            values = _iov_at(self.pool.base_addr, found.offsets, found.hit_lengths)
             # the pins keep the blocks; the pool stays mapped
             send_iov(session.channel.sock, _with_head(head, values))
         finally:
