@@ -8,8 +8,9 @@ indexed by block), written at commit.
 Why no object per committed key: bytes and ints are not tracked by Python's
 cyclic garbage collector, an object per key is. With an ``Entry`` per key a
 full collection walked every entry while each session of the node waited:
-at 190k keys under churn, 4 full collections in 400k puts, the longest 50 ms
-(70 ms at 500k keys).
+at 190k keys under churn, 4 full collections in 400k puts, the longest 40-50
+ms (70 ms at 500k keys). ``rdmakv serve`` freezes its start-up heap, this
+index's dict among it, so the collector does not walk the dict either.
 
 Each column has one row more than the pool has blocks, the last, all zeros:
 a miss is :data:`NO_BLOCK` (-1), so reading a batch's rows with one C-level
