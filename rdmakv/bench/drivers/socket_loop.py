@@ -44,6 +44,8 @@ most. Each call's bytes are still in the CPU cache when the kernel copies them
 on. It is also the window of every call of rdmakv's native loop (``RK_TCP_WINDOW``).
 Runs before 2026-11-25 10:05 UTC had no byte cap, a weaker ceiling."""
 ACCEPT_TIMEOUT_S = 60.0
+REAP_TIMEOUT_S = 10.0
+"""How long a child told to leave may take before it is killed."""
 _HDR = struct.Struct("!cII")  # command, first block, block count
 ACK = b"k"
 ECHO_WARM_UP = 10
@@ -166,6 +168,16 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
     return proc, conn
 
 
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a child told to leave (its connection closed or sent "Q");
+    kill it if it has not within :data:`REAP_TIMEOUT_S`."""
+    try:
+        proc.wait(REAP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class EchoPeer:
     """A child process that echoes one byte back: the bare TCP round trip.
 
@@ -195,11 +207,7 @@ class EchoPeer:
 
     def close(self) -> None:
         self._sock.close()  # the child sees EOF and exits
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        _reap(self._proc)
 
     def __enter__(self) -> EchoPeer:
         return self
@@ -282,11 +290,7 @@ class SocketLoopDriver:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            _reap(self._proc)
             self._proc = None
 
 
