@@ -207,8 +207,9 @@ class ClientConfig(_Section):
         default=1,
         ge=1,
         le=MAX_STREAMS,
-        description="connections to one node; a batch of >= 64 KiB values and >= 4 MiB is "
-        "split across them (more bandwidth where one stream is CPU-bound)",
+        description="connections to one node; a batch of >= 64 KiB values (>= 16 KiB when "
+        "every connection is RDMA) and >= 4 MiB is split across them (more bandwidth where "
+        "one stream is CPU-bound)",
     )
     transport: Transport = Field(
         default="auto", description="`auto`: RDMA when a usable device exists, else TCP"

@@ -17,7 +17,13 @@ from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
 from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
-from rdmakv.streams import MAX_STREAMS, MIN_SPLIT_BATCH_BYTES, MultiStreamClient
+from rdmakv.streams import (
+    MAX_STREAMS,
+    MIN_SPLIT_BATCH_BYTES,
+    MIN_SPLIT_VALUE_BYTES,
+    MIN_SPLIT_VALUE_BYTES_RDMA,
+    MultiStreamClient,
+)
 
 BIG = MIN_SPLIT_BATCH_BYTES // BLOCK + 36  # enough 64 KiB blocks to be split
 
@@ -55,6 +61,27 @@ def test_small_batches_use_one_connection(node: NodeProcess, client_slab: Slab) 
         assert c.delete(keys[:3]) == [True] * 3
         assert c.exists(keys) == [False] * 3 + [True] * 5
     assert [bytes(client_slab.view(h)) for h in dst] == [bytes(client_slab.view(h)) for h in src]
+
+
+def test_over_tcp_a_big_batch_of_small_values_uses_one_connection(
+    node_factory: Callable[..., NodeProcess],
+) -> None:
+    # 16 KiB values, > 4 MiB in all: split over RDMA, but not over TCP, where
+    # two threads' per-key Python (and the bytes they move) contend for the GIL
+    value = MIN_SPLIT_VALUE_BYTES_RDMA
+    assert value < MIN_SPLIT_VALUE_BYTES
+    n = MIN_SPLIT_BATCH_BYTES // value + 8
+    node = node_factory(block_size=str(value), pool_size=str(2 * n * value))
+    with Slab(2 * n * value, value, lock=False) as slab:
+        src, dst = slab.alloc_many(n), slab.alloc_many(n)
+        digests = fill(slab, src, seed=7)
+        keys = keys_for("small-values", n)
+        with MultiStreamClient(*node.address, slab, streams=2) as c:
+            assert c.min_split_value == MIN_SPLIT_VALUE_BYTES
+            assert c.put(keys, src, value, digests) == [True] * n
+            assert c.get(keys, dst, digests) == [True] * n
+            assert c.split_batches == 0
+        assert [bytes(slab.view(h)) for h in dst] == [bytes(slab.view(h)) for h in src]
 
 
 def test_one_stream_is_one_kvclient(node: NodeProcess, client_slab: Slab) -> None:

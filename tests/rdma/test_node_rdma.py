@@ -19,7 +19,12 @@ import pytest
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
 from rdmakv.slab import Slab
-from rdmakv.streams import MIN_SPLIT_BATCH_BYTES, MIN_SPLIT_VALUE_BYTES, MultiStreamClient
+from rdmakv.streams import (
+    MIN_SPLIT_BATCH_BYTES,
+    MIN_SPLIT_VALUE_BYTES,
+    MIN_SPLIT_VALUE_BYTES_RDMA,
+    MultiStreamClient,
+)
 from rdmakv.transport import verbs
 from rdmakv.transport.base import IoOp
 from rdmakv.transport.rdma import RdmaOpsFailed, RdmaTransport
@@ -148,8 +153,9 @@ def test_two_slabs_over_one_buffer_share_one_registration(node: Node) -> None:
         assert ca.get(keys[:4], range(16, 20), digests(4)) == [True] * 4  # b closed: a goes on
 
 
-def test_multi_stream_client_splits_a_big_batch_over_two_queue_pairs() -> None:
-    block = MIN_SPLIT_VALUE_BYTES
+@pytest.mark.parametrize("block", [MIN_SPLIT_VALUE_BYTES_RDMA, MIN_SPLIT_VALUE_BYTES])
+def test_multi_stream_client_splits_a_big_batch_over_two_queue_pairs(block: int) -> None:
+    # over RDMA from the smaller floor: 16 KiB values split, unlike over TCP
     n = MIN_SPLIT_BATCH_BYTES // block
     node = Node(block=block, pool=(n + 16) * block)
     slab = Slab(2 * n * block, block)
@@ -162,6 +168,7 @@ def test_multi_stream_client_splits_a_big_batch_over_two_queue_pairs() -> None:
             "127.0.0.1", node.port, slab, streams=2, transport="rdma", timeout=CLIENT_TIMEOUT
         ) as c:
             assert c.transport_name == "rdma"
+            assert c.min_split_value == MIN_SPLIT_VALUE_BYTES_RDMA
             qps = {id(rdma_of(k).qp) for k in c.clients}
             assert len(qps) == 2  # one queue pair per connection
             assert c.put(keys, src, block, digests(n)) == [True] * n
