@@ -18,6 +18,7 @@ import pytest
 
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
+from rdmakv.protocol import AllocStatus, Op, decode_extent_table, encode_alloc
 from rdmakv.slab import Slab
 from rdmakv.streams import (
     MIN_SPLIT_BATCH_BYTES,
@@ -26,7 +27,7 @@ from rdmakv.streams import (
     MultiStreamClient,
 )
 from rdmakv.transport import verbs
-from rdmakv.transport.base import IoOp
+from rdmakv.transport.base import IoOp, make_op_table
 from rdmakv.transport.rdma import RdmaOpsFailed, RdmaTransport
 
 pytestmark = pytest.mark.timeout(180)
@@ -301,9 +302,18 @@ def test_batch_past_its_deadline_times_out_then_recovers(node: Node, slab: Slab)
     with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
         assert c.info is not None
         tp = rdma_of(c)
-        ops = [
-            IoOp(slab.offset(h), c.info.pool_base + i * BLOCK, BLOCK) for i, h in enumerate(src)
-        ]
+        # Extents the node really granted this session (ALLOC over the client's
+        # own channel, keys the put below does not use): with per-extent memory
+        # windows any other address is refused by the device, and a refusal
+        # could complete before a 1 us deadline is checked.
+        assert c._ch is not None
+        spare = [b"t%d" % i for i in range(NBLOCKS)]
+        _, answer = c._ch.call(
+            Op.ALLOC, encode_alloc(spare, [BLOCK] * NBLOCKS, digests(NBLOCKS, salt=7)), "ALLOC"
+        )
+        ext = decode_extent_table(answer, NBLOCKS)
+        assert (ext["status"] == AllocStatus.OK).all()
+        ops = make_op_table([slab.offset(h) for h in src], ext["addr"], ext["length"], ext["rkey"])
         # A deadline far shorter than moving 1.5 MiB takes: a real timeout.
         with pytest.raises(TransportTimeout):
             tp.write(ops, 1e-6).result()
