@@ -302,12 +302,11 @@ def test_batch_past_its_deadline_times_out_then_recovers(node: Node, slab: Slab)
     with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
         tp = rdma_of(c)
         # Extents the node really granted this session (ALLOC over the client's
-        # own channel, keys the put below does not use): with per-extent memory
-        # windows any other address is refused by the device, and a refusal
-        # could complete before a 1 us deadline is checked.
-        assert c._ch is not None
+        # own connection, keys the put below does not use): with per-extent
+        # memory windows any other address is refused by the device, and a
+        # refusal could complete before a 1 us deadline is checked.
         spare = [b"t%d" % i for i in range(NBLOCKS)]
-        _, answer = c._ch.call(
+        answer = c._call(
             Op.ALLOC, encode_alloc(spare, [BLOCK] * NBLOCKS, digests(NBLOCKS, salt=7)), "ALLOC"
         )
         ext = decode_extent_table(answer, NBLOCKS)
