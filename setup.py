@@ -1,12 +1,15 @@
-"""Build hook: the optional native RDMA core (``rdmakv._native_verbs``) and
-the native TCP loop (``rdmakv._native_tcp``, plain libc, built on every host).
+"""Build hook: the optional native RDMA core (``rdmakv._native_verbs``), the
+native TCP loop (``rdmakv._native_tcp``) and the node's native index
+(``rdmakv._native_index``); the last two need plain libc only and are built on
+every host.
 
 All metadata lives in pyproject.toml. The RDMA cffi module is built only when
 the libibverbs development headers are present (``apt-get install
 libibverbs-dev``) and ``RDMAKV_NO_NATIVE`` is unset; otherwise rdmakv installs
 TCP-only, and ``rdmakv doctor`` / the ``auto`` transport say why RDMA is
-unavailable. The TCP loop needs only a C compiler; without it (or with
-``RDMAKV_NO_NATIVE``) tcp moves bytes in Python. A failing native compile is
+unavailable. The TCP loop and the index need only a C compiler; without it
+(or with ``RDMAKV_NO_NATIVE``) tcp moves bytes in Python and the node keeps
+its keys in a Python index. A failing native compile is
 reported and skipped, never fatal.
 """
 
@@ -46,8 +49,8 @@ class OptionalBuildExt(build_ext):
 
 
 kwargs: dict[str, object] = {"cmdclass": {"build_ext": OptionalBuildExt}}
-# The native TCP loop needs only libc: built on every host (else tcp runs in Python).
-cffi_modules = ["native/build.py:tcp_ffibuilder"]
+# The native TCP loop and index need only libc: built on every host (else Python).
+cffi_modules = ["native/build.py:tcp_ffibuilder", "native/build.py:index_ffibuilder"]
 if os.environ.get("RDMAKV_NO_NATIVE"):
     print("rdmakv: RDMAKV_NO_NATIVE set: no native modules (TCP-only)", file=sys.stderr)
     cffi_modules = []

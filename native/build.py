@@ -4,6 +4,9 @@
   loop): plain libc only, built on every host (with or without libibverbs); if
   it cannot be built, :mod:`rdmakv.transport.tcp` falls back to its
   pure-Python socket loop.
+* ``index_ffibuilder`` -> ``rdmakv._native_index`` (the node's committed-key
+  index): plain libc only, built on every host; without it the node keeps its
+  keys in :class:`rdmakv.node.index.Index` (Python).
 * ``verbs_ffibuilder`` -> ``rdmakv._native_verbs`` (the RDMA hot loop): built
   only when the libibverbs headers are present; without them the package
   installs TCP-only and :mod:`rdmakv.transport.verbs` reports why RDMA is
@@ -57,8 +60,10 @@ def _builder(module: str, stem: str, libraries: Sequence[str] = ()) -> FFI:
 
 
 tcp_ffibuilder = _builder("_native_tcp", "rk_tcp")
+index_ffibuilder = _builder("_native_index", "rk_index")
 verbs_ffibuilder = _builder("_native_verbs", "rk_verbs", libraries=["ibverbs"])
 
 if __name__ == "__main__":
     tcp_ffibuilder.compile(verbose=True)
+    index_ffibuilder.compile(verbose=True)
     verbs_ffibuilder.compile(verbose=True)

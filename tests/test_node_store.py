@@ -6,12 +6,14 @@ import gc
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import NO_BLOCK, Entry, Index
+from rdmakv.node import native_index
+from rdmakv.node.index import NO_BLOCK, Entry, Index, IndexBase
+from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
 from rdmakv.protocol import AllocStatus
 from rdmakv.slab import Slab
@@ -44,54 +46,150 @@ def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
     return store.commit(session, [key], [0]) == [True]
 
 
-def _index_of(*keys: bytes) -> Index:
+needs_native = pytest.mark.skipif(
+    native_index.NATIVE_ERROR is not None, reason=str(native_index.NATIVE_ERROR)
+)
+INDEXES = [pytest.param(Index, id="python"), pytest.param(NativeIndex, id="native",
+                                                          marks=needs_native)]
+
+
+def _index_of(kind: type[IndexBase], *keys: bytes) -> IndexBase:
     """An index with ``keys`` committed in order, key i in block i, value length i + 1."""
-    idx = Index(8)
-    for block, k in enumerate(keys):
-        idx.commit(Entry(k, block, block + 1, D, owner=1), 100 + block)
+    idx = kind(8)
+    idx.commit([Entry(k, block, block + 1, D, owner=1) for block, k in enumerate(keys)],
+               [100 + block for block in range(len(keys))])
     return idx
 
 
-def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order() -> None:
-    idx = _index_of(b"a", b"b", b"c")
+def _lru_keys(idx: IndexBase) -> list[bytes]:
+    return [k for k, _ in idx.items()]
+
+
+@pytest.mark.parametrize("kind", INDEXES)
+def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order(
+    kind: type[IndexBase],
+) -> None:
+    idx = _index_of(kind, b"a", b"b", b"c")
     found = idx.touch_all([b"b", b"zz", b"a", b"b"])
     assert found == [1, NO_BLOCK, 0, 1]
-    assert [k for k, _ in idx.oldest_first()] == [b"c", b"a", b"b"]  # the last touch wins
+    assert _lru_keys(idx) == [b"c", b"a", b"b"]  # the last touch wins
+    assert list(idx.oldest_blocks()) == [2, 0, 1]
     assert idx.touch_all([]) == []
+    assert idx.present([b"c", b"zz", b""]) == [True, False, False]
+    assert _lru_keys(idx) == [b"c", b"a", b"b"]  # present() touches nothing
 
 
-def test_rows_hold_each_committed_value_and_a_miss_reads_as_zeros() -> None:
-    idx = _index_of(b"a", b"b", b"c")
+@pytest.mark.parametrize("kind", INDEXES)
+def test_rows_hold_each_committed_value_and_a_miss_reads_as_zeros(kind: type[IndexBase]) -> None:
+    idx = _index_of(kind, b"a", b"b", b"c")
     other = bytes(range(16))
-    idx.commit(Entry(b"d", 5, 4000, other, owner=2), 7)
+    idx.commit([Entry(b"d", 5, 4000, other, owner=2)], [7])
     assert idx.lengths([5, 1, NO_BLOCK]) == [4000, 2, 0]
     assert idx.checksums([5, 1, NO_BLOCK]) == [7, 101, 0]
     assert idx.digests([5, 1]) == [other, D]
     assert idx.committed_bytes == 1 + 2 + 3 + 4000
-    assert idx.remove(b"d") == 5 and idx.remove(b"d") is None
+    assert idx.remove([b"d", b"d", b"zz"]) == [5, NO_BLOCK, NO_BLOCK]
     assert idx.committed_bytes == 6 and len(idx) == 3
     assert idx.touch_all([b"d"]) == [NO_BLOCK]
+    idx.remove_block(1)
+    assert _lru_keys(idx) == [b"a", b"c"] and idx.committed_bytes == 4
+    assert idx.touch_all([b"b"]) == [NO_BLOCK]
 
 
-def test_touch_matching_finds_keys_stored_with_the_digest_and_makes_only_those_recent() -> None:
-    idx = _index_of(b"a", b"b", b"c")
+@pytest.mark.parametrize("kind", INDEXES)
+def test_touch_matching_finds_keys_stored_with_the_digest_and_makes_only_those_recent(
+    kind: type[IndexBase],
+) -> None:
+    idx = _index_of(kind, b"a", b"b", b"c")
     other = bytes(range(16))
     found = idx.touch_matching([b"a", b"b", b"zz", b"a"], [other, D, D, D])
     assert found == [NO_BLOCK, 1, NO_BLOCK, 0]
     # a's first naming had another digest (a miss: no touch); c was never a hit
-    assert [k for k, _ in idx.oldest_first()] == [b"c", b"b", b"a"]
+    assert _lru_keys(idx) == [b"c", b"b", b"a"]
     with pytest.raises(ValueError):
         idx.touch_matching([b"a"], [])
-    # an unknown key never matches the miss row's empty digest
+    # an unknown key never matches the miss row's empty digest, nor a short one
     assert idx.touch_matching([b"zz", b"a"], [b"", D[:8]]) == [NO_BLOCK, NO_BLOCK]
+    assert idx.touch_matching([b"c", b"b"], [D + b"x", D]) == [NO_BLOCK, 1]
+    assert _lru_keys(idx) == [b"c", b"a", b"b"]
 
 
-def test_the_index_keeps_no_object_per_committed_key_for_the_collector() -> None:
-    idx = _index_of(*(bytes([i]) * 16 for i in range(8)))
+def test_the_python_index_keeps_no_object_per_committed_key_for_the_collector() -> None:
+    idx = _index_of(Index, *(bytes([i]) * 16 for i in range(8)))
     gc.collect()
     tracked = {id(o) for o in gc.get_objects()}
     # keys and blocks are bytes and ints: nothing a full collection must walk
-    assert not any(id(k) in tracked or id(b) in tracked for k, b in idx.oldest_first())
+    assert not any(id(k) in tracked or id(b) in tracked for k, b in idx.items())
+
+
+@needs_native
+def test_the_native_index_refuses_a_commit_its_invariants_forbid() -> None:
+    idx = _index_of(NativeIndex, b"a", b"b")
+    with pytest.raises(native_index.IndexCorrupt, match="already committed"):
+        idx.commit([Entry(b"a", 5, 1, D, owner=1)], [0])
+    with pytest.raises(native_index.IndexCorrupt, match="already holds a key"):
+        idx.commit([Entry(b"new", 1, 1, D, owner=1)], [0])
+    with pytest.raises(native_index.IndexCorrupt, match="out of range"):
+        idx.commit([Entry(b"new", 8, 1, D, owner=1)], [0])
+    with pytest.raises(native_index.IndexCorrupt, match="holds no committed key"):
+        idx.remove_block(6)
+    assert _lru_keys(idx) == [b"a", b"b"]
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("ctxrbo"),
+                              st.lists(st.integers(0, 20), max_size=8)), max_size=60))
+def test_the_native_index_answers_like_the_python_one(ops: list[tuple[str, list[int]]]) -> None:
+    """Random batches of every operation against both indexes (8 blocks: a
+    16-slot table up to half full, so probe runs collide and deletions shift
+    them): same answers, same LRU."""
+    blocks = 8
+    py, nat = Index(blocks), NativeIndex(blocks)
+    free = list(range(blocks))
+
+    def key(i: int) -> bytes:
+        return b"k%d" % i * (1 + i % 3)  # lengths 2..9 bytes: a partial last word
+
+    def digest(i: int) -> bytes:
+        return bytes([i % 2]) * 16
+
+    for op, picks in ops:
+        keys = [key(i) for i in picks]
+        if op == "c":  # commit the picks not committed yet (distinct), while blocks last
+            new = [k for k in dict.fromkeys(keys) if not py.present([k])[0]][: len(free)]
+            entries = [Entry(k, free.pop(), len(k), digest(len(k)), owner=1) for k in new]
+            for idx in (py, nat):
+                idx.commit(entries, [len(k) * 7 for k in new])
+        elif op == "t":
+            assert nat.touch_all(keys) == py.touch_all(keys)
+        elif op == "x":
+            digests = [digest(i) for i in picks]
+            assert nat.touch_matching(keys, digests) == py.touch_matching(keys, digests)
+        elif op == "r":
+            gone = py.remove(keys)
+            assert nat.remove(keys) == gone
+            free.extend(b for b in gone if b != NO_BLOCK)
+        elif op == "b" and len(py):
+            victim = list(py.oldest_blocks())[picks[0] % len(py) if picks else 0]
+            py.remove_block(victim)
+            nat.remove_block(victim)
+            free.append(victim)
+        else:
+            assert nat.present(keys) == py.present(keys)
+        assert nat.items() == py.items()
+        assert len(nat) == len(py) and nat.committed_bytes == py.committed_bytes
+
+
+def test_the_store_keeps_its_keys_in_the_native_index_unless_turned_off(
+    pool: Slab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native_index.ENV_NATIVE, "0")
+    assert type(KVStore(pool)._index) is Index
+    monkeypatch.delenv(native_index.ENV_NATIVE)
+    built = native_index.NATIVE_ERROR is None
+    assert type(KVStore(pool)._index) is (NativeIndex if built else Index)
+    assert type(KVStore(pool, native_index=False)._index) is Index
 
 
 def test_alloc_statuses(pool: Slab) -> None:
@@ -289,11 +387,14 @@ def test_bad_lease_timeout() -> None:
 class StoreMachine(RuleBasedStateMachine):
     """Random interleavings of every store op; refcounts must match the model."""
 
+    native = False  # which index the store keeps its keys in
+
     def __init__(self) -> None:
         super().__init__()
         self.pool = Slab(3 * BLOCK, BLOCK, lock=False)  # small: eviction is common
         self.clock = Clock()
-        self.store = KVStore(self.pool, lease_timeout=10.0, clock=self.clock)
+        self.store = KVStore(self.pool, lease_timeout=10.0, clock=self.clock,
+                             native_index=self.native)
         self.leases: dict[int, tuple[int, bytes, int]] = {}  # id -> (session, key, block)
 
     def teardown(self) -> None:
@@ -309,11 +410,11 @@ class StoreMachine(RuleBasedStateMachine):
     )
     def alloc(self, session: int, keys: list[bytes], commit: bool) -> None:
         index = self.store._index
-        before = {k: b for k in KEYS if (b := index.committed_map.get(k)) is not None}
+        before = dict(index.items())
         res = self.store.alloc(session, [(k, 100, D) for k in keys])
         leased = {blk for (_, _, blk) in self.leases.values()}
         for k, blk in before.items():
-            if k not in index.committed_map:  # evicted by this alloc
+            if not index.present([k])[0]:  # evicted by this alloc
                 assert blk not in leased, f"evicted {k!r} while its block {blk} was leased"
         ok = [k for k, r in zip(keys, res, strict=True) if r.status == AllocStatus.OK]
         if commit:
@@ -353,7 +454,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Each block's references = its entry (committed or pending) + its leases."""
         index = self.store._index
         expected: dict[int, int] = {}
-        blocks = [*index.committed_map.values(), *(e.block for e in index.pending_map.values())]
+        blocks = [*(b for _, b in index.items()), *(e.block for e in index.pending_map.values())]
         for block in blocks:
             expected[block] = expected.get(block, 0) + 1
         for _, _, blk in self.leases.values():
@@ -364,8 +465,14 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.stats()["leases_active"] == len(self.leases)
 
 
-StoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+class NativeStoreMachine(StoreMachine):
+    native = True
+
+
+for _machine in (StoreMachine, NativeStoreMachine):
+    _machine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 test_store_state_machine = StoreMachine.TestCase
+test_store_state_machine_native_index = needs_native(NativeStoreMachine.TestCase)
 
 
 def test_one_lease_covers_all_hits_of_a_lookup(pool: Slab) -> None:

@@ -38,8 +38,10 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import NO_BLOCK, Entry, Index
+from rdmakv.node.index import NO_BLOCK, Entry, Index, IndexBase
 from rdmakv.node.leases import Lease, LeaseTable
+from rdmakv.node.native_index import NativeIndex
+from rdmakv.node.native_index import enabled as native_index_enabled
 from rdmakv.protocol import (
     EXTENT_DTYPE,
     MAX_BULK_BYTES,
@@ -92,7 +94,11 @@ class Counters:
 
 
 class KVStore:
-    """Thread-safe node state. ``rkey`` is stamped into every extent handed out."""
+    """Thread-safe node state. ``rkey`` is stamped into every extent handed out.
+
+    ``native_index``: keep the committed keys in C (:class:`NativeIndex`), or in
+    Python (:class:`Index`); None: in C where it is built and not turned off
+    (:func:`rdmakv.node.native_index.enabled`)."""
 
     def __init__(
         self,
@@ -104,6 +110,7 @@ class KVStore:
         lease_quota_bytes: int | None = None,
         max_leases_per_block: int = DEFAULT_MAX_LEASES_PER_BLOCK,
         guard: ExtentGuard | None = None,
+        native_index: bool | None = None,
     ) -> None:
         if lease_timeout <= 0:
             raise ConfigError(f"lease timeout must be > 0 seconds, got {lease_timeout}")
@@ -125,7 +132,9 @@ class KVStore:
         self._guard = guard  # told of every extent handed to / taken from a session
         self._clock = clock
         self._lock = threading.Lock()
-        self._index = Index(pool.num_blocks)
+        if native_index is None:
+            native_index = native_index_enabled()
+        self._index: IndexBase = (NativeIndex if native_index else Index)(pool.num_blocks)
         self._leases = LeaseTable()
         self._pending_by_session: dict[int, dict[int, Entry]] = {}  # session -> block -> entry
         self.counters = Counters()
@@ -151,13 +160,14 @@ class KVStore:
             self._guard.revoke(session, [self._base + e.block * self.block_size], write=True)
 
     def _evict_one(self) -> bool:
-        for key, block in self._index.oldest_first():
-            if self.pool.refcount(block) == 1:  # only the index holds it
-                self._index.remove(key)
-                self.pool.decref(block)
-                self.counters.evictions += 1
-                return True
-        return False
+        refcount = self.pool.refcount
+        victim = next((b for b in self._index.oldest_blocks() if refcount(b) == 1), None)
+        if victim is None:  # every committed block is leased or being read
+            return False
+        self._index.remove_block(victim)  # only the index held it
+        self.pool.decref(victim)
+        self.counters.evictions += 1
+        return True
 
     def _take_block(self) -> int | None:
         if self.pool.free_blocks == 0:
@@ -178,14 +188,19 @@ class KVStore:
         status, entry = statuses.append, entries.append
         ok, exists, busy = AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY
         mine = self._pending_by_session.setdefault(session, {})
-        committed, pending = self._index.committed_map, self._index.pending_map
+        index, pending = self._index, self._index.pending_map
+        committed = index.present([key for key, _, _ in items])
+        evictions = self.counters.evictions
         take = self.pool.try_alloc
         bs = self.block_size
         self.counters.allocs += len(items)
-        for key, size, digest in items:
+        for (key, size, digest), was_committed in zip(items, committed, strict=True):
+            if was_committed and self.counters.evictions != evictions:
+                # an earlier item of this batch may have evicted it
+                (was_committed,) = index.present([key])
             if not (0 < size <= bs):
                 status(AllocStatus.TOO_LARGE)
-            elif key in committed:
+            elif was_committed:
                 status(exists)
             elif key in pending:
                 status(busy)
@@ -290,25 +305,26 @@ class KVStore:
         with self._lock:
             mine = self._pending_by_session.get(session, {})
             pending = self._index.pending_map
-            commit = self._index.commit
-            revoked: list[int] = []  # pool blocks whose write grant ends
+            done: list[Entry] = []  # entries to commit, with their checksums
+            sums: list[int] = []
             for key, checksum in zip(keys, checksums, strict=True):
                 e = pending.get(key)
                 if e is None or e.owner != session or (require_written and not e.written):
                     flag(False)
                     continue
                 del pending[key], mine[e.block]  # a repeat of the key in this batch: False
-                revoked.append(e.block)
-                commit(e, checksum)
+                done.append(e)
+                sums.append(checksum)
                 if not e.written:
                     one_sided += e.length
                 flag(True)
-            if self._guard is not None and revoked:
+            self._index.commit(done, sums)
+            if self._guard is not None and done:
                 # one call for the batch, still under the lock: nobody can see
                 # these entries before their write grants are gone
                 base, bs = self._base, self.block_size
-                self._guard.revoke(session, [base + b * bs for b in revoked], write=True)
-            self.counters.commits += len(revoked)
+                self._guard.revoke(session, [base + e.block * bs for e in done], write=True)
+            self.counters.commits += len(done)
             self.counters.bytes_committed_one_sided += one_sided
         return out
 
@@ -426,19 +442,12 @@ class KVStore:
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Remove committed keys; a leased block lives on until its leases end."""
-        out: list[bool] = []
-        flag = out.append
         with self._lock:
-            remove, decref = self._index.remove, self.pool.decref
-            for key in keys:
-                block = remove(key)
-                if block is None:
-                    flag(False)
-                    continue
-                decref(block)
-                flag(True)
-            self.counters.deletes += out.count(True)
-        return out
+            blocks = self._index.remove(keys)
+            gone = [b for b in blocks if b != NO_BLOCK]
+            self.pool.decref_many(gone)
+            self.counters.deletes += len(gone)
+        return [b != NO_BLOCK for b in blocks]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed. A present key becomes most recently used: an engine

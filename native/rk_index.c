@@ -1,0 +1,312 @@
+/* rdmakv native index: see rk_index.h. */
+#include "rk_index.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define NO_LINK (-1)
+#define INLINE_KEY 24 /* longer keys live on the heap */
+#define BATCH 32      /* keys hashed and prefetched ahead of their lookups */
+
+/* One committed key: one cache line, so a cold hit reads the slot's line and
+ * this one. key_len == 0: the block holds no key. */
+struct rec {
+    uint64_t hash;
+    int32_t prev; /* LRU: towards the oldest ... */
+    int32_t next; /* ... and towards the newest */
+    uint16_t key_len;
+    uint8_t pad[6];
+    uint8_t digest[RK_INDEX_DIGEST];
+    union {
+        uint8_t bytes[INLINE_KEY];
+        uint8_t *heap;
+    } key;
+};
+
+_Static_assert(sizeof(struct rec) == 64, "one cache line per record");
+
+struct rk_index {
+    uint32_t num_blocks;
+    uint32_t count;
+    uint64_t seed;
+    uint64_t mask;     /* slots - 1; slots is a power of two >= 2 num_blocks */
+    uint64_t *slots;   /* (hash >> 32) << 32 | (block + 1); 0: empty */
+    struct rec *recs;  /* per block */
+    int32_t oldest, newest;
+};
+
+#define SLOT_BLOCK(s) ((uint32_t)(s) - 1)
+#define TAG(h) ((h) >> 32)
+
+static const uint8_t *key_of(const struct rec *r) {
+    return r->key_len > INLINE_KEY ? r->key.heap : r->key.bytes;
+}
+
+/* 64-bit finaliser of MurmurHash3: every input bit reaches every output bit. */
+static uint64_t fmix64(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+/* Seeded, so a client cannot choose keys that collide in every node. */
+static uint64_t hash_key(uint64_t seed, const uint8_t *p, size_t n) {
+    uint64_t h = seed ^ ((uint64_t)n * 0x9e3779b97f4a7c15ULL);
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        h = (h ^ fmix64(w ^ seed)) * 0x9e3779b97f4a7c15ULL;
+        h = (h << 31) | (h >> 33);
+        p += 8;
+        n -= 8;
+    }
+    if (n) {
+        uint64_t w = 0;
+        memcpy(&w, p, n);
+        h ^= fmix64(w ^ seed ^ 0x5bd1e9955bd1e995ULL);
+    }
+    return fmix64(h);
+}
+
+rk_index *rk_index_new(uint32_t num_blocks, uint64_t seed) {
+    if (num_blocks > INT32_MAX) return NULL; /* the LRU links are int32 */
+    rk_index *ix = calloc(1, sizeof *ix);
+    if (!ix) return NULL;
+    uint64_t slots = 16;
+    while (slots < 2 * (uint64_t)num_blocks) slots <<= 1;
+    size_t nb = num_blocks ? num_blocks : 1;
+    ix->num_blocks = num_blocks;
+    ix->seed = seed;
+    ix->mask = slots - 1;
+    ix->oldest = ix->newest = NO_LINK;
+    ix->slots = calloc(slots, sizeof *ix->slots);
+    ix->recs = aligned_alloc(64, nb * sizeof *ix->recs); /* a record never straddles lines */
+    if (ix->recs) memset(ix->recs, 0, nb * sizeof *ix->recs);
+    if (!ix->slots || !ix->recs) {
+        rk_index_free(ix);
+        return NULL;
+    }
+    return ix;
+}
+
+void rk_index_free(rk_index *ix) {
+    if (!ix) return;
+    if (ix->recs)
+        for (uint32_t b = 0; b < ix->num_blocks; b++)
+            if (ix->recs[b].key_len > INLINE_KEY) free(ix->recs[b].key.heap);
+    free(ix->slots);
+    free(ix->recs);
+    free(ix);
+}
+
+uint32_t rk_index_count(const rk_index *ix) { return ix->count; }
+
+/* The slot holding key, or the empty slot where the probe for it ended
+ * (*found = 0). */
+static uint64_t probe(const rk_index *ix, const uint8_t *key, size_t len, uint64_t h, int *found) {
+    uint64_t i = h & ix->mask;
+    for (;;) {
+        uint64_t s = ix->slots[i];
+        if (!s) break;
+        if (TAG(s) == TAG(h)) {
+            const struct rec *r = &ix->recs[SLOT_BLOCK(s)];
+            if (r->hash == h && r->key_len == len && !memcmp(key_of(r), key, len)) {
+                *found = 1;
+                return i;
+            }
+        }
+        i = (i + 1) & ix->mask;
+    }
+    *found = 0;
+    return i;
+}
+
+static int64_t lookup_hashed(const rk_index *ix, const uint8_t *key, size_t len, uint64_t h,
+                             uint64_t *slot) {
+    if (len == 0 || len > RK_INDEX_MAX_KEY) return RK_INDEX_NONE;
+    int found;
+    uint64_t i = probe(ix, key, len, h, &found);
+    if (!found) return RK_INDEX_NONE;
+    if (slot) *slot = i;
+    return (int64_t)SLOT_BLOCK(ix->slots[i]);
+}
+
+static int64_t lookup(const rk_index *ix, const uint8_t *key, size_t len, uint64_t *slot) {
+    if (len == 0 || len > RK_INDEX_MAX_KEY) return RK_INDEX_NONE;
+    return lookup_hashed(ix, key, len, hash_key(ix->seed, key, len), slot);
+}
+
+/* Look up a batch BATCH keys at a time: hash them all and prefetch their home
+ * slots, then prefetch the record each home slot's tag points at, then probe.
+ * A cold batch then waits for its cache misses in parallel, not one by one. */
+static void lookup_batch(const rk_index *ix, const uint8_t *buf, const uint32_t *lens,
+                         size_t n, uint64_t *hashes, int64_t *blocks) {
+    const uint8_t *key = buf;
+    for (size_t k = 0; k < n; k++) {
+        hashes[k] = lens[k] && lens[k] <= RK_INDEX_MAX_KEY ? hash_key(ix->seed, key, lens[k]) : 0;
+        __builtin_prefetch(&ix->slots[hashes[k] & ix->mask]);
+        key += lens[k];
+    }
+    for (size_t k = 0; k < n; k++) {
+        uint64_t s = ix->slots[hashes[k] & ix->mask];
+        if (s && TAG(s) == TAG(hashes[k])) __builtin_prefetch(&ix->recs[SLOT_BLOCK(s)]);
+    }
+    key = buf;
+    for (size_t k = 0; k < n; k++) {
+        blocks[k] = lookup_hashed(ix, key, lens[k], hashes[k], NULL);
+        key += lens[k];
+    }
+}
+
+static size_t span_of(const uint32_t *lens, size_t n) {
+    size_t total = 0;
+    for (size_t k = 0; k < n; k++) total += lens[k];
+    return total;
+}
+
+static void unlink_block(rk_index *ix, uint32_t b) {
+    int32_t p = ix->recs[b].prev, n = ix->recs[b].next;
+    if (p == NO_LINK) ix->oldest = n; else ix->recs[p].next = n;
+    if (n == NO_LINK) ix->newest = p; else ix->recs[n].prev = p;
+}
+
+static void link_newest(rk_index *ix, uint32_t b) {
+    ix->recs[b].prev = ix->newest;
+    ix->recs[b].next = NO_LINK;
+    if (ix->newest == NO_LINK) ix->oldest = (int32_t)b; else ix->recs[ix->newest].next = (int32_t)b;
+    ix->newest = (int32_t)b;
+}
+
+/* Empty slot i, moving later entries of its probe run back so that every
+ * entry stays reachable from its home slot (no tombstones). */
+static void clear_slot(rk_index *ix, uint64_t i) {
+    uint64_t j = i;
+    for (;;) {
+        j = (j + 1) & ix->mask;
+        uint64_t s = ix->slots[j];
+        if (!s) break;
+        uint64_t home = ix->recs[SLOT_BLOCK(s)].hash & ix->mask;
+        /* the entry at j may move to i unless its home lies cyclically in (i, j] */
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        ix->slots[i] = s;
+        i = j;
+    }
+    ix->slots[i] = 0;
+}
+
+static void drop(rk_index *ix, uint64_t slot, uint32_t b) {
+    struct rec *r = &ix->recs[b];
+    clear_slot(ix, slot);
+    unlink_block(ix, b);
+    if (r->key_len > INLINE_KEY) free(r->key.heap);
+    memset(r, 0, sizeof *r);
+    ix->count--;
+}
+
+void rk_index_find(const rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                   int64_t *blocks) {
+    uint64_t hashes[BATCH];
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t m = n - i < BATCH ? n - i : BATCH;
+        lookup_batch(ix, keys, lens + i, m, hashes, blocks + i);
+        keys += span_of(lens + i, m);
+    }
+}
+
+size_t rk_index_touch(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                      const uint8_t *digests, int64_t *blocks) {
+    uint64_t hashes[BATCH];
+    size_t hits = 0;
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t m = n - i < BATCH ? n - i : BATCH;
+        lookup_batch(ix, keys, lens + i, m, hashes, blocks + i);
+        keys += span_of(lens + i, m);
+        for (size_t k = 0; k < m; k++) {
+            int64_t b = blocks[i + k];
+            if (b == RK_INDEX_NONE) continue;
+            if (digests &&
+                memcmp(ix->recs[b].digest, digests + (i + k) * RK_INDEX_DIGEST, RK_INDEX_DIGEST)) {
+                blocks[i + k] = RK_INDEX_NONE;
+                continue;
+            }
+            if (ix->newest != (int32_t)b) {
+                unlink_block(ix, (uint32_t)b);
+                link_newest(ix, (uint32_t)b);
+            }
+            hits++;
+        }
+    }
+    return hits;
+}
+
+void rk_index_insert(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                     const uint32_t *blocks, const uint8_t *digests, uint8_t *status) {
+    for (size_t i = 0; i < n; keys += lens[i], i++) {
+        const uint8_t *key = keys;
+        size_t len = lens[i];
+        uint32_t b = blocks[i];
+        if (len == 0 || len > RK_INDEX_MAX_KEY) { status[i] = RK_INDEX_BAD_KEY; continue; }
+        if (b >= ix->num_blocks) { status[i] = RK_INDEX_BAD_BLOCK; continue; }
+        struct rec *r = &ix->recs[b];
+        if (r->key_len) { status[i] = RK_INDEX_BUSY; continue; }
+        uint64_t h = hash_key(ix->seed, key, len);
+        int found;
+        uint64_t slot = probe(ix, key, len, h, &found);
+        if (found) { status[i] = RK_INDEX_EXISTS; continue; }
+        if (len > INLINE_KEY) {
+            uint8_t *copy = malloc(len);
+            if (!copy) { status[i] = RK_INDEX_NOMEM; continue; }
+            memcpy(copy, key, len);
+            r->key.heap = copy;
+        } else {
+            memcpy(r->key.bytes, key, len);
+        }
+        r->key_len = (uint16_t)len;
+        r->hash = h;
+        memcpy(r->digest, digests + i * RK_INDEX_DIGEST, RK_INDEX_DIGEST);
+        ix->slots[slot] = (TAG(h) << 32) | (uint64_t)(b + 1);
+        link_newest(ix, b);
+        ix->count++;
+        status[i] = RK_INDEX_OK;
+    }
+}
+
+void rk_index_remove(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                     int64_t *blocks) {
+    for (size_t i = 0; i < n; keys += lens[i], i++) {
+        uint64_t slot = 0;
+        int64_t b = lookup(ix, keys, lens[i], &slot);
+        if (b != RK_INDEX_NONE) drop(ix, slot, (uint32_t)b);
+        blocks[i] = b;
+    }
+}
+
+int rk_index_remove_block(rk_index *ix, uint32_t block) {
+    if (block >= ix->num_blocks || !ix->recs[block].key_len) return -1;
+    const struct rec *r = &ix->recs[block];
+    uint64_t slot = 0;
+    int64_t b = lookup_hashed(ix, key_of(r), r->key_len, r->hash, &slot);
+    if (b != (int64_t)block) return -1; /* unreachable while the table is consistent */
+    drop(ix, slot, block);
+    return 0;
+}
+
+size_t rk_index_oldest(const rk_index *ix, int64_t after, size_t max, uint32_t *out) {
+    int32_t b;
+    if (after < 0) b = ix->oldest;
+    else if ((uint64_t)after < ix->num_blocks && ix->recs[after].key_len) b = ix->recs[after].next;
+    else return 0;
+    size_t k = 0;
+    for (; b != NO_LINK && k < max; b = ix->recs[b].next) out[k++] = (uint32_t)b;
+    return k;
+}
+
+size_t rk_index_key(const rk_index *ix, uint32_t block, uint8_t *out) {
+    if (block >= ix->num_blocks || !ix->recs[block].key_len) return 0;
+    memcpy(out, key_of(&ix->recs[block]), ix->recs[block].key_len);
+    return ix->recs[block].key_len;
+}

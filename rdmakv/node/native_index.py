@@ -1,0 +1,179 @@
+"""NativeIndex: the node's committed keys in C (``rdmakv._native_index``).
+
+The same index as :class:`~rdmakv.node.index.Index`, with the key -> block
+table and the LRU list in C (native/rk_index.h) instead of an
+``OrderedDict``. Each batch crosses into C once, its keys joined into one
+buffer with an array of their lengths, so a GET of a thousand keys is one call,
+not a thousand dict operations under the store lock. The C side hashes a batch
+ahead of its lookups and prefetches, so a cold batch (a node's usual: the
+values it just sent have flushed the caches) waits for its misses in parallel.
+
+Only ``array`` and ``bytes.join`` build a call's arguments: numpy's per-call
+overhead, with its code cold as well, cost more than the lookups did.
+
+Its C memory is freed when the index is collected (``ffi.gc``): a session
+thread that outlives a node's shutdown still holds the store, so no call can
+reach freed memory. ``RDMAKV_INDEX_NATIVE=0`` makes the store use the Python
+index even where this one is built (for comparison, and to test that one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import secrets
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from rdmakv.errors import RdmakvError
+from rdmakv.node.index import NO_BLOCK, Entry, IndexBase
+from rdmakv.protocol import DIGEST_LEN
+
+ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
+"""Set to 0 to keep the node's keys in the Python index even when this one is built."""
+
+try:  # plain libc: built on every host, but the package must work without it
+    _native: Any = importlib.import_module("rdmakv._native_index")
+    _ffi: Any = _native.ffi
+    _lib: Any = _native.lib
+    NATIVE_ERROR: str | None = None
+except ImportError as _exc:
+    _ffi = _lib = None
+    NATIVE_ERROR = f"the native index rdmakv._native_index is not built ({_exc})"
+
+OLDEST_PAGE = 16
+"""Blocks fetched per call when walking the LRU list from the oldest: eviction
+almost always takes the first, and rarely needs more than a page."""
+
+_INSERT_ERRORS = {
+    1: "the key is already committed",
+    2: "the block already holds a key",
+    3: "the block is out of range",
+    4: "the key length is outside [1, 512]",
+    5: "out of memory",
+}
+
+
+class IndexCorrupt(RdmakvError):
+    """The store asked the index for something its invariants forbid (a bug)."""
+
+
+def enabled() -> bool:
+    """Whether the store should use :class:`NativeIndex`: built and not turned off."""
+    return _lib is not None and os.environ.get(ENV_NATIVE, "1") != "0"
+
+
+def _lengths(keys: Sequence[bytes]) -> Any:
+    """The keys' lengths as the ``uint32_t *`` a call takes (their bytes: ``b"".join``)."""
+    return _ffi.from_buffer("uint32_t[]", array("I", map(len, keys)))
+
+
+def _blocks_out(n: int) -> array[int]:
+    return array("q", bytes(8 * n))
+
+
+class NativeIndex(IndexBase):
+    """Committed keys in C: a seeded open-addressing table of blocks and an LRU
+    list through them (native/rk_index.h). Rows and uncommitted entries are the
+    base's. Not thread-safe: the store calls it under its lock."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if _lib is None:
+            raise RdmakvError(NATIVE_ERROR or "the native index is not built")
+        super().__init__(num_blocks)
+        ix = _lib.rk_index_new(num_blocks, secrets.randbits(64))
+        if ix == _ffi.NULL:
+            raise MemoryError(f"native index of {num_blocks} blocks")
+        self._ix = _ffi.gc(ix, _lib.rk_index_free)
+
+    def __len__(self) -> int:
+        return int(_lib.rk_index_count(self._ix))
+
+    def _lookup(self, keys: Sequence[bytes], touch: bool) -> array[int]:
+        blocks = _blocks_out(len(keys))
+        args = (self._ix, _ffi.from_buffer(b"".join(keys)), _lengths(keys), len(keys))
+        if touch:
+            _lib.rk_index_touch(*args, _ffi.NULL, _ffi.from_buffer("int64_t[]", blocks))
+        else:
+            _lib.rk_index_find(*args, _ffi.from_buffer("int64_t[]", blocks))
+        return blocks
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        return [b != NO_BLOCK for b in self._lookup(keys, touch=False)]
+
+    def touch_all(self, keys: Sequence[bytes]) -> list[int]:
+        return self._lookup(keys, touch=True).tolist()
+
+    def touch_matching(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> list[int]:
+        n = len(keys)
+        if len(digests) != n:
+            raise ValueError(f"{n} keys with {len(digests)} digests")
+        lengths = array("I", map(len, keys))
+        joined = b"".join(digests)
+        if len(joined) != n * DIGEST_LEN or (set(map(len, digests)) != {DIGEST_LEN} and n):
+            # A digest of another length matches nothing stored: its key is
+            # looked up as empty (never found), so it is neither a hit nor touched.
+            for i, d in enumerate(digests):
+                if len(d) != DIGEST_LEN:
+                    lengths[i] = 0
+            keys = [k if len(d) == DIGEST_LEN else b"" for k, d in zip(keys, digests, strict=True)]
+            joined = b"".join(d if len(d) == DIGEST_LEN else bytes(DIGEST_LEN) for d in digests)
+        blocks = _blocks_out(n)
+        _lib.rk_index_touch(
+            self._ix, _ffi.from_buffer(b"".join(keys)), _ffi.from_buffer("uint32_t[]", lengths),
+            n, _ffi.from_buffer(joined), _ffi.from_buffer("int64_t[]", blocks),
+        )
+        return blocks.tolist()
+
+    def oldest_blocks(self) -> Iterator[int]:
+        page = _ffi.new("uint32_t[]", OLDEST_PAGE)
+        after = -1
+        while True:
+            got = _lib.rk_index_oldest(self._ix, after, OLDEST_PAGE, page)
+            if not got:
+                return
+            yield from page[0:got]
+            after = page[got - 1]
+
+    def items(self) -> list[tuple[bytes, int]]:
+        key = _ffi.new("uint8_t[]", 512)
+        out = []
+        for block in list(self.oldest_blocks()):
+            n = _lib.rk_index_key(self._ix, block, key)
+            out.append((bytes(_ffi.buffer(key, n)), block))
+        return out
+
+    def _insert(self, entries: Sequence[Entry]) -> None:
+        n = len(entries)
+        if not n:
+            return
+        digests = b"".join(e.digest for e in entries)
+        if len(digests) != n * DIGEST_LEN:
+            raise IndexCorrupt(f"commit of {n} entries with {len(digests)} bytes of digests")
+        keys = [e.key for e in entries]
+        blocks = array("I", (e.block for e in entries))
+        status = bytearray(n)
+        _lib.rk_index_insert(
+            self._ix, _ffi.from_buffer(b"".join(keys)), _lengths(keys), n,
+            _ffi.from_buffer("uint32_t[]", blocks), _ffi.from_buffer(digests),
+            _ffi.from_buffer("uint8_t[]", status),
+        )
+        if any(status):
+            i = next(i for i, st in enumerate(status) if st)
+            raise IndexCorrupt(
+                f"commit of {keys[i]!r} to block {blocks[i]}: "
+                f"{_INSERT_ERRORS.get(status[i], f'status {status[i]}')}"
+            )
+
+    def _remove(self, keys: Sequence[bytes]) -> list[int]:
+        blocks = _blocks_out(len(keys))
+        _lib.rk_index_remove(
+            self._ix, _ffi.from_buffer(b"".join(keys)), _lengths(keys), len(keys),
+            _ffi.from_buffer("int64_t[]", blocks),
+        )
+        return blocks.tolist()
+
+    def _remove_block(self, block: int) -> None:
+        if _lib.rk_index_remove_block(self._ix, block):
+            raise IndexCorrupt(f"block {block} holds no committed key")
