@@ -139,32 +139,43 @@ static int64_t lookup(const rk_index *ix, const uint8_t *key, size_t len, uint64
     return lookup_hashed(ix, key, len, hash_key(ix->seed, key, len), slot);
 }
 
-/* Look up a batch BATCH keys at a time: hash them all and prefetch their home
- * slots, then prefetch the record each home slot's tag points at, then probe.
- * A cold batch then waits for its cache misses in parallel, not one by one. */
-static void lookup_batch(const rk_index *ix, const uint8_t *buf, const uint32_t *lens,
-                         size_t n, uint64_t *hashes, int64_t *blocks) {
-    const uint8_t *key = buf;
-    for (size_t k = 0; k < n; k++) {
-        hashes[k] = lens[k] && lens[k] <= RK_INDEX_MAX_KEY ? hash_key(ix->seed, key, lens[k]) : 0;
-        __builtin_prefetch(&ix->slots[hashes[k] & ix->mask]);
-        key += lens[k];
-    }
-    for (size_t k = 0; k < n; k++) {
-        uint64_t s = ix->slots[hashes[k] & ix->mask];
-        if (s && TAG(s) == TAG(hashes[k])) __builtin_prefetch(&ix->recs[SLOT_BLOCK(s)]);
-    }
-    key = buf;
-    for (size_t k = 0; k < n; k++) {
-        blocks[k] = lookup_hashed(ix, key, lens[k], hashes[k], NULL);
-        key += lens[k];
+/* Up to BATCH keys of a call, each by its bytes, length and (or NULL) the
+ * digest it must be stored with: whichever layout the call's keys come in. */
+struct chunk {
+    size_t n;
+    const uint8_t *key[BATCH];
+    uint32_t len[BATCH];
+    const uint8_t *digest[BATCH];
+    uint64_t hash[BATCH];
+};
+
+/* Keys [first, first + c->n) of a back-to-back batch; *at: where key `first`
+ * starts (advanced past the chunk). */
+static void chunk_of_keys(struct chunk *c, const uint8_t **at, const uint32_t *lens,
+                          const uint8_t *digests, size_t first) {
+    for (size_t k = 0; k < c->n; k++) {
+        c->key[k] = *at;
+        c->len[k] = lens[first + k];
+        c->digest[k] = digests ? digests + (first + k) * RK_INDEX_DIGEST : NULL;
+        *at += c->len[k];
     }
 }
 
-static size_t span_of(const uint32_t *lens, size_t n) {
-    size_t total = 0;
-    for (size_t k = 0; k < n; k++) total += lens[k];
-    return total;
+/* Look up a chunk: hash every key and prefetch its home slot, then prefetch
+ * the record each home slot's tag points at, then probe. A cold chunk waits
+ * for its cache misses in parallel, not one by one. */
+static void lookup_chunk(const rk_index *ix, struct chunk *c, int64_t *blocks) {
+    for (size_t k = 0; k < c->n; k++) {
+        uint32_t len = c->len[k];
+        c->hash[k] = len && len <= RK_INDEX_MAX_KEY ? hash_key(ix->seed, c->key[k], len) : 0;
+        __builtin_prefetch(&ix->slots[c->hash[k] & ix->mask]);
+    }
+    for (size_t k = 0; k < c->n; k++) {
+        uint64_t s = ix->slots[c->hash[k] & ix->mask];
+        if (s && TAG(s) == TAG(c->hash[k])) __builtin_prefetch(&ix->recs[SLOT_BLOCK(s)]);
+    }
+    for (size_t k = 0; k < c->n; k++)
+        blocks[k] = lookup_hashed(ix, c->key[k], c->len[k], c->hash[k], NULL);
 }
 
 static void unlink_block(rk_index *ix, uint32_t b) {
@@ -209,36 +220,61 @@ static void drop(rk_index *ix, uint64_t slot, uint32_t b) {
 
 void rk_index_find(const rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
                    int64_t *blocks) {
-    uint64_t hashes[BATCH];
-    for (size_t i = 0; i < n; i += BATCH) {
-        size_t m = n - i < BATCH ? n - i : BATCH;
-        lookup_batch(ix, keys, lens + i, m, hashes, blocks + i);
-        keys += span_of(lens + i, m);
+    struct chunk c;
+    for (size_t i = 0; i < n; i += c.n) {
+        c.n = n - i < BATCH ? n - i : BATCH;
+        chunk_of_keys(&c, &keys, lens, NULL, i);
+        lookup_chunk(ix, &c, blocks + i);
     }
+}
+
+/* Look up a chunk; the hits (with the digest, where the chunk names one)
+ * become the most recently used, in order; the others are misses. */
+static size_t touch_chunk(rk_index *ix, struct chunk *c, int64_t *blocks) {
+    size_t hits = 0;
+    lookup_chunk(ix, c, blocks);
+    for (size_t k = 0; k < c->n; k++) {
+        int64_t b = blocks[k];
+        if (b == RK_INDEX_NONE) continue;
+        if (c->digest[k] && memcmp(ix->recs[b].digest, c->digest[k], RK_INDEX_DIGEST)) {
+            blocks[k] = RK_INDEX_NONE;
+            continue;
+        }
+        if (ix->newest != (int32_t)b) {
+            unlink_block(ix, (uint32_t)b);
+            link_newest(ix, (uint32_t)b);
+        }
+        hits++;
+    }
+    return hits;
 }
 
 size_t rk_index_touch(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
                       const uint8_t *digests, int64_t *blocks) {
-    uint64_t hashes[BATCH];
+    struct chunk c;
     size_t hits = 0;
-    for (size_t i = 0; i < n; i += BATCH) {
-        size_t m = n - i < BATCH ? n - i : BATCH;
-        lookup_batch(ix, keys, lens + i, m, hashes, blocks + i);
-        keys += span_of(lens + i, m);
-        for (size_t k = 0; k < m; k++) {
-            int64_t b = blocks[i + k];
-            if (b == RK_INDEX_NONE) continue;
-            if (digests &&
-                memcmp(ix->recs[b].digest, digests + (i + k) * RK_INDEX_DIGEST, RK_INDEX_DIGEST)) {
-                blocks[i + k] = RK_INDEX_NONE;
-                continue;
-            }
-            if (ix->newest != (int32_t)b) {
-                unlink_block(ix, (uint32_t)b);
-                link_newest(ix, (uint32_t)b);
-            }
-            hits++;
+    for (size_t i = 0; i < n; i += c.n) {
+        c.n = n - i < BATCH ? n - i : BATCH;
+        chunk_of_keys(&c, &keys, lens, digests, i);
+        hits += touch_chunk(ix, &c, blocks + i);
+    }
+    return hits;
+}
+
+size_t rk_index_touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
+                              int64_t *blocks) {
+    const size_t stride = RK_INDEX_RECORD_HEAD + key_len + RK_INDEX_DIGEST;
+    struct chunk c;
+    size_t hits = 0;
+    for (size_t i = 0; i < n; i += c.n) {
+        c.n = n - i < BATCH ? n - i : BATCH;
+        for (size_t k = 0; k < c.n; k++) {
+            const uint8_t *rec = records + (i + k) * stride;
+            c.key[k] = rec + RK_INDEX_RECORD_HEAD;
+            c.len[k] = key_len;
+            c.digest[k] = rec + RK_INDEX_RECORD_HEAD + key_len;
         }
+        hits += touch_chunk(ix, &c, blocks + i);
     }
     return hits;
 }

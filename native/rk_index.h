@@ -56,6 +56,13 @@ void rk_index_find(const rk_index *ix, const uint8_t *keys, const uint32_t *lens
 size_t rk_index_touch(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
                       const uint8_t *digests, int64_t *blocks);
 
+/* rk_index_touch of a GET request's items where they lie: n records of
+ * RK_INDEX_RECORD_HEAD bytes (the key's length, which the caller checked is
+ * key_len for every record), the key, and its digest: GET in rdmakv/protocol.py. */
+#define RK_INDEX_RECORD_HEAD 2
+size_t rk_index_touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
+                              int64_t *blocks);
+
 /* Add key i -> blocks[i] with digest i as the most recently used, in key
  * order; status[i] says whether it was (RK_INDEX_OK) or why not. */
 void rk_index_insert(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,

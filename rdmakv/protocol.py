@@ -634,19 +634,68 @@ def encode_get(keys: Sequence[bytes], digests: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def decode_get(payload: Buffer) -> tuple[list[bytes], list[bytes]]:
-    """(keys, digests) of a GET request."""
+class GetRequest:
+    """A GET request's ``count`` (key, digest) items, decoded as far as a node needs.
+
+    ``key_len`` is the one length of every key when they share it (an
+    engine's batches), else None. Then :attr:`records` are the items where
+    they lie in the payload -- per item its u16 key length, the key, the
+    digest -- which the native index looks keys up in without splitting them
+    into objects; :attr:`keys` and :attr:`digests`, the split lists, are made
+    on first use. A payload whose keys differ in length is split (and
+    checked) when decoded.
+    """
+
+    __slots__ = ("_payload", "_split", "count", "key_len")
+
+    def __init__(
+        self, payload: bytes, count: int, key_len: int | None,
+        split: tuple[list[bytes], list[bytes]] | None = None,
+    ) -> None:
+        self._payload = payload
+        self.count = count
+        self.key_len = key_len
+        self._split = split
+
+    @property
+    def records(self) -> memoryview:
+        return memoryview(self._payload)[U32.size :]
+
+    def _pairs(self) -> tuple[list[bytes], list[bytes]]:
+        if self._split is None:
+            assert self.key_len is not None  # else split when decoded
+            pairs = list(_iter_uniform(self._payload, self.key_len, f"{DIGEST_LEN}s"))
+            self._split = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+        return self._split
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self._pairs()[0]
+
+    @property
+    def digests(self) -> list[bytes]:
+        return self._pairs()[1]
+
+
+def decode_get_request(payload: Buffer) -> GetRequest:
+    """A GET request's payload, checked whole (bounds, key lengths, no
+    trailing bytes); split into key objects only where the keys differ in length."""
     buf = bytes(payload)
     n = Reader(buf, "GET").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + DIGEST_LEN, "keys")
     klen = _uniform_key_len(buf, n, DIGEST_LEN)
     if klen is not None:
-        pairs = list(_iter_uniform(buf, klen, f"{DIGEST_LEN}s"))
-        return list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+        return GetRequest(buf, n, klen)
     keys, digests = [], []
     for k, pos in _scan_keys(buf, n, DIGEST_LEN, "GET"):
         keys.append(k)
         digests.append(buf[pos : pos + DIGEST_LEN])
-    return keys, digests
+    return GetRequest(buf, n, None, (keys, digests))
+
+
+def decode_get(payload: Buffer) -> tuple[list[bytes], list[bytes]]:
+    """(keys, digests) of a GET request."""
+    request = decode_get_request(payload)
+    return request.keys, request.digests
 
 
 def encode_get_answer(lengths: Sequence[int], checksums: Sequence[int]) -> bytes:

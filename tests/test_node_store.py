@@ -15,7 +15,15 @@ from rdmakv.node import native_index
 from rdmakv.node.index import NO_BLOCK, Entry, Index, IndexBase
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
-from rdmakv.protocol import AllocStatus
+from rdmakv.protocol import (
+    DIGEST_LEN,
+    MAX_KEY_LEN,
+    U16,
+    AllocStatus,
+    GetRequest,
+    decode_get_request,
+    encode_get,
+)
 from rdmakv.slab import Slab
 from rdmakv.transport.base import BadAddress
 
@@ -59,6 +67,11 @@ def _index_of(kind: type[IndexBase], *keys: bytes) -> IndexBase:
     idx.commit([Entry(k, block, block + 1, D, owner=1) for block, k in enumerate(keys)],
                [100 + block for block in range(len(keys))])
     return idx
+
+
+def _get(keys: list[bytes], digests: list[bytes]) -> GetRequest:
+    """A GET request for ``keys``, as the node decodes it off the wire."""
+    return decode_get_request(encode_get(keys, digests))
 
 
 def _lru_keys(idx: IndexBase) -> list[bytes]:
@@ -112,6 +125,26 @@ def test_touch_matching_finds_keys_stored_with_the_digest_and_makes_only_those_r
     assert idx.touch_matching([b"zz", b"a"], [b"", D[:8]]) == [NO_BLOCK, NO_BLOCK]
     assert idx.touch_matching([b"c", b"b"], [D + b"x", D]) == [NO_BLOCK, 1]
     assert _lru_keys(idx) == [b"c", b"a", b"b"]
+
+
+@pytest.mark.parametrize("kind", INDEXES)
+def test_touch_request_reads_a_get_payload_like_touch_matching(kind: type[IndexBase]) -> None:
+    other = bytes(range(16))
+    for keys in ([b"aa", b"bb", b"cc"], [b"a", b"bbb", b"cc"]):  # one key length; several
+        idx = _index_of(kind, *keys)
+        asked = [keys[1], keys[0], b"zz", keys[2], keys[1]]
+        request = _get(asked, [D, other, D, D, D])
+        assert request.key_len == (2 if keys[0] == b"aa" else None)
+        assert idx.touch_request(request) == [1, NO_BLOCK, NO_BLOCK, 2, 1]
+        assert _lru_keys(idx) == [keys[0], keys[2], keys[1]]  # keys[0]: another digest
+        assert idx.touch_request(_get([], [])) == []
+
+
+@needs_native
+def test_the_native_index_and_the_wire_agree_on_sizes() -> None:
+    lib = native_index._lib
+    assert lib.RK_INDEX_DIGEST == DIGEST_LEN and lib.RK_INDEX_MAX_KEY == MAX_KEY_LEN
+    assert U16.size == lib.RK_INDEX_RECORD_HEAD  # a GET item's key length field
 
 
 def test_the_python_index_keeps_no_object_per_committed_key_for_the_collector() -> None:
@@ -280,7 +313,7 @@ def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> 
     assert s.commit(1, [b"a"], [77]) == [True]
     assert s.alloc(1, [(b"p", 10, D)])[0].status == AllocStatus.OK  # uncommitted: invisible
     other = bytes(range(16))
-    found = s.pin_values([b"a", b"a", b"p", b"zz"], [D, other, D, D])
+    found = s.pin_values(_get([b"a", b"a", b"p", b"zz"], [D, other, D, D]))
     assert (found.lengths, found.checksums) == ([100, 0, 0, 0], [77, 0, 0, 0])
     assert found.offsets.tolist() == [res.extent.addr - pool.base_addr]
     assert found.hit_lengths.tolist() == [100]
@@ -315,7 +348,7 @@ def test_alloc_received_commits_only_after_every_byte_arrived(pool: Slab) -> Non
     assert s.commit(1, [b"a"], [5], require_written=True) == [False]
     received()
     assert s.commit(1, [b"a", b"b"], [5, 6], require_written=True) == [True, True]
-    found = s.pin_values([b"a", b"b"], [D, D])
+    found = s.pin_values(_get([b"a", b"b"], [D, D]))
     assert found.offsets.tolist() == [a, b]
     assert (found.lengths, found.checksums) == ([100, BLOCK], [5, 6])
     found.unpin()

@@ -33,6 +33,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from rdmakv.protocol import GetRequest
+
 NO_BLOCK = -1
 """A miss, in the block lists lookups return: the columns' zero row."""
 _NO_DIGEST = b""
@@ -136,6 +138,10 @@ class IndexBase(ABC):
     def touch_matching(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> list[int]:
         """Per key its committed block when stored with that digest (else
         :data:`NO_BLOCK`), in order; only those hits become most recently used."""
+
+    def touch_request(self, request: GetRequest) -> list[int]:
+        """:meth:`touch_matching` of a GET request's keys and digests."""
+        return self.touch_matching(request.keys, request.digests)
 
     @abstractmethod
     def oldest_blocks(self) -> Iterator[int]:

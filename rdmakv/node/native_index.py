@@ -28,7 +28,7 @@ from typing import Any
 
 from rdmakv.errors import RdmakvError
 from rdmakv.node.index import NO_BLOCK, Entry, IndexBase
-from rdmakv.protocol import DIGEST_LEN
+from rdmakv.protocol import DIGEST_LEN, GetRequest
 
 ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
 """Set to 0 to keep the node's keys in the Python index even when this one is built."""
@@ -123,6 +123,16 @@ class NativeIndex(IndexBase):
         _lib.rk_index_touch(
             self._ix, _ffi.from_buffer(b"".join(keys)), _ffi.from_buffer("uint32_t[]", lengths),
             n, _ffi.from_buffer(joined), _ffi.from_buffer("int64_t[]", blocks),
+        )
+        return blocks.tolist()
+
+    def touch_request(self, request: GetRequest) -> list[int]:
+        if request.key_len is None:  # keys of several lengths: split when decoded
+            return super().touch_request(request)
+        blocks = _blocks_out(request.count)
+        _lib.rk_index_touch_records(
+            self._ix, _ffi.from_buffer(request.records), request.count, request.key_len,
+            _ffi.from_buffer("int64_t[]", blocks),
         )
         return blocks.tolist()
 

@@ -49,6 +49,7 @@ from rdmakv.protocol import (
     AllocStatus,
     Channel,
     FrameTooLarge,
+    GetRequest,
     Header,
     LimitExceeded,
     NodeInfo,
@@ -154,8 +155,8 @@ class Session:
     ) -> tuple[list[memoryview], Callable[[], None]]:
         return self.node.store.pin_readable(self.session_id, ops)
 
-    def pin_values(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> PinnedValues:
-        return self.node.store.pin_values(keys, digests)
+    def pin_values(self, request: GetRequest) -> PinnedValues:
+        return self.node.store.pin_values(request)
 
     def alloc_received(
         self, items: Sequence[tuple[bytes, int, bytes]]

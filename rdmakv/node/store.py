@@ -48,6 +48,7 @@ from rdmakv.protocol import (
     AllocResult,
     AllocStatus,
     Extent,
+    GetRequest,
     LimitExceeded,
     LookupResult,
 )
@@ -560,9 +561,9 @@ class KVStore:
 
         return views, unpin
 
-    def pin_values(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> PinnedValues:
-        """Each key's committed value when stored with that digest (else a
-        miss), its block pinned until ``unpin()``.
+    def pin_values(self, request: GetRequest) -> PinnedValues:
+        """Each requested key's committed value when stored with that digest
+        (else a miss), its block pinned until ``unpin()``.
 
         A lookup and a read in one step (GET): hits become most recently used
         and their blocks are pinned, so nothing evicts or reuses them, until
@@ -573,16 +574,16 @@ class KVStore:
         # which limits it: C-level passes where they do.
         index = self._index
         with self._lock:
-            blocks = index.touch_matching(keys, digests)
+            blocks = index.touch_request(request)
             hits = list(filter(NO_BLOCK.__ne__, blocks))
             self.pool.incref_many(hits)  # index entries: live blocks
             hit_lengths = index.lengths(hits)
             lengths, checksums = index.lengths(blocks), index.checksums(blocks)
             nbytes = sum(hit_lengths)
             c = self.counters
-            c.lookups += len(keys)
+            c.lookups += request.count
             c.hits += len(hits)
-            c.misses += len(keys) - len(hits)
+            c.misses += request.count - len(hits)
             c.bytes_read += nbytes
 
         def unpin() -> None:

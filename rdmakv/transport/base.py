@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
-from rdmakv.protocol import AllocStatus, Channel, Header, NodeInfo
+from rdmakv.protocol import AllocStatus, Channel, GetRequest, Header, NodeInfo
 from rdmakv.slab import Slab
 
 REQUEST_BYTES_AHEAD = 32 * 1024
@@ -313,9 +313,9 @@ class NodeSession(Protocol):
         """Free this session's uncommitted extents of ``keys``."""
         ...
 
-    def pin_values(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> PinnedValues:
-        """The values committed under ``keys`` with those digests (any other: a
-        miss), their blocks pinned until ``unpin()``."""
+    def pin_values(self, request: GetRequest) -> PinnedValues:
+        """The values committed under the request's keys with its digests (any
+        other: a miss), their blocks pinned until ``unpin()``."""
         ...
 
     def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:

@@ -82,8 +82,8 @@ from rdmakv.protocol import (
     decode_alloc,
     decode_data_ops,
     decode_flags,
-    decode_get,
     decode_get_answer_arrays,
+    decode_get_request,
     decode_put_answer,
     encode_alloc,
     encode_commit,
@@ -904,12 +904,12 @@ class TcpNodeDataPath(NodeDataPath):
             unpin()
 
     def _get(self, session: NodeSession, req: Header, payload: bytearray) -> None:
-        keys, digests = decode_get(payload)
-        found = session.pin_values(keys, digests)
+        request = decode_get_request(payload)
+        found = session.pin_values(request)
         try:
             if found.nbytes > MAX_BULK_BYTES:  # the answer would be over the frame limit
                 raise LimitExceeded(
-                    f"GET of {len(keys)} keys finds {found.nbytes} bytes, more than "
+                    f"GET of {request.count} keys finds {found.nbytes} bytes, more than "
                     f"{MAX_BULK_BYTES} in one answer"
                 )
             answer = encode_get_answer(found.lengths, found.checksums)
