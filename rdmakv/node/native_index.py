@@ -24,6 +24,7 @@ import os
 import secrets
 from array import array
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 from rdmakv.errors import RdmakvError
@@ -45,6 +46,8 @@ except ImportError as _exc:
 OLDEST_PAGE = 16
 """Blocks fetched per call when walking the LRU list from the oldest: eviction
 almost always takes the first, and rarely needs more than a page."""
+
+_KEY, _BLOCK, _DIGEST = attrgetter("key"), attrgetter("block"), attrgetter("digest")
 
 _INSERT_ERRORS = {
     1: "the key is already committed",
@@ -100,7 +103,7 @@ class NativeIndex(IndexBase):
         return blocks
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
-        return [b != NO_BLOCK for b in self._lookup(keys, touch=False)]
+        return list(map(NO_BLOCK.__ne__, self._lookup(keys, touch=False)))
 
     def touch_all(self, keys: Sequence[bytes]) -> list[int]:
         return self._lookup(keys, touch=True).tolist()
@@ -158,11 +161,12 @@ class NativeIndex(IndexBase):
         n = len(entries)
         if not n:
             return
-        digests = b"".join(e.digest for e in entries)
+        # C-level passes (map), not generators: a commit is on every put's path
+        digests = b"".join(map(_DIGEST, entries))
         if len(digests) != n * DIGEST_LEN:
             raise IndexCorrupt(f"commit of {n} entries with {len(digests)} bytes of digests")
-        keys = [e.key for e in entries]
-        blocks = array("I", (e.block for e in entries))
+        keys = list(map(_KEY, entries))
+        blocks = array("I", map(_BLOCK, entries))
         status = bytearray(n)
         _lib.rk_index_insert(
             self._ix, _ffi.from_buffer(b"".join(keys)), _lengths(keys), n,
