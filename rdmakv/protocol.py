@@ -663,7 +663,8 @@ class GetRequest:
 
     def _pairs(self) -> tuple[list[bytes], list[bytes]]:
         if self._split is None:
-            assert self.key_len is not None  # else split when decoded
+            if self.key_len is None:  # decode_get_request splits these itself
+                raise ProtocolError("GET request of keys of several lengths, never split")
             pairs = list(_iter_uniform(self._payload, self.key_len, f"{DIGEST_LEN}s"))
             self._split = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
         return self._split

@@ -138,6 +138,10 @@ def test_touch_request_reads_a_get_payload_like_touch_matching(kind: type[IndexB
         assert idx.touch_request(request) == [1, NO_BLOCK, NO_BLOCK, 2, 1]
         assert _lru_keys(idx) == [keys[0], keys[2], keys[1]]  # keys[0]: another digest
         assert idx.touch_request(_get([], [])) == []
+    if kind is NativeIndex:  # records that do not fill the payload are refused, not read
+        short = GetRequest(encode_get([b"aa"], [D])[:-1], 1, 2)
+        with pytest.raises(ValueError, match="GET records"):
+            idx.touch_request(short)
 
 
 @needs_native

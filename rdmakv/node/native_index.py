@@ -29,7 +29,7 @@ from typing import Any
 
 from rdmakv.errors import RdmakvError
 from rdmakv.node.index import NO_BLOCK, Entry, IndexBase
-from rdmakv.protocol import DIGEST_LEN, GetRequest
+from rdmakv.protocol import DIGEST_LEN, MAX_KEY_LEN, GetRequest
 
 ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
 """Set to 0 to keep the node's keys in the Python index even when this one is built."""
@@ -49,13 +49,14 @@ almost always takes the first, and rarely needs more than a page."""
 
 _KEY, _BLOCK, _DIGEST = attrgetter("key"), attrgetter("block"), attrgetter("digest")
 
-_INSERT_ERRORS = {
-    1: "the key is already committed",
-    2: "the block already holds a key",
-    3: "the block is out of range",
-    4: "the key length is outside [1, 512]",
-    5: "out of memory",
+_INSERT_ERRORS = {} if _lib is None else {
+    _lib.RK_INDEX_EXISTS: "the key is already committed",
+    _lib.RK_INDEX_BUSY: "the block already holds a key",
+    _lib.RK_INDEX_BAD_BLOCK: "the block is out of range",
+    _lib.RK_INDEX_BAD_KEY: f"the key length is outside [1, {MAX_KEY_LEN}]",
+    _lib.RK_INDEX_NOMEM: "out of memory",
 }
+"""Why rk_index_insert refused a key, by its status."""
 
 
 class IndexCorrupt(RdmakvError):
@@ -132,9 +133,15 @@ class NativeIndex(IndexBase):
     def touch_request(self, request: GetRequest) -> list[int]:
         if request.key_len is None:  # keys of several lengths: split when decoded
             return super().touch_request(request)
+        records = request.records
+        stride = _lib.RK_INDEX_RECORD_HEAD + request.key_len + DIGEST_LEN
+        if len(records) != request.count * stride:  # C reads exactly this many bytes
+            raise ValueError(
+                f"GET records: {len(records)} bytes for {request.count} items of {stride}"
+            )
         blocks = _blocks_out(request.count)
         _lib.rk_index_touch_records(
-            self._ix, _ffi.from_buffer(request.records), request.count, request.key_len,
+            self._ix, _ffi.from_buffer(records), request.count, request.key_len,
             _ffi.from_buffer("int64_t[]", blocks),
         )
         return blocks.tolist()
@@ -150,7 +157,7 @@ class NativeIndex(IndexBase):
             after = page[got - 1]
 
     def items(self) -> list[tuple[bytes, int]]:
-        key = _ffi.new("uint8_t[]", 512)
+        key = _ffi.new("uint8_t[]", _lib.RK_INDEX_MAX_KEY)
         out = []
         for block in list(self.oldest_blocks()):
             n = _lib.rk_index_key(self._ix, block, key)
