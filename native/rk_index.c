@@ -31,7 +31,8 @@ struct rk_index {
     uint64_t seed;
     uint64_t mask;     /* slots - 1; slots is a power of two >= 2 num_blocks */
     uint64_t *slots;   /* (hash >> 32) << 32 | (block + 1); 0: empty */
-    struct rec *recs;  /* per block */
+    struct rec *recs;  /* per block, 64-byte aligned inside recs_mem */
+    void *recs_mem;
     int32_t oldest, newest;
 };
 
@@ -83,8 +84,11 @@ rk_index *rk_index_new(uint32_t num_blocks, uint64_t seed) {
     ix->mask = slots - 1;
     ix->oldest = ix->newest = NO_LINK;
     ix->slots = calloc(slots, sizeof *ix->slots);
-    ix->recs = aligned_alloc(64, nb * sizeof *ix->recs); /* a record never straddles lines */
-    if (ix->recs) memset(ix->recs, 0, nb * sizeof *ix->recs);
+    /* calloc, not aligned_alloc + memset: a large table's pages are then
+     * zero-filled by the kernel as records are first written, not all at start
+     * (64 bytes per pool block). Aligned by hand: a record never straddles lines. */
+    ix->recs_mem = calloc(nb + 1, sizeof *ix->recs);
+    ix->recs = ix->recs_mem ? (struct rec *)(((uintptr_t)ix->recs_mem + 63) & ~(uintptr_t)63) : NULL;
     if (!ix->slots || !ix->recs) {
         rk_index_free(ix);
         return NULL;
@@ -98,7 +102,7 @@ void rk_index_free(rk_index *ix) {
         for (uint32_t b = 0; b < ix->num_blocks; b++)
             if (ix->recs[b].key_len > INLINE_KEY) free(ix->recs[b].key.heap);
     free(ix->slots);
-    free(ix->recs);
+    free(ix->recs_mem);
     free(ix);
 }
 
