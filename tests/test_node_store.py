@@ -186,7 +186,8 @@ def test_the_native_index_answers_like_the_python_one(ops: list[tuple[str, list[
     free = list(range(blocks))
 
     def key(i: int) -> bytes:
-        return b"k%d" % i * (1 + i % 3)  # lengths 2..9 bytes: a partial last word
+        # inline (2, 9: a partial last word) and heap (25, 64, 512 bytes) keys
+        return (b"k%d-" % i * 128)[: (2, 9, 25, 64, MAX_KEY_LEN)[i % 5]]
 
     def digest(i: int) -> bytes:
         return bytes([i % 2]) * 16
