@@ -460,7 +460,15 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(session=st.integers(1, 3), key=st.sampled_from([b"a", b"b", b"c", b"d"]))
     def lookup(self, session: int, key: bytes) -> None:
-        (hit,) = self.store.lookup(session, [key], lease=True)
+        block = dict(self.store._index.items()).get(key)
+        held = sum(1 for s, _, b in self.leases.values() if (s, b) == (session, block))
+        try:
+            (hit,) = self.store.lookup(session, [key], lease=True)
+        except LeaseQuotaExceeded:
+            # the one refusal this machine can provoke: one lease more than a
+            # session may hold on one block
+            assert block is not None and held == self.store.max_leases_per_block
+            return
         if hit is not None:
             self.leases[hit.lease_id] = (session, key, self._block(hit.extent.addr))
 
