@@ -19,14 +19,13 @@ index even where this one is built (for comparison, and to test that one).
 
 from __future__ import annotations
 
-import importlib
-import os
 import secrets
 from array import array
 from collections.abc import Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
+from rdmakv import native_core
 from rdmakv.errors import RdmakvError
 from rdmakv.node.index import NO_BLOCK, Entry, IndexBase
 from rdmakv.protocol import DIGEST_LEN, MAX_KEY_LEN, GetRequest
@@ -34,14 +33,8 @@ from rdmakv.protocol import DIGEST_LEN, MAX_KEY_LEN, GetRequest
 ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
 """Set to 0 to keep the node's keys in the Python index even when this one is built."""
 
-try:  # plain libc: built on every host, but the package must work without it
-    _native: Any = importlib.import_module("rdmakv._native_index")
-    _ffi: Any = _native.ffi
-    _lib: Any = _native.lib
-    NATIVE_ERROR: str | None = None
-except ImportError as _exc:
-    _ffi = _lib = None
-    NATIVE_ERROR = f"the native index rdmakv._native_index is not built ({_exc})"
+# plain libc: built on every host, but the package must work without it
+_ffi, _lib, NATIVE_ERROR = native_core.load("_native_index", "native index")
 
 OLDEST_PAGE = 16
 """Blocks fetched per call when walking the LRU list from the oldest: eviction
@@ -65,7 +58,7 @@ class IndexCorrupt(RdmakvError):
 
 def enabled() -> bool:
     """Whether the store should use :class:`NativeIndex`: built and not turned off."""
-    return _lib is not None and os.environ.get(ENV_NATIVE, "1") != "0"
+    return _lib is not None and not native_core.switched_off(ENV_NATIVE)
 
 
 def _lengths(keys: Sequence[bytes]) -> Any:

@@ -61,6 +61,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from rdmakv import native_core
 from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
@@ -135,16 +136,10 @@ ENV_NATIVE = "RDMAKV_TCP_NATIVE"
 """Set to 0 to move bulk bytes with the pure-Python loop even when the native
 core is built (for comparison and for testing the fallback)."""
 
-try:  # plain libc: built on every host, but the package must work without it
-    _native: Any = importlib.import_module("rdmakv._native_tcp")
-    _ffi: Any = _native.ffi
-    _lib: Any = _native.lib
-    NATIVE_ERROR: str | None = None
-except ImportError as _exc:
-    _ffi = _lib = None
-    NATIVE_ERROR = f"the native TCP core rdmakv._native_tcp is not built ({_exc})"
+# plain libc: built on every host, but the package must work without it
+_ffi, _lib, NATIVE_ERROR = native_core.load("_native_tcp", "native TCP core")
 
-use_native: bool = _lib is not None and os.environ.get(ENV_NATIVE, "1") != "0"
+use_native: bool = _lib is not None and not native_core.switched_off(ENV_NATIVE)
 """Whether bulk bytes move through the native loop (tests may flip it)."""
 
 _RK_TCP_OK = 0

@@ -40,20 +40,14 @@ from typing import Any
 
 import numpy as np
 
+from rdmakv import native_core
 from rdmakv.errors import ConfigError, RdmaError, RdmaUnavailable
 
-try:  # the native core is optional: without libibverbs-dev rdmakv is TCP-only
-    from rdmakv._native_verbs import ffi as _ffi
-    from rdmakv._native_verbs import lib as _lib
-
-    NATIVE_ERROR: str | None = None
-except ImportError as _exc:  # pragma: no cover - depends on the build machine
-    _ffi = None
-    _lib = None
-    NATIVE_ERROR = (
-        f"the native RDMA core rdmakv._native_verbs is not built ({_exc}); install "
-        "libibverbs-dev and reinstall rdmakv (pip install -e .)"
-    )
+# the native core is optional: without libibverbs-dev rdmakv is TCP-only
+_ffi, _lib, NATIVE_ERROR = native_core.load(
+    "_native_verbs", "native RDMA core",
+    "; install libibverbs-dev and reinstall rdmakv (pip install -e .)",
+)
 
 SYSFS_IB = Path("/sys/class/infiniband")
 ENV_DEVICE = "RDMAKV_RDMA_DEVICE"
