@@ -61,9 +61,10 @@ def enabled() -> bool:
     return _lib is not None and not native_core.switched_off(ENV_NATIVE)
 
 
-def _lengths(keys: Sequence[bytes]) -> Any:
-    """The keys' lengths as the ``uint32_t *`` a call takes (their bytes: ``b"".join``)."""
-    return _ffi.from_buffer("uint32_t[]", array("I", map(len, keys)))
+def _keys(keys: Sequence[bytes]) -> tuple[Any, Any]:
+    """The keys as a call takes them: their bytes back to back, and their lengths."""
+    lengths = array("I", map(len, keys))
+    return _ffi.from_buffer(b"".join(keys)), _ffi.from_buffer("uint32_t[]", lengths)
 
 
 def _blocks_out(n: int) -> array[int]:
@@ -89,7 +90,7 @@ class NativeIndex(IndexBase):
 
     def _lookup(self, keys: Sequence[bytes], touch: bool) -> array[int]:
         blocks = _blocks_out(len(keys))
-        args = (self._ix, _ffi.from_buffer(b"".join(keys)), _lengths(keys), len(keys))
+        args = (self._ix, *_keys(keys), len(keys))
         if touch:
             _lib.rk_index_touch(*args, _ffi.NULL, _ffi.from_buffer("int64_t[]", blocks))
         else:
@@ -169,7 +170,7 @@ class NativeIndex(IndexBase):
         blocks = array("I", map(_BLOCK, entries))
         status = bytearray(n)
         _lib.rk_index_insert(
-            self._ix, _ffi.from_buffer(b"".join(keys)), _lengths(keys), n,
+            self._ix, *_keys(keys), n,
             _ffi.from_buffer("uint32_t[]", blocks), _ffi.from_buffer(digests),
             _ffi.from_buffer("uint8_t[]", status),
         )
@@ -183,7 +184,7 @@ class NativeIndex(IndexBase):
     def _remove(self, keys: Sequence[bytes]) -> list[int]:
         blocks = _blocks_out(len(keys))
         _lib.rk_index_remove(
-            self._ix, _ffi.from_buffer(b"".join(keys)), _lengths(keys), len(keys),
+            self._ix, *_keys(keys), len(keys),
             _ffi.from_buffer("int64_t[]", blocks),
         )
         return blocks.tolist()
