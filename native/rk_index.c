@@ -265,22 +265,76 @@ size_t rk_index_touch(rk_index *ix, const uint8_t *keys, const uint32_t *lens, s
     return hits;
 }
 
+/* Records [first, first + c->n) of a GET request (rk_index_touch_records). */
+static void chunk_of_records(struct chunk *c, const uint8_t *records, uint32_t key_len,
+                             size_t first) {
+    const size_t stride = RK_INDEX_RECORD_HEAD + key_len + RK_INDEX_DIGEST;
+    for (size_t k = 0; k < c->n; k++) {
+        const uint8_t *rec = records + (first + k) * stride;
+        c->key[k] = rec + RK_INDEX_RECORD_HEAD;
+        c->len[k] = key_len;
+        c->digest[k] = rec + RK_INDEX_RECORD_HEAD + key_len;
+    }
+}
+
 size_t rk_index_touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
                               int64_t *blocks) {
-    const size_t stride = RK_INDEX_RECORD_HEAD + key_len + RK_INDEX_DIGEST;
     struct chunk c;
     size_t hits = 0;
     for (size_t i = 0; i < n; i += c.n) {
         c.n = n - i < BATCH ? n - i : BATCH;
-        for (size_t k = 0; k < c.n; k++) {
-            const uint8_t *rec = records + (i + k) * stride;
-            c.key[k] = rec + RK_INDEX_RECORD_HEAD;
-            c.len[k] = key_len;
-            c.digest[k] = rec + RK_INDEX_RECORD_HEAD + key_len;
-        }
+        chunk_of_records(&c, records, key_len, i);
         hits += touch_chunk(ix, &c, blocks + i);
     }
     return hits;
+}
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "GET's answer is written in the host's byte order, which must be little-endian"
+#endif
+
+size_t rk_index_get_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
+                            const uint32_t *lengths, const uint64_t *sums, int32_t *refs,
+                            uint64_t base, uint64_t block_size, uint8_t *answer_lengths,
+                            uint8_t *answer_sums, uint64_t *iov, uint32_t *hit_blocks,
+                            uint64_t *nbytes) {
+    struct chunk c;
+    int64_t blocks[BATCH];
+    size_t hits = 0;
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i += c.n) {
+        c.n = n - i < BATCH ? n - i : BATCH;
+        chunk_of_records(&c, records, key_len, i);
+        touch_chunk(ix, &c, blocks);
+        for (size_t k = 0; k < c.n; k++) {
+            uint32_t len = 0;
+            uint64_t sum = 0;
+            int64_t b = blocks[k];
+            if (b != RK_INDEX_NONE) {
+                len = lengths[b];
+                sum = sums[b];
+                refs[b]++;
+                iov[2 * hits] = base + (uint64_t)b * block_size;
+                iov[2 * hits + 1] = len;
+                hit_blocks[hits++] = (uint32_t)b;
+                total += len;
+            }
+            /* the answer's columns are packed: their entries need not be aligned */
+            memcpy(answer_lengths + 4 * (i + k), &len, 4);
+            memcpy(answer_sums + 8 * (i + k), &sum, 8);
+        }
+    }
+    *nbytes = total;
+    return hits;
+}
+
+size_t rk_index_unpin(int32_t *refs, const uint32_t *blocks, size_t n, uint32_t *last) {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (refs[blocks[i]] > 1) refs[blocks[i]]--;
+        else last[k++] = blocks[i];
+    }
+    return k;
 }
 
 void rk_index_insert(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,

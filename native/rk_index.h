@@ -63,6 +63,27 @@ size_t rk_index_touch(rk_index *ix, const uint8_t *keys, const uint32_t *lens, s
 size_t rk_index_touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
                               int64_t *blocks);
 
+/* A GET served in one call: rk_index_touch_records, then its answer written
+ * as it goes on the wire. Per record i, answer_lengths + 4 i and
+ * answer_sums + 8 i (little-endian u32 and u64, GET's answer in
+ * rdmakv/protocol.py) get the hit's value length and checksum from the
+ * per-block columns lengths and sums, or 0 and 0 for a miss. Per hit, in
+ * record order: one reference taken on its block (refs[block] += 1, for the
+ * caller to drop once the bytes are sent; an index entry's block is live),
+ * its (base + block * block_size, length) as the next row of iov, its block
+ * in hit_blocks. Returns the hits; *nbytes: the sum of their lengths. */
+size_t rk_index_get_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
+                            const uint32_t *lengths, const uint64_t *sums, int32_t *refs,
+                            uint64_t base, uint64_t block_size, uint8_t *answer_lengths,
+                            uint8_t *answer_sums, uint64_t *iov, uint32_t *hit_blocks,
+                            uint64_t *nbytes);
+
+/* Give back the references rk_index_get_records took on blocks[0..n): each
+ * one that is not its block's last is dropped here; each last one is left
+ * for the caller, whose free list it concerns, and written to last[].
+ * Returns how many were. */
+size_t rk_index_unpin(int32_t *refs, const uint32_t *blocks, size_t n, uint32_t *last);
+
 /* Add key i -> blocks[i] with digest i as the most recently used, in key
  * order; status[i] says whether it was (RK_INDEX_OK) or why not. */
 void rk_index_insert(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,

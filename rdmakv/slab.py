@@ -33,6 +33,7 @@ import os
 import resource
 import sys
 import warnings
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,14 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def _refcounts(n: int, start: int, shared: bool) -> list[int] | array[int]:
+    """Per block its reference count. A list unless ``shared``: Python's
+    specialised list indexing makes a list's ``+= 1`` about twice as fast as
+    an array's, and the L1 takes a reference per block. ``shared``: a C
+    ``int32`` array that native code can update in place (:attr:`Slab.refcounts`)."""
+    return array("i", [start]) * n if shared else [start] * n
+
+
 def _mlock(addr: int, length: int) -> int:
     """mlock(2); returns 0 or the errno."""
     rc = _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length))
@@ -65,10 +74,14 @@ class Slab:
 
     ``capacity`` is rounded down to a whole number of blocks; the mapping itself
     is rounded up to whole pages. Not thread-safe: the owner (L1Cache, KV node)
-    serialises alloc/free.
+    serialises alloc/free. ``shared_refcounts`` keeps the refcounts where
+    native code can take references too (:attr:`refcounts`: the KV node's
+    pool, whose GETs pin their hits in C).
     """
 
-    def __init__(self, capacity: int, block_size: int, *, lock: bool = True) -> None:
+    def __init__(
+        self, capacity: int, block_size: int, *, lock: bool = True, shared_refcounts: bool = False
+    ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(capacity, int) or capacity <= 0:
@@ -94,7 +107,7 @@ class Slab:
         # Free list as a stack: O(1) alloc/free, most recently freed reused first
         # (warm in cache and TLB).
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
-        self._refs = [0] * self.num_blocks
+        self._refs = _refcounts(self.num_blocks, 0, shared_refcounts)
         self.external = False
         """True for a slab laid over foreign memory (:meth:`over_buffer`)."""
         self._owner: object | None = None
@@ -155,10 +168,10 @@ class Slab:
         slab.locked = False
         if borrowed:
             slab._free = []
-            slab._refs = [1] * slab.num_blocks
+            slab._refs = _refcounts(slab.num_blocks, 1, False)
         else:
             slab._free = list(range(slab.num_blocks - 1, -1, -1))
-            slab._refs = [0] * slab.num_blocks
+            slab._refs = _refcounts(slab.num_blocks, 0, False)
         slab.external = True
         slab._owner = buffer
         return slab
@@ -266,6 +279,17 @@ class Slab:
         if not (0 <= h < self.num_blocks):
             raise InvalidHandle(f"block handle {h!r} out of range [0, {self.num_blocks})")
         return self._refs[h]
+
+    @property
+    def refcounts(self) -> array[int] | None:
+        """Every block's reference count, the ``int32`` array the slab itself
+        keeps, on a slab made with ``shared_refcounts`` (else None). For native
+        code that takes references in bulk on the owner's behalf, under the
+        owner's serialisation: it may only add references to live blocks (a
+        block at 0 is on the free list, and only :meth:`alloc` takes it off),
+        and they are given back through :meth:`decref_many`."""
+        refs = self._refs
+        return refs if isinstance(refs, array) else None
 
     def is_live(self, h: int) -> bool:
         return 0 <= h < self.num_blocks and self._refs[h] > 0

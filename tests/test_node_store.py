@@ -21,11 +21,12 @@ from rdmakv.protocol import (
     U16,
     AllocStatus,
     GetRequest,
+    decode_get_answer,
     decode_get_request,
     encode_get,
 )
 from rdmakv.slab import Slab
-from rdmakv.transport.base import BadAddress
+from rdmakv.transport.base import BadAddress, PinnedValues
 
 BLOCK = 4096
 D = bytes(16)
@@ -40,9 +41,11 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def pool() -> Iterator[Slab]:
-    slab = Slab(4 * BLOCK, BLOCK, lock=False)
+@pytest.fixture(params=[False, True], ids=["list-refs", "shared-refs"])
+def pool(request: pytest.FixtureRequest) -> Iterator[Slab]:
+    """The store's pool; with shared refcounts (the node's) a GET on the
+    native index is its one C call, else the Python path."""
+    slab = Slab(4 * BLOCK, BLOCK, lock=False, shared_refcounts=request.param)
     yield slab
     slab.close()
 
@@ -318,13 +321,18 @@ def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> 
     assert s.commit(1, [b"a"], [77]) == [True]
     assert s.alloc(1, [(b"p", 10, D)])[0].status == AllocStatus.OK  # uncommitted: invisible
     other = bytes(range(16))
-    found = s.pin_values(_get([b"a", b"a", b"p", b"zz"], [D, other, D, D]))
-    assert (found.lengths, found.checksums) == ([100, 0, 0, 0], [77, 0, 0, 0])
-    assert found.offsets.tolist() == [res.extent.addr - pool.base_addr]
-    assert found.hit_lengths.tolist() == [100]
+    # keys of several lengths: the Python path whatever the index (nothing stays pinned)
+    mixed = s.pin_values(_get([b"a", b"zz"], [D, D]))
+    assert decode_get_answer(mixed.answer, 2) == ([100, 0], [77, 0])
+    assert mixed.iov.tolist() == [[0, 0], [res.extent.addr, 100]]  # row 0: the frame's head
+    mixed.unpin()
+    # one key length (an engine's): on the native index, one C call
+    found = s.pin_values(_get([b"a", b"a", b"p", b"z"], [D, other, D, D]))
+    assert decode_get_answer(found.answer, 4) == ([100, 0, 0, 0], [77, 0, 0, 0])
+    assert found.iov.tolist() == [[0, 0], [res.extent.addr, 100]]
     assert found.nbytes == 100
     stats = s.stats()
-    assert (stats["hits"], stats["misses"], stats["bytes_read"]) == (1, 3, 100)
+    assert (stats["hits"], stats["misses"], stats["bytes_read"]) == (2, 4, 200)
     # pinned: neither delete nor eviction frees the block while it is being sent
     assert s.delete([b"a"]) == [True]
     block = pool.handle_at(res.extent.addr - pool.base_addr)
@@ -354,8 +362,8 @@ def test_alloc_received_commits_only_after_every_byte_arrived(pool: Slab) -> Non
     received()
     assert s.commit(1, [b"a", b"b"], [5, 6], require_written=True) == [True, True]
     found = s.pin_values(_get([b"a", b"b"], [D, D]))
-    assert found.offsets.tolist() == [a, b]
-    assert (found.lengths, found.checksums) == ([100, BLOCK], [5, 6])
+    assert (found.iov[1:, 0] - pool.base_addr).tolist() == [a, b]
+    assert decode_get_answer(found.answer, 2) == ([100, BLOCK], [5, 6])
     found.unpin()
     assert s.stats()["bytes_written"] == 100 + BLOCK
 
@@ -429,13 +437,18 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = Slab(3 * BLOCK, BLOCK, lock=False)  # small: eviction is common
+        # small: eviction is common; shared refcounts: the native index
+        # serves a GET in its one C call
+        self.pool = Slab(3 * BLOCK, BLOCK, lock=False, shared_refcounts=self.native)
         self.clock = Clock()
         self.store = KVStore(self.pool, lease_timeout=10.0, clock=self.clock,
                              native_index=self.native)
         self.leases: dict[int, tuple[int, bytes, int]] = {}  # id -> (session, key, block)
+        self.gets: list[tuple[PinnedValues, list[int]]] = []  # pinned, not yet sent: hits
 
     def teardown(self) -> None:
+        for found, _ in self.gets:
+            found.unpin()
         self.pool.close()
 
     def _block(self, addr: int) -> int:
@@ -472,6 +485,28 @@ class StoreMachine(RuleBasedStateMachine):
         if hit is not None:
             self.leases[hit.lease_id] = (session, key, self._block(hit.extent.addr))
 
+    @rule(
+        keys=st.lists(st.sampled_from([b"a", b"b", b"c", b"d"]), min_size=1, max_size=3),
+        stored_digest=st.booleans(),
+    )
+    def get(self, keys: list[bytes], stored_digest: bool) -> None:
+        """A GET's pins outlive later steps (the values are still being sent)."""
+        committed = dict(self.store._index.items())
+        found = self.store.pin_values(_get(keys, [D if stored_digest else b"x" * 16] * len(keys)))
+        hit = [k in committed and stored_digest for k in keys]
+        lengths, _ = decode_get_answer(found.answer, len(keys))
+        assert lengths == [100 if h else 0 for h in hit]
+        blocks = [committed[k] for k, h in zip(keys, hit, strict=True) if h]
+        assert [self._block(a) for a in found.iov[1:, 0].tolist()] == blocks
+        assert found.nbytes == 100 * len(blocks)
+        self.gets.append((found, blocks))
+
+    @rule(data=st.data())
+    def sent(self, data: st.DataObject) -> None:
+        if self.gets:
+            found, _ = self.gets.pop(data.draw(st.integers(0, len(self.gets) - 1)))
+            found.unpin()
+
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         if self.leases:
@@ -497,7 +532,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def refcounts_match_owners(self) -> None:
-        """Each block's references = its entry (committed or pending) + its leases."""
+        """Each block's references = its entry (committed or pending) + its
+        leases + the GETs still sending it."""
         index = self.store._index
         expected: dict[int, int] = {}
         blocks = [*(b for _, b in index.items()), *(e.block for e in index.pending_map.values())]
@@ -505,9 +541,13 @@ class StoreMachine(RuleBasedStateMachine):
             expected[block] = expected.get(block, 0) + 1
         for _, _, blk in self.leases.values():
             expected[blk] = expected.get(blk, 0) + 1
+        for _, pinned in self.gets:
+            for blk in pinned:
+                expected[blk] = expected.get(blk, 0) + 1
         pool = self.pool
         actual = {b: pool.refcount(b) for b in range(pool.num_blocks) if pool.refcount(b)}
         assert actual == expected
+        assert pool.used_blocks == len(actual)  # a block whose last reference went is free
         assert self.store.stats()["leases_active"] == len(self.leases)
 
 

@@ -1,8 +1,9 @@
 """The node's index: key -> pool block in LRU order, and per block the value's row.
 
 :class:`IndexBase` holds what every index keeps the same way: a committed
-value's length, token digest and checksum in per-block columns (Python lists
-indexed by block, written at commit), and the uncommitted entries. Where the
+value's length, token digest and checksum in per-block columns (indexed by
+block, written at commit: lengths and checksums in C arrays that the native
+index reads, digests in a list), and the uncommitted entries. Where the
 committed keys live is the subclass's: :class:`Index` keeps them in an
 ``OrderedDict`` (key -> block) whose order is recency (oldest first), so
 eviction scans from the front; :class:`~rdmakv.node.native_index.NativeIndex`
@@ -29,6 +30,7 @@ The index does not own pool memory: the store does the refcounting.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,8 +62,9 @@ class IndexBase(ABC):
     def __init__(self, num_blocks: int) -> None:
         self._pending: dict[bytes, Entry] = {}
         rows = num_blocks + 1  # the last: a miss's
-        self._lengths = [0] * rows
-        self._checksums = [0] * rows
+        # C arrays, not lists: the native index reads them in GET's one call
+        self._lengths = array("I", [0]) * rows
+        self._checksums = array("Q", [0]) * rows
         self._digests = [_NO_DIGEST] * rows
         self.committed_bytes = 0
 

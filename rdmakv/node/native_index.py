@@ -23,12 +23,15 @@ import secrets
 from array import array
 from collections.abc import Iterator, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from rdmakv import native_core
 from rdmakv.errors import RdmakvError
 from rdmakv.node.index import NO_BLOCK, Entry, IndexBase
-from rdmakv.protocol import DIGEST_LEN, MAX_KEY_LEN, GetRequest
+from rdmakv.protocol import DIGEST_LEN, GET_ENTRY_BYTES, MAX_KEY_LEN, U32, GetRequest
 
 ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
 """Set to 0 to keep the node's keys in the Python index even when this one is built."""
@@ -50,6 +53,21 @@ _INSERT_ERRORS = {} if _lib is None else {
     _lib.RK_INDEX_NOMEM: "out of memory",
 }
 """Why rk_index_insert refused a key, by its status."""
+
+
+class PinnedRequest(NamedTuple):
+    """A GET served by :meth:`NativeIndex.pin_request`, as it is sent.
+
+    ``answer`` is the answer's payload (:func:`~rdmakv.protocol.encode_get_answer`).
+    ``iov`` is ``uint64`` (1 + hits, 2): row 0 zero, for the caller's frame
+    head, then per hit in key order its value's (address, length). Each of
+    ``blocks`` (the hits') holds one reference the caller must give back once
+    the bytes are sent; ``nbytes`` is the hits' total length."""
+
+    answer: bytearray
+    iov: npt.NDArray[np.uint64]
+    blocks: array[int]
+    nbytes: int
 
 
 class IndexCorrupt(RdmakvError):
@@ -124,21 +142,72 @@ class NativeIndex(IndexBase):
         )
         return blocks.tolist()
 
-    def touch_request(self, request: GetRequest) -> list[int]:
-        if request.key_len is None:  # keys of several lengths: split when decoded
-            return super().touch_request(request)
+    @staticmethod
+    def unpin(refs: array[int], blocks: array[int]) -> array[int]:
+        """Give back the references :meth:`pin_request` took on ``blocks``
+        (its :attr:`PinnedRequest.blocks`) in ``refs``: every one that is not
+        its block's last. The last ones come back, for the pool's
+        ``decref_many`` (which frees those blocks)."""
+        last = array("I", bytes(4 * len(blocks)))
+        k = _lib.rk_index_unpin(
+            _ffi.from_buffer("int32_t[]", refs), _ffi.from_buffer("uint32_t[]", blocks),
+            len(blocks), _ffi.from_buffer("uint32_t[]", last),
+        )
+        return last[:k]
+
+    @staticmethod
+    def _records(request: GetRequest) -> Any:
+        """A one-key-length request's records, checked to be the size C reads."""
         records = request.records
-        stride = _lib.RK_INDEX_RECORD_HEAD + request.key_len + DIGEST_LEN
+        key_len = cast(int, request.key_len)
+        stride = _lib.RK_INDEX_RECORD_HEAD + key_len + DIGEST_LEN
         if len(records) != request.count * stride:  # C reads exactly this many bytes
             raise ValueError(
                 f"GET records: {len(records)} bytes for {request.count} items of {stride}"
             )
+        return _ffi.from_buffer(records)
+
+    def touch_request(self, request: GetRequest) -> list[int]:
+        if request.key_len is None:  # keys of several lengths: split when decoded
+            return super().touch_request(request)
         blocks = _blocks_out(request.count)
         _lib.rk_index_touch_records(
-            self._ix, _ffi.from_buffer(records), request.count, request.key_len,
+            self._ix, self._records(request), request.count, request.key_len,
             _ffi.from_buffer("int64_t[]", blocks),
         )
         return blocks.tolist()
+
+    def pin_request(
+        self, request: GetRequest, refs: array[int], base: int, block_size: int
+    ) -> PinnedRequest | None:
+        """A GET whose keys share one length in one call (None for another:
+        :meth:`touch_request` is the caller's path then): its hits touched
+        as :meth:`touch_request` would, one reference taken on each hit's
+        block in ``refs`` (the pool's refcounts, ``int32``; the caller gives
+        them back), and its answer laid out as it is sent (:class:`PinnedRequest`).
+        ``base`` and ``block_size`` place block b at ``base + b * block_size``."""
+        if request.key_len is None:
+            return None
+        n = request.count
+        records = self._records(request)
+        if len(refs) != len(self._lengths) - 1:  # C writes refs[block] for any block
+            raise ValueError(f"{len(refs)} refcounts for {len(self._lengths) - 1} blocks")
+        answer = bytearray(U32.size + GET_ENTRY_BYTES * n)
+        U32.pack_into(answer, 0, n)
+        iov = np.zeros((n + 1, 2), dtype=np.uint64)
+        hit_blocks = array("I", bytes(4 * n))
+        nbytes = _ffi.new("uint64_t *")
+        columns = _ffi.from_buffer("uint8_t[]", answer)
+        hits = _lib.rk_index_get_records(
+            self._ix, records, n, request.key_len,
+            _ffi.from_buffer("uint32_t[]", self._lengths),
+            _ffi.from_buffer("uint64_t[]", self._checksums),
+            _ffi.from_buffer("int32_t[]", refs), base, block_size,
+            columns + U32.size, columns + U32.size + U32.size * n,
+            _ffi.from_buffer("uint64_t[]", iov[1:]),
+            _ffi.from_buffer("uint32_t[]", hit_blocks), nbytes,
+        )
+        return PinnedRequest(answer, iov[: hits + 1], hit_blocks[:hits], int(nbytes[0]))
 
     def oldest_blocks(self) -> Iterator[int]:
         page = _ffi.new("uint32_t[]", OLDEST_PAGE)

@@ -430,7 +430,7 @@ class KVNode:
         optional_transports: bool,
         rdma_confinement: str = CONFINE_WINDOWS,
     ) -> None:
-        self.pool = Slab(pool_size, block_size, lock=lock_pool)
+        self.pool = Slab(pool_size, block_size, lock=lock_pool, shared_refcounts=True)
         names = list(dict.fromkeys(["tcp", *transports]))  # tcp always serves control + fallback
         self.datapaths: list[NodeDataPath] = []
         for name in names:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from rdmakv.protocol import (
     GetRequest,
     LimitExceeded,
     LookupResult,
+    encode_get_answer,
 )
 from rdmakv.slab import Slab
 from rdmakv.transport.base import BadAddress, ExtentGuard, PinnedValues
@@ -136,6 +138,11 @@ class KVStore:
         if native_index is None:
             native_index = native_index_enabled()
         self._index: IndexBase = (NativeIndex if native_index else Index)(pool.num_blocks)
+        # GET's one native call takes its pins in the pool's own refcounts
+        native, refs = self._index, pool.refcounts
+        self._get_in_c: tuple[NativeIndex, array[int]] | None = None
+        if isinstance(native, NativeIndex) and refs is not None:
+            self._get_in_c = native, refs
         self._leases = LeaseTable()
         self._pending_by_session: dict[int, dict[int, Entry]] = {}  # session -> block -> entry
         self.counters = Counters()
@@ -570,29 +577,53 @@ class KVStore:
         unpin() -- the caller sends their bytes in between. No lease: the pin
         never outlives the request.
         """
-        # A GET's per-key Python is in series with the send of its values,
-        # which limits it: C-level passes where they do.
-        index = self._index
+        # A GET's per-key work is in series with the send of its values, which
+        # it limits: on the native index and a pool whose refcounts C can
+        # update, one call does it all, answer and send table included.
         with self._lock:
-            blocks = index.touch_request(request)
-            hits = list(filter(NO_BLOCK.__ne__, blocks))
-            self.pool.incref_many(hits)  # index entries: live blocks
-            hit_lengths = index.lengths(hits)
-            lengths, checksums = index.lengths(blocks), index.checksums(blocks)
-            nbytes = sum(hit_lengths)
+            found = self._pin_in_c(request) if self._get_in_c is not None else None
+            if found is None:
+                found = self._pin_in_python(request)
+            hits = len(found.iov) - 1
             c = self.counters
             c.lookups += request.count
-            c.hits += len(hits)
-            c.misses += request.count - len(hits)
-            c.bytes_read += nbytes
+            c.hits += hits
+            c.misses += request.count - hits
+            c.bytes_read += found.nbytes
+        return found
+
+    def _pin_in_c(self, request: GetRequest) -> PinnedValues | None:
+        """:meth:`pin_values` in one native call; None for a request it does
+        not take (keys of several lengths). Lock held."""
+        assert self._get_in_c is not None
+        native, refs = self._get_in_c
+        pinned = native.pin_request(request, refs, self._base, self.block_size)
+        if pinned is None:
+            return None
+
+        def unpin() -> None:
+            with self._lock:  # the last reference of a block frees it: the pool's
+                self.pool.decref_many(native.unpin(refs, pinned.blocks))
+
+        return PinnedValues(pinned.answer, pinned.iov, pinned.nbytes, unpin)
+
+    def _pin_in_python(self, request: GetRequest) -> PinnedValues:
+        """:meth:`pin_values` on any index and pool. Lock held."""
+        index, pool = self._index, self.pool
+        blocks = index.touch_request(request)
+        hits = list(filter(NO_BLOCK.__ne__, blocks))
+        pool.incref_many(hits)  # index entries: live blocks
+        iov = np.zeros((len(hits) + 1, 2), dtype=np.uint64)
+        iov[1:, 0] = np.array(hits, dtype=np.uint64) * np.uint64(self.block_size)
+        iov[1:, 0] += np.uint64(self._base)
+        iov[1:, 1] = index.lengths(hits)
 
         def unpin() -> None:
             with self._lock:
-                self.pool.decref_many(hits)
+                pool.decref_many(hits)
 
-        offsets = np.array(hits, dtype=np.uint64) * np.uint64(self.block_size)
-        return PinnedValues(lengths, checksums, offsets, np.array(hit_lengths, dtype=np.uint64),
-                            nbytes, unpin)
+        answer = encode_get_answer(index.lengths(blocks), index.checksums(blocks))
+        return PinnedValues(answer, iov, int(iov[1:, 1].sum()), unpin)
 
     # -- introspection ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -261,18 +261,17 @@ class PinnedValues(NamedTuple):
     """What a GET found (:meth:`NodeSession.pin_values`), in the shape its
     answer is sent in.
 
-    ``lengths[i]`` and ``checksums[i]`` are key i's value length and checksum,
-    both 0 for a miss (no stored value is empty). ``offsets`` and
-    ``hit_lengths`` are the pool offsets and lengths of the hits, in key order;
-    ``nbytes`` is the sum of their lengths. The hits' blocks stay pinned --
-    nothing evicts or reuses them -- until ``unpin()`` is called, once: the
-    caller sends their bytes in between.
+    ``answer`` is the answer's payload (:func:`~rdmakv.protocol.encode_get_answer`:
+    per key its value length and checksum, both 0 for a miss; no stored value
+    is empty). ``iov`` is ``uint64`` (1 + hits, 2): row 0 zero, left for the
+    caller's frame head, then per hit in key order the (address, length) of
+    its value in the pool; ``nbytes`` is the sum of those lengths. The hits'
+    blocks stay pinned -- nothing evicts or reuses them -- until ``unpin()``
+    is called, once: the caller sends their bytes in between.
     """
 
-    lengths: list[int]
-    checksums: list[int]
-    offsets: npt.NDArray[np.uint64]
-    hit_lengths: npt.NDArray[np.uint64]
+    answer: bytes | bytearray
+    iov: npt.NDArray[np.uint64]
     nbytes: int
     unpin: Callable[[], None]
 

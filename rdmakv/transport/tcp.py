@@ -90,7 +90,6 @@ from rdmakv.protocol import (
     encode_commit,
     encode_data_ops,
     encode_get,
-    encode_get_answer,
     encode_keys,
     encode_put_answer,
     value_checksum,
@@ -907,22 +906,21 @@ class TcpNodeDataPath(NodeDataPath):
                     f"GET of {request.count} keys finds {found.nbytes} bytes, more than "
                     f"{MAX_BULK_BYTES} in one answer"
                 )
-            answer = encode_get_answer(found.lengths, found.checksums)
+            answer, values = found.answer, found.iov[1:]
             if not use_native:
-                buf = self.pool.buffer
-                session.reply(req, answer, [
-                    buf[o : o + n]
-                    for o, n in zip(found.offsets.tolist(), found.hit_lengths.tolist(),
-                                    strict=True)
+                buf, base = self.pool.buffer, self.pool.base_addr
+                session.reply(req, bytes(answer), [
+                    buf[a - base : a - base + n] for a, n in values.tolist()
                 ])
                 return
             # header, answer and the values in one system call: the client wakes once
             head = HEADER.pack(
                 req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), found.nbytes, req.req_id
             ) + answer
-            values = _iov_at(self.pool.base_addr, found.offsets, found.hit_lengths)
+            table = found.iov
+            table[0] = (_address_of(head), len(head))
             # the pins keep the blocks; the pool stays mapped
-            send_iov(session.channel.sock, _with_head(head, values))
+            send_iov(session.channel.sock, table)
         finally:
             found.unpin()
 
