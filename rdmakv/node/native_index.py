@@ -9,7 +9,9 @@ ahead of its lookups and prefetches, so a cold batch (a node's usual: the
 values it just sent have flushed the caches) waits for its misses in parallel.
 
 Only ``array`` and ``bytes.join`` build a call's arguments: numpy's per-call
-overhead, with its code cold as well, cost more than the lookups did.
+overhead, with its code cold as well, cost more than the lookups did. The one
+numpy array is a GET's send table (:meth:`NativeIndex.pin_request`), which the
+native send takes as it is.
 
 Its C memory is freed when the index is collected (``ffi.gc``): a session
 thread that outlives a node's shutdown still holds the store, so no call can
