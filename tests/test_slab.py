@@ -17,11 +17,16 @@ from rdmakv.slab import Slab
 BS = 256
 
 
-def make_slab(blocks: int, bs: int = BS) -> Slab:
+def make_slab(blocks: int, bs: int = BS, shared: bool = False) -> Slab:
     with warnings.catch_warnings():
         # The test machine may have a small memlock limit; locking is not under test.
         warnings.simplefilter("ignore", MemoryLockWarning)
-        return Slab(blocks * bs, bs)
+        return Slab(blocks * bs, bs, shared_refcounts=shared)
+
+
+SHARED = pytest.mark.parametrize("shared", [False, True], ids=["list-refs", "shared-refs"])
+"""The refcounts as a list (the L1's slabs) and as the int32 array native code
+updates (the node's pool): the slab behaves the same with either."""
 
 
 @pytest.mark.parametrize(
@@ -48,8 +53,9 @@ def test_capacity_rounds_down_to_whole_blocks() -> None:
     s.close()
 
 
-def test_double_free_and_freed_handle_are_errors() -> None:
-    s = make_slab(4)
+@SHARED
+def test_double_free_and_freed_handle_are_errors(shared: bool) -> None:
+    s = make_slab(4, shared=shared)
     h = s.alloc()
     s.decref(h)
     with pytest.raises(InvalidHandle, match=f"block handle {h} is not allocated"):
@@ -113,8 +119,9 @@ def test_alloc_many_is_all_or_nothing() -> None:
     s.close()
 
 
-def test_incref_many_and_decref_many_count_each_naming() -> None:
-    s = make_slab(4)
+@SHARED
+def test_incref_many_and_decref_many_count_each_naming(shared: bool) -> None:
+    s = make_slab(4, shared=shared)
     a, b = s.alloc_many(2)
     s.incref_many([a, a, b])  # a repeated handle counts once per naming
     assert (s.refcount(a), s.refcount(b)) == (3, 2)
@@ -134,6 +141,23 @@ def test_incref_many_and_decref_many_count_each_naming() -> None:
         s.decref_many([c, c])  # named more often than it has references
     assert s.free_blocks == 4  # the one reference it had was dropped, never below 0
     s.close()
+
+
+def test_shared_refcounts_are_the_slabs_own_counts() -> None:
+    """What native code sees (and writes) is the count the slab keeps."""
+    shared, plain = make_slab(4, shared=True), make_slab(4)
+    assert plain.refcounts is None  # the L1's slabs: a list, nothing to share
+    refs = shared.refcounts
+    assert refs is not None and refs.itemsize == 4 and len(refs) == 4
+    a, b = shared.alloc_many(2)
+    shared.incref(a)
+    assert (refs[a], refs[b]) == (2, 1)
+    refs[b] += 1  # as the node's GET takes a pin in C
+    assert shared.refcount(b) == 2
+    shared.decref_many([a, a, b, b])
+    assert shared.free_blocks == 4 and list(refs) == [0, 0, 0, 0]
+    shared.close()
+    plain.close()
 
 
 def test_view_length_bounds_and_handle_at() -> None:
@@ -171,12 +195,13 @@ def test_views_alias_the_arena() -> None:
         max_size=200,
     ),
     nblocks=st.integers(1, 12),
+    shared=st.booleans(),
 )
 def test_allocator_never_hands_out_live_or_overlapping_blocks(
-    ops: list[tuple[str, int]], nblocks: int
+    ops: list[tuple[str, int]], nblocks: int, shared: bool
 ) -> None:
     """Random alloc/incref/decref against a refcount model."""
-    s = make_slab(nblocks, 64)
+    s = make_slab(nblocks, 64, shared)
     refs: dict[int, int] = {}
     try:
         for op, n in ops:
