@@ -581,7 +581,9 @@ class KVStore:
         # it limits: on the native index and a pool whose refcounts C can
         # update, one call does it all, answer and send table included.
         with self._lock:
-            found = self._pin_in_c(request) if self._get_in_c is not None else None
+            found = None
+            if self._get_in_c is not None:
+                found = self._pin_in_c(request, *self._get_in_c)
             if found is None:
                 found = self._pin_in_python(request)
             hits = len(found.iov) - 1
@@ -592,11 +594,12 @@ class KVStore:
             c.bytes_read += found.nbytes
         return found
 
-    def _pin_in_c(self, request: GetRequest) -> PinnedValues | None:
-        """:meth:`pin_values` in one native call; None for a request it does
-        not take (keys of several lengths). Lock held."""
-        assert self._get_in_c is not None
-        native, refs = self._get_in_c
+    def _pin_in_c(
+        self, request: GetRequest, native: NativeIndex, refs: array[int]
+    ) -> PinnedValues | None:
+        """:meth:`pin_values` in one native call on the index and the pool's
+        refcounts; None for a request it does not take (keys of several
+        lengths). Lock held."""
         pinned = native.pin_request(request, refs, self._base, self.block_size)
         if pinned is None:
             return None

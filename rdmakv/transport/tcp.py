@@ -906,11 +906,11 @@ class TcpNodeDataPath(NodeDataPath):
                     f"GET of {request.count} keys finds {found.nbytes} bytes, more than "
                     f"{MAX_BULK_BYTES} in one answer"
                 )
-            answer, values = found.answer, found.iov[1:]
+            answer = found.answer
             if not use_native:
                 buf, base = self.pool.buffer, self.pool.base_addr
-                session.reply(req, bytes(answer), [
-                    buf[a - base : a - base + n] for a, n in values.tolist()
+                session.reply(req, bytes(answer), [  # row 0 is the head's
+                    buf[a - base : a - base + n] for a, n in found.iov[1:].tolist()
                 ])
                 return
             # header, answer and the values in one system call: the client wakes once
