@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -37,9 +38,9 @@ static int wait_fd(int fd, short events, int timeout_ms, int64_t deadline, int *
     return RK_TCP_ERRNO;
 }
 
-/* Fill win[] with up to RK_TCP_IOV_MAX ranges starting at range i, offset off,
- * and at most `cap` bytes (a range longer than that is cut at `cap`).
- * *bytes: the window's size. */
+/* Fill win[] with up to RK_TCP_IOV_MAX ranges of [i, n) starting at range i,
+ * offset off, and at most `cap` bytes (a range longer than that is cut at
+ * `cap`). *bytes: the window's size. */
 static int fill_window(struct iovec *win, const uint64_t *iov, size_t n, size_t i, uint64_t off,
                        uint64_t cap, uint64_t *bytes) {
     int k = 0;
@@ -64,14 +65,32 @@ static int fill_window(struct iovec *win, const uint64_t *iov, size_t n, size_t 
 
 /* Hashing state of one call. Ranges [0, *count) are hashed; range *count
  * starts at list offset `pos` and is hashed up to offset `at` (streamed
- * through `state` when pos < at). */
+ * through `state` when pos < at). `n`: the list's ranges (out[0, n)). */
 struct hashing {
     const rk_hasher *fn;
     uint64_t *out;
     uint64_t *count;
     uint64_t pos, at;
     void *state;
+    size_t n;
 };
+
+#define NO_BARRIER SIZE_MAX
+
+/* Whether range j's bytes lie (in part) in the hashes being computed. */
+static int reads_hashes(const struct hashing *h, const uint64_t *iov, size_t j) {
+    uint64_t a = iov[2 * j], len = iov[2 * j + 1];
+    uint64_t lo = (uint64_t)(uintptr_t)h->out, hi = lo + sizeof *h->out * h->n;
+    return len && a < hi && a + len > lo;
+}
+
+/* The first range at or after i that is hashes[] entries (see
+ * rk_tcp_sendv_hashed), or n. */
+static size_t next_hashes_range(const struct hashing *h, const uint64_t *iov, size_t n,
+                                size_t i) {
+    while (i < n && !reads_hashes(h, iov, i)) i++;
+    return i;
+}
 
 /* Hash the list up to offset `target`: whole ranges in one shot, a range that
  * ends past `target` streamed up to it. 0, or -1 when no stream state could
@@ -107,11 +126,14 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
     *err = 0;
     *done = skip;
     int64_t deadline = timeout_ms >= 0 ? now_ms() + timeout_ms : 0;
+    /* sending: the next range of hashes[] entries, and the one after it */
+    size_t barrier = NO_BARRIER, following = NO_BARRIER;
     if (h) {
         for (uint64_t j = 0; j < *h->count; j++) h->pos += iov[2 * j + 1];
         h->at = h->pos;
-        /* receiving: the bytes the caller placed before the call */
-        if (!sending && hash_to(h, iov, n, moved)) goto nomem;
+        /* receiving: the bytes the caller placed before the call; sending:
+         * those that went out before a call resumed after RK_TCP_EINTR */
+        if (hash_to(h, iov, n, moved)) goto nomem;
     }
     for (;;) {
         while (i < n && off >= iov[2 * i + 1]) { /* skip moved / empty ranges (and `skip`) */
@@ -122,10 +144,28 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             if (h && hash_to(h, iov, n, UINT64_MAX)) goto nomem; /* trailing empty ranges */
             return RK_TCP_OK;
         }
-        int k = fill_window(win, iov, n, i, off, cap, &bytes);
+        size_t end = n;
+        if (h && sending) {
+            /* Ranges are hashed right after they go out (below), so a range
+             * of hashes[] entries is sent in a window that starts with it:
+             * every range before it has gone out and been hashed by then.
+             * No window holds one behind ranges it has not sent yet. */
+            if (barrier == NO_BARRIER || barrier < i) {
+                /* none lies between the last one and `following` */
+                barrier = following != NO_BARRIER && following >= i
+                              ? following : next_hashes_range(h, iov, n, i);
+                following = NO_BARRIER;
+            }
+            if (barrier > i) {
+                end = barrier;
+            } else {
+                if (following == NO_BARRIER) following = next_hashes_range(h, iov, n, i + 1);
+                end = following;
+            }
+        }
+        int k = fill_window(win, iov, end, i, off, cap, &bytes);
         ssize_t r;
         if (sending) {
-            if (h && hash_to(h, iov, n, moved + bytes)) goto nomem;
             struct msghdr msg;
             memset(&msg, 0, sizeof msg);
             msg.msg_iov = win;
@@ -138,7 +178,9 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             moved += (uint64_t)r;
             *done = moved;
             off += (uint64_t)r;
-            if (h && !sending && hash_to(h, iov, n, moved)) goto nomem;
+            /* hashed right after the copy into or out of the socket, while
+             * the bytes are still in the CPU cache */
+            if (h && hash_to(h, iov, n, moved)) goto nomem;
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
             continue;
         }
@@ -170,7 +212,7 @@ int rk_tcp_recvv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeo
 static int run_hashed(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
                       int timeout_ms, const rk_hasher *hasher, uint64_t *hashes,
                       uint64_t *hashed, uint64_t *done, int *err) {
-    struct hashing h = {hasher, hashes, hashed, 0, 0, NULL};
+    struct hashing h = {hasher, hashes, hashed, 0, 0, NULL, n};
     int rc = run(fd, sending, iov, n, skip, timeout_ms, &h, done, err);
     if (h.state) hasher->free_state(h.state);
     return rc;

@@ -269,13 +269,50 @@ def test_hashing_resumes_where_a_signal_interrupted_it(
 
 
 @needs_checksums
+def test_a_hashed_send_resumes_where_a_signal_interrupted_it(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """A send that hashes its ranges as they go out, interrupted while it
+    waits for room (the peer reads late): resumed, it sends every byte once,
+    hashes every range whole (one longer than a window, streamed in pieces,
+    included) and a checksum row at the end still goes out holding them."""
+    a, b = pair
+    a.settimeout(10)
+    b.settimeout(10)
+    hits = [0]
+    old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
+    rng = np.random.default_rng(11)
+    sizes = [3000, 3 * tcp._lib.RK_TCP_WINDOW + 5, 3000, 3000]
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    hashes = np.zeros(len(sizes) + 1, np.uint64)
+    iov = np.vstack([table(src), [[hashes.ctypes.data, 8 * len(sizes)]]]).astype(np.uint64)
+    into = np.zeros(sum(sizes) + 8 * len(sizes), np.uint8)
+    late = threading.Timer(0.5, tcp.recv_iov, args=(b, table([into])))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        late.start()
+        tcp.send_iov(a, iov, hashes)  # the main thread: it is the one signals interrupt
+        late.join()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert hits[0] > 0
+    want = [value_checksum(x.tobytes()) for x in src]
+    assert hashes[: len(sizes)].tolist() == want
+    got = into.tobytes()
+    assert got[: sum(sizes)] == b"".join(x.tobytes() for x in src)
+    assert np.frombuffer(got[sum(sizes) :], dtype="<u8").tolist() == want
+
+
+@needs_checksums
 def test_a_range_that_is_the_hashes_of_earlier_ranges_goes_out_holding_them(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    """What the tcp transport's PUT relies on: ranges are hashed in order, each
-    one whole before any of its bytes is sent, so a COMMIT's checksum row
-    (pointing into the call's own hashes) goes out holding the hashes of the
-    values before it; here three groups, values both side of window edges."""
+    """What the tcp transport's PUT relies on: ranges are hashed as they go
+    out, and a COMMIT's checksum row (pointing into the call's own hashes)
+    goes out only once the values before it are out and hashed, holding
+    their hashes, though the values and the row fit one window; here three
+    groups, values both side of window edges."""
     a, b = pair
     a.settimeout(10)
     b.settimeout(10)

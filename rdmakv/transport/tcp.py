@@ -35,9 +35,10 @@ per system call (``RK_TCP_WINDOW``: fewer, bigger calls measured slower over
 loopback), resuming after short transfers, waiting with ``poll`` on EAGAIN -- with
 the GIL released, so the client's and the node's Python threads keep running.
 The same loop hashes each block with XXH3 (the protocol's value checksum)
-right before sending it and right after receiving it, while the block is in
-cache: the writer's checksums for COMMIT and the reader's verification come
-from that pass instead of one more read of every block from memory.
+right after each system call moved it, out or in, while the kernel's copy
+has left it in the CPU cache: the writer's checksums for COMMIT and the
+reader's verification come from that pass instead of one more read of every
+block from memory.
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
 raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
 mid-transfer raises ``ConnectionLost``). Without the native module, or with
@@ -270,7 +271,9 @@ def send_iov(sock: socket.socket, iov: np.ndarray, checksums: np.ndarray | None 
     """Send the bytes at each ``(addr, len)`` row of a C-contiguous uint64 (n, 2) table.
 
     With ``checksums`` (a uint64 array of n, only when :func:`native_checksums`),
-    each row is hashed just before it is sent, while it is in cache.
+    each row is hashed right after it is sent, while it is in cache; a row
+    that points into ``checksums`` itself goes out only once every row before
+    it is sent and hashed (rk_tcp.h).
     The caller keeps the memory alive (holds a view of it) until this returns.
     """
     _native_io(sock, iov, True, 0, checksums)
@@ -704,9 +707,9 @@ class _PutFrames:
     Per sub-batch the rows are: the PUT's header and items, its values (slab
     blocks), the COMMIT's header and keys, and the COMMIT's checksums. That
     last row points into the call's own ``hashes`` array, at the entries of
-    the value rows before it: the native loop hashes ranges in order, each
-    before any of its bytes goes out (rk_tcp.h), so those entries hold the
-    values' checksums by the time the row is sent. The checksums are made on
+    the value rows before it: the native loop sends such a row only once
+    every row before it has gone out and been hashed (rk_tcp.h), so those
+    entries hold the values' checksums by the time the row is sent. The checksums are made on
     the way out, with no pass of their own, and nothing stops between a PUT
     and its COMMIT. The COMMIT carries them little-endian, as numpy's uint64
     holds them only on a little-endian host: elsewhere :meth:`usable` is
