@@ -75,7 +75,7 @@ struct hashing {
     size_t n;
 };
 
-#define NO_BARRIER SIZE_MAX
+#define NO_STOP SIZE_MAX
 
 /* Whether range j's bytes lie (in part) in the hashes being computed. */
 static int reads_hashes(const struct hashing *h, const uint64_t *iov, size_t j) {
@@ -126,8 +126,7 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
     *err = 0;
     *done = skip;
     int64_t deadline = timeout_ms >= 0 ? now_ms() + timeout_ms : 0;
-    /* sending: the next range of hashes[] entries, and the one after it */
-    size_t barrier = NO_BARRIER, following = NO_BARRIER;
+    size_t stop = NO_STOP; /* sending: the next range of hashes[] entries after i */
     if (h) {
         for (uint64_t j = 0; j < *h->count; j++) h->pos += iov[2 * j + 1];
         h->at = h->pos;
@@ -147,21 +146,11 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
         size_t end = n;
         if (h && sending) {
             /* Ranges are hashed right after they go out (below), so a range
-             * of hashes[] entries is sent in a window that starts with it:
-             * every range before it has gone out and been hashed by then.
-             * No window holds one behind ranges it has not sent yet. */
-            if (barrier == NO_BARRIER || barrier < i) {
-                /* none lies between the last one and `following` */
-                barrier = following != NO_BARRIER && following >= i
-                              ? following : next_hashes_range(h, iov, n, i);
-                following = NO_BARRIER;
-            }
-            if (barrier > i) {
-                end = barrier;
-            } else {
-                if (following == NO_BARRIER) following = next_hashes_range(h, iov, n, i + 1);
-                end = following;
-            }
+             * of hashes[] entries may only start a window: every range before
+             * it has gone out and been hashed by then. A window ends before
+             * the next such range after its first. */
+            if (stop == NO_STOP || stop <= i) stop = next_hashes_range(h, iov, n, i + 1);
+            end = stop;
         }
         int k = fill_window(win, iov, end, i, off, cap, &bytes);
         ssize_t r;

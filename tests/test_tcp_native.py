@@ -8,6 +8,7 @@ timeout, ConnectionLost when the peer goes away, signals handled.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import threading
@@ -29,6 +30,20 @@ pytestmark = [
 
 def table(arrays: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint64]:
     return np.array([[a.ctypes.data, a.nbytes] for a in arrays], dtype=np.uint64).reshape(-1, 2)
+
+
+@contextlib.contextmanager
+def alarms_every(seconds: float) -> Iterator[list[int]]:
+    """SIGALRM every ``seconds`` while the block runs; yields the count of
+    alarms so far (``[n]``), and puts the handler and timer back after."""
+    hits = [0]
+    old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds, seconds)
+        yield hits
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture
@@ -240,16 +255,13 @@ def test_hashing_resumes_where_a_signal_interrupted_it(
 ) -> None:
     a, b = pair
     b.settimeout(5)
-    hits = [0]
-    old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
     rng = np.random.default_rng(5)
     # the second range is streamed through the hash in pieces (longer than a window)
     sizes = [3000, 3 * tcp._lib.RK_TCP_WINDOW + 5, 3000, 3000]
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     wire = b"".join(x.tobytes() for x in src)
     early = sizes[0] + tcp._lib.RK_TCP_WINDOW + 1000  # stops inside the long range
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    with alarms_every(0.05) as hits:
         # a range and a half now, the rest after several interruptions
         sender = threading.Thread(target=a.sendall, args=(wire[:early],))
         sender.start()
@@ -260,9 +272,6 @@ def test_hashing_resumes_where_a_signal_interrupted_it(
         tcp.recv_iov(b, table(dst), checksums=got)
         late.join()
         sender.join()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
     assert hits[0] > 0
     assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
     assert [int(x) for x in got] == [value_checksum(x.tobytes()) for x in src]
@@ -279,8 +288,6 @@ def test_a_hashed_send_resumes_where_a_signal_interrupted_it(
     a, b = pair
     a.settimeout(10)
     b.settimeout(10)
-    hits = [0]
-    old = signal.signal(signal.SIGALRM, lambda *_: hits.__setitem__(0, hits[0] + 1))
     rng = np.random.default_rng(11)
     sizes = [3000, 3 * tcp._lib.RK_TCP_WINDOW + 5, 3000, 3000]
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
@@ -288,14 +295,10 @@ def test_a_hashed_send_resumes_where_a_signal_interrupted_it(
     iov = np.vstack([table(src), [[hashes.ctypes.data, 8 * len(sizes)]]]).astype(np.uint64)
     into = np.zeros(sum(sizes) + 8 * len(sizes), np.uint8)
     late = threading.Timer(0.5, tcp.recv_iov, args=(b, table([into])))
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    with alarms_every(0.05) as hits:
         late.start()
         tcp.send_iov(a, iov, hashes)  # the main thread: it is the one signals interrupt
         late.join()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
     assert hits[0] > 0
     want = [value_checksum(x.tobytes()) for x in src]
     assert hashes[: len(sizes)].tolist() == want

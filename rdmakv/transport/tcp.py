@@ -709,11 +709,11 @@ class _PutFrames:
     last row points into the call's own ``hashes`` array, at the entries of
     the value rows before it: the native loop sends such a row only once
     every row before it has gone out and been hashed (rk_tcp.h), so those
-    entries hold the values' checksums by the time the row is sent. The checksums are made on
-    the way out, with no pass of their own, and nothing stops between a PUT
-    and its COMMIT. The COMMIT carries them little-endian, as numpy's uint64
-    holds them only on a little-endian host: elsewhere :meth:`usable` is
-    False and the caller hashes in Python.
+    entries hold the values' checksums by the time the row is sent. The
+    checksums are made on the way out, with no pass of their own, and
+    nothing stops between a PUT and its COMMIT. The COMMIT carries them
+    little-endian, as numpy's uint64 holds them only on a little-endian host:
+    elsewhere :meth:`usable` is False and the caller hashes in Python.
 
     The replies are queued (``Channel.enqueue``) as the frames are added:
     :meth:`send` must run before anything else is sent or awaited.
