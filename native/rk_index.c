@@ -8,14 +8,23 @@
 #define INLINE_KEY 24 /* longer keys live on the heap */
 #define BATCH 32      /* keys hashed and prefetched ahead of their lookups */
 
-/* One committed key: one cache line, so a cold hit reads the slot's line and
- * this one. key_len == 0: the block holds no key. */
+enum { REC_EMPTY, REC_PENDING, REC_COMMITTED };
+
+/* One block's key: one cache line, so a cold hit reads the slot's line and
+ * this one. state REC_EMPTY (key_len 0): the block holds no key. */
 struct rec {
     uint64_t hash;
-    int32_t prev; /* LRU: towards the oldest ... */
-    int32_t next; /* ... and towards the newest */
+    union {
+        struct {
+            int32_t prev; /* committed: LRU, towards the oldest ... */
+            int32_t next; /* ... and towards the newest */
+        };
+        uint64_t owner; /* pending (never in the LRU list): its session */
+    };
     uint16_t key_len;
-    uint8_t pad[6];
+    uint8_t state;
+    uint8_t written; /* pending: the node received every byte */
+    uint8_t pad[4];
     uint8_t digest[RK_INDEX_DIGEST];
     union {
         uint8_t bytes[INLINE_KEY];
@@ -27,7 +36,8 @@ _Static_assert(sizeof(struct rec) == 64, "one cache line per record");
 
 struct rk_index {
     uint32_t num_blocks;
-    uint32_t count;
+    uint32_t count;   /* committed keys */
+    uint32_t pending; /* pending keys */
     uint64_t seed;
     uint64_t mask;     /* slots - 1; slots is a power of two >= 2 num_blocks */
     uint64_t *slots;   /* (hash >> 32) << 32 | (block + 1); 0: empty */
@@ -108,6 +118,8 @@ void rk_index_free(rk_index *ix) {
 
 uint32_t rk_index_count(const rk_index *ix) { return ix->count; }
 
+uint32_t rk_index_pending_count(const rk_index *ix) { return ix->pending; }
+
 /* The slot holding key, or the empty slot where the probe for it ended
  * (*found = 0). */
 static uint64_t probe(const rk_index *ix, const uint8_t *key, size_t len, uint64_t h, int *found) {
@@ -165,8 +177,9 @@ static void chunk_of_keys(struct chunk *c, const uint8_t **at, const uint32_t *l
     }
 }
 
-/* Look up a chunk: hash every key and prefetch its home slot, then prefetch
- * the record each home slot's tag points at, then probe. A cold chunk waits
+/* Look up a chunk's committed keys (a pending one is a miss): hash every key
+ * and prefetch its home slot, then prefetch the record each home slot's tag
+ * points at, then probe. A cold chunk waits
  * for its cache misses in parallel, not one by one. */
 static void lookup_chunk(const rk_index *ix, struct chunk *c, int64_t *blocks) {
     for (size_t k = 0; k < c->n; k++) {
@@ -178,8 +191,10 @@ static void lookup_chunk(const rk_index *ix, struct chunk *c, int64_t *blocks) {
         uint64_t s = ix->slots[c->hash[k] & ix->mask];
         if (s && TAG(s) == TAG(c->hash[k])) __builtin_prefetch(&ix->recs[SLOT_BLOCK(s)]);
     }
-    for (size_t k = 0; k < c->n; k++)
-        blocks[k] = lookup_hashed(ix, c->key[k], c->len[k], c->hash[k], NULL);
+    for (size_t k = 0; k < c->n; k++) {
+        int64_t b = lookup_hashed(ix, c->key[k], c->len[k], c->hash[k], NULL);
+        blocks[k] = b != RK_INDEX_NONE && ix->recs[b].state == REC_COMMITTED ? b : RK_INDEX_NONE;
+    }
 }
 
 static void unlink_block(rk_index *ix, uint32_t b) {
@@ -213,13 +228,26 @@ static void clear_slot(rk_index *ix, uint64_t i) {
     ix->slots[i] = 0;
 }
 
+/* Forget the key (committed or pending) that block b holds, at slot. */
 static void drop(rk_index *ix, uint64_t slot, uint32_t b) {
     struct rec *r = &ix->recs[b];
     clear_slot(ix, slot);
-    unlink_block(ix, b);
+    if (r->state == REC_COMMITTED) {
+        unlink_block(ix, b);
+        ix->count--;
+    } else {
+        ix->pending--;
+    }
     if (r->key_len > INLINE_KEY) free(r->key.heap);
     memset(r, 0, sizeof *r);
-    ix->count--;
+}
+
+/* The slot of the key block b holds (it holds one). */
+static uint64_t slot_of(const rk_index *ix, uint32_t b) {
+    const struct rec *r = &ix->recs[b];
+    uint64_t slot = 0;
+    lookup_hashed(ix, key_of(r), r->key_len, r->hash, &slot);
+    return slot;
 }
 
 void rk_index_find(const rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
@@ -337,23 +365,72 @@ size_t rk_index_unpin(int32_t *refs, const uint32_t *blocks, size_t n, uint32_t 
     return k;
 }
 
-void rk_index_insert(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
-                     const uint32_t *blocks, const uint8_t *digests, uint8_t *status) {
+/* The least recently used committed block from *cursor on whose only
+ * reference is the index's, forgotten; *cursor moves past it. RK_INDEX_NONE
+ * when there is none. Within one call the blocks skipped stay referenced (no
+ * reference is dropped under the store's lock meanwhile) and the LRU list only
+ * loses blocks, so the walk resumes where it stopped. */
+static int64_t evict(rk_index *ix, const int32_t *refs, int32_t *cursor) {
+    while (*cursor != NO_LINK) {
+        uint32_t b = (uint32_t)*cursor;
+        *cursor = ix->recs[b].next;
+        if (refs[b] == 1) {
+            drop(ix, slot_of(ix, b), b);
+            return b;
+        }
+    }
+    return RK_INDEX_NONE;
+}
+
+int64_t rk_index_reserve(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                         const uint64_t *sizes, const uint8_t *digests, uint32_t max_size,
+                         uint64_t owner, const uint32_t *spare, size_t nspare,
+                         const int32_t *refs, uint32_t *lengths, uint8_t *status,
+                         int64_t *blocks, uint64_t *evicted, uint64_t *evicted_bytes) {
+    for (size_t j = 0; j < nspare; j++)
+        if (spare[j] >= ix->num_blocks || ix->recs[spare[j]].state != REC_EMPTY)
+            return -1 - (int64_t)j;
+    size_t used = 0;
+    int32_t cursor = ix->oldest;
+    *evicted = *evicted_bytes = 0;
     for (size_t i = 0; i < n; keys += lens[i], i++) {
         const uint8_t *key = keys;
         size_t len = lens[i];
-        uint32_t b = blocks[i];
-        if (len == 0 || len > RK_INDEX_MAX_KEY) { status[i] = RK_INDEX_BAD_KEY; continue; }
-        if (b >= ix->num_blocks) { status[i] = RK_INDEX_BAD_BLOCK; continue; }
-        struct rec *r = &ix->recs[b];
-        if (r->key_len) { status[i] = RK_INDEX_BUSY; continue; }
+        blocks[i] = RK_INDEX_NONE;
+        if (sizes[i] == 0 || sizes[i] > max_size || len == 0 || len > RK_INDEX_MAX_KEY) {
+            status[i] = RK_INDEX_TOO_LARGE;
+            continue;
+        }
         uint64_t h = hash_key(ix->seed, key, len);
         int found;
         uint64_t slot = probe(ix, key, len, h, &found);
-        if (found) { status[i] = RK_INDEX_EXISTS; continue; }
-        if (len > INLINE_KEY) {
-            uint8_t *copy = malloc(len);
-            if (!copy) { status[i] = RK_INDEX_NOMEM; continue; }
+        if (found) {
+            int committed = ix->recs[SLOT_BLOCK(ix->slots[slot])].state == REC_COMMITTED;
+            status[i] = committed ? RK_INDEX_EXISTS : RK_INDEX_BUSY;
+            continue;
+        }
+        uint8_t *copy = NULL;
+        if (len > INLINE_KEY && !(copy = malloc(len))) {
+            status[i] = RK_INDEX_NO_SPACE;
+            continue;
+        }
+        int64_t b;
+        if (used < nspare) {
+            b = spare[used++];
+        } else {
+            b = evict(ix, refs, &cursor);
+            if (b == RK_INDEX_NONE) {
+                free(copy);
+                status[i] = RK_INDEX_NO_SPACE;
+                continue;
+            }
+            ++*evicted;
+            *evicted_bytes += lengths[b];
+            /* the eviction emptied a slot: this key's probe may now end sooner */
+            slot = probe(ix, key, len, h, &found);
+        }
+        struct rec *r = &ix->recs[b];
+        if (copy) {
             memcpy(copy, key, len);
             r->key.heap = copy;
         } else {
@@ -361,12 +438,101 @@ void rk_index_insert(rk_index *ix, const uint8_t *keys, const uint32_t *lens, si
         }
         r->key_len = (uint16_t)len;
         r->hash = h;
+        r->state = REC_PENDING;
+        r->written = 0;
+        r->owner = owner;
         memcpy(r->digest, digests + i * RK_INDEX_DIGEST, RK_INDEX_DIGEST);
         ix->slots[slot] = (TAG(h) << 32) | (uint64_t)(b + 1);
-        link_newest(ix, b);
-        ix->count++;
-        status[i] = RK_INDEX_OK;
+        ix->pending++;
+        lengths[b] = sizes[i];
+        blocks[i] = b;
+        status[i] = RK_INDEX_RESERVED;
     }
+    return (int64_t)used;
+}
+
+/* The block of owner's pending key, and its slot; RK_INDEX_NONE for another. */
+static int64_t owned(const rk_index *ix, const uint8_t *key, size_t len, uint64_t owner,
+                     uint64_t *slot) {
+    int64_t b = lookup(ix, key, len, slot);
+    if (b == RK_INDEX_NONE) return b;
+    const struct rec *r = &ix->recs[b];
+    return r->state == REC_PENDING && r->owner == owner ? b : RK_INDEX_NONE;
+}
+
+size_t rk_index_commit(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                       uint64_t owner, int require_written, const uint64_t *checksums,
+                       const uint32_t *lengths, uint64_t *sums, int64_t *blocks,
+                       uint64_t *bytes, uint64_t *one_sided) {
+    size_t done = 0;
+    *bytes = *one_sided = 0;
+    for (size_t i = 0; i < n; keys += lens[i], i++) {
+        int64_t b = owned(ix, keys, lens[i], owner, NULL);
+        if (b != RK_INDEX_NONE && require_written && !ix->recs[b].written) b = RK_INDEX_NONE;
+        blocks[i] = b;
+        if (b == RK_INDEX_NONE) continue;
+        struct rec *r = &ix->recs[b];
+        if (!r->written) *one_sided += lengths[b];
+        *bytes += lengths[b];
+        sums[b] = checksums[i];
+        r->state = REC_COMMITTED;
+        r->written = 0;
+        link_newest(ix, (uint32_t)b); /* the links overwrite the owner */
+        ix->pending--;
+        ix->count++;
+        done++;
+    }
+    return done;
+}
+
+size_t rk_index_abort(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                      uint64_t owner, int64_t *blocks) {
+    size_t done = 0;
+    for (size_t i = 0; i < n; keys += lens[i], i++) {
+        uint64_t slot = 0;
+        int64_t b = owned(ix, keys, lens[i], owner, &slot);
+        blocks[i] = b;
+        if (b == RK_INDEX_NONE) continue;
+        drop(ix, slot, (uint32_t)b);
+        done++;
+    }
+    return done;
+}
+
+size_t rk_index_pending_blocks(rk_index *ix, uint64_t owner, int drop_them, uint32_t *out,
+                               size_t max) {
+    size_t k = 0;
+    for (uint32_t b = 0; b < ix->num_blocks && k < max; b++) {
+        const struct rec *r = &ix->recs[b];
+        if (r->state != REC_PENDING || (owner && r->owner != owner)) continue;
+        out[k++] = b;
+        if (drop_them) drop(ix, slot_of(ix, b), b);
+    }
+    return k;
+}
+
+int rk_index_is_pending(const rk_index *ix, uint32_t block, uint64_t owner) {
+    return block < ix->num_blocks && ix->recs[block].state == REC_PENDING &&
+           ix->recs[block].owner == owner;
+}
+
+void rk_index_mark_written(rk_index *ix, const uint32_t *blocks, size_t n, uint64_t owner) {
+    for (size_t i = 0; i < n; i++)
+        if (rk_index_is_pending(ix, blocks[i], owner)) ix->recs[blocks[i]].written = 1;
+}
+
+int rk_index_digests(const rk_index *ix, const int64_t *blocks, size_t n, uint8_t *out) {
+    for (size_t i = 0; i < n; i++, out += RK_INDEX_DIGEST) {
+        int64_t b = blocks[i];
+        if (b == RK_INDEX_NONE) {
+            memset(out, 0, RK_INDEX_DIGEST);
+            continue;
+        }
+        if (b < 0 || (uint64_t)b >= ix->num_blocks || ix->recs[b].state != REC_COMMITTED)
+            return -1;
+        memcpy(out, ix->recs[b].digest, RK_INDEX_DIGEST);
+    }
+    return 0;
 }
 
 void rk_index_remove(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
@@ -374,13 +540,14 @@ void rk_index_remove(rk_index *ix, const uint8_t *keys, const uint32_t *lens, si
     for (size_t i = 0; i < n; keys += lens[i], i++) {
         uint64_t slot = 0;
         int64_t b = lookup(ix, keys, lens[i], &slot);
+        if (b != RK_INDEX_NONE && ix->recs[b].state != REC_COMMITTED) b = RK_INDEX_NONE;
         if (b != RK_INDEX_NONE) drop(ix, slot, (uint32_t)b);
         blocks[i] = b;
     }
 }
 
 int rk_index_remove_block(rk_index *ix, uint32_t block) {
-    if (block >= ix->num_blocks || !ix->recs[block].key_len) return -1;
+    if (block >= ix->num_blocks || ix->recs[block].state != REC_COMMITTED) return -1;
     const struct rec *r = &ix->recs[block];
     uint64_t slot = 0;
     int64_t b = lookup_hashed(ix, key_of(r), r->key_len, r->hash, &slot);
@@ -392,7 +559,8 @@ int rk_index_remove_block(rk_index *ix, uint32_t block) {
 size_t rk_index_oldest(const rk_index *ix, int64_t after, size_t max, uint32_t *out) {
     int32_t b;
     if (after < 0) b = ix->oldest;
-    else if ((uint64_t)after < ix->num_blocks && ix->recs[after].key_len) b = ix->recs[after].next;
+    else if ((uint64_t)after < ix->num_blocks && ix->recs[after].state == REC_COMMITTED)
+        b = ix->recs[after].next;
     else return 0;
     size_t k = 0;
     for (; b != NO_LINK && k < max; b = ix->recs[b].next) out[k++] = (uint32_t)b;
@@ -400,7 +568,7 @@ size_t rk_index_oldest(const rk_index *ix, int64_t after, size_t max, uint32_t *
 }
 
 size_t rk_index_key(const rk_index *ix, uint32_t block, uint8_t *out) {
-    if (block >= ix->num_blocks || !ix->recs[block].key_len) return 0;
+    if (block >= ix->num_blocks || ix->recs[block].state != REC_COMMITTED) return 0;
     memcpy(out, key_of(&ix->recs[block]), ix->recs[block].key_len);
     return ix->recs[block].key_len;
 }

@@ -1,7 +1,10 @@
-/* rdmakv native index: the node's committed keys, key -> pool block, in LRU
- * order, with each block's token digest.
+/* rdmakv native index: the node's keys, key -> pool block, each with its
+ * token digest: the committed ones in LRU order, and the uncommitted ones
+ * (reserved by a PUT or ALLOC, not yet committed) with the session that owns
+ * each.
  *
- * What :class:`rdmakv.node.index.Index` keeps in an OrderedDict, kept in C:
+ * What :class:`rdmakv.node.index.Index` keeps in an OrderedDict and a dict
+ * of pending entries, kept in C:
  * an open-addressing hash table (linear probing, at most half full, deletion
  * by backward shift, so no tombstones) whose slots hold a block number and a
  * tag of its key's hash, and per block one 64-byte record: the key (inline up
@@ -10,11 +13,17 @@
  * prefetches them for 32 keys at a time. Every call takes a whole batch (a
  * GET's keys), so a batch costs one crossing from Python, not one per key.
  *
- * Invariants: a block holds at most one key and a key at most one block;
- * rk_index_insert refuses (per key, nothing changed) a key already present, a
- * block already holding a key, and a block out of range. The caller (the
- * store) serialises calls with its lock; the functions run with the GIL
- * released. Plain libc only: built on every host, as rdmakv._native_index.
+ * Invariants: a block holds at most one key and a key at most one block,
+ * committed or pending. Only committed keys are found by lookups, counted by
+ * rk_index_count and kept in the LRU list; a pending one is seen only by its
+ * owner's calls (commit, abort, write checks) and by reserve, which refuses
+ * its key to everyone else. Reserving takes blocks the caller hands over
+ * (spare) and, once they run out, evicts the least recently used committed
+ * key whose block nobody else references; the index reads the pool's
+ * refcounts for that and never changes them (the evicted block's one
+ * reference passes to the new pending key). The caller (the store)
+ * serialises calls with its lock; the functions run with the GIL released.
+ * Plain libc only: built on every host, as rdmakv._native_index.
  *
  * A batch of n keys comes as their bytes back to back (keys) and per key its
  * length (lens); a length outside 1..RK_INDEX_MAX_KEY names no key (never
@@ -29,21 +38,13 @@
 #define RK_INDEX_DIGEST 16
 #define RK_INDEX_NONE -1 /* a miss, in the block lists calls fill */
 
-/* rk_index_insert per-key status */
-#define RK_INDEX_OK 0
-#define RK_INDEX_EXISTS 1    /* the key is already in the index */
-#define RK_INDEX_BUSY 2      /* the block already holds a key */
-#define RK_INDEX_BAD_BLOCK 3 /* block >= num_blocks */
-#define RK_INDEX_BAD_KEY 4   /* length 0 or over RK_INDEX_MAX_KEY */
-#define RK_INDEX_NOMEM 5
-
 typedef struct rk_index rk_index;
 
 /* An empty index over blocks [0, num_blocks); seed keys the hash (pass a
  * random one: keys come from clients). NULL when out of memory. */
 rk_index *rk_index_new(uint32_t num_blocks, uint64_t seed);
 void rk_index_free(rk_index *ix);
-uint32_t rk_index_count(const rk_index *ix);
+uint32_t rk_index_count(const rk_index *ix); /* committed keys */
 
 /* blocks[i]: key i's block, or RK_INDEX_NONE; the LRU order is unchanged. */
 void rk_index_find(const rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
@@ -84,10 +85,63 @@ size_t rk_index_get_records(rk_index *ix, const uint8_t *records, size_t n, uint
  * Returns how many were. */
 size_t rk_index_unpin(int32_t *refs, const uint32_t *blocks, size_t n, uint32_t *last);
 
-/* Add key i -> blocks[i] with digest i as the most recently used, in key
- * order; status[i] says whether it was (RK_INDEX_OK) or why not. */
-void rk_index_insert(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
-                     const uint32_t *blocks, const uint8_t *digests, uint8_t *status);
+/* A PUT's or ALLOC's reservation, item by item in order, of key i (sizes[i]
+ * bytes, digest i) for session owner (> 0). status[i] is the wire's
+ * AllocStatus: RK_INDEX_TOO_LARGE for a size outside 1..max_size,
+ * RK_INDEX_EXISTS for a committed key, RK_INDEX_BUSY for a pending one (any
+ * owner's), RK_INDEX_NO_SPACE when no block is left, else RK_INDEX_RESERVED:
+ * the key is pending in blocks[i] (RK_INDEX_NONE for the others), whose
+ * lengths[] row is set to its size. Its block is the next of spare[0..nspare)
+ * or, once they are used up, that of the least recently used committed key
+ * whose refs[] is 1 (only the index holds it), which is evicted; *evicted and
+ * *evicted_bytes count those. A long key whose copy cannot be allocated is
+ * RK_INDEX_NO_SPACE too. An item sees what the items before it did (one
+ * may evict a key named later). Returns the spares used, or -1 - j when
+ * spare[j] is out of range or holds a key (nothing changed then). */
+#define RK_INDEX_RESERVED 0
+#define RK_INDEX_EXISTS 1
+#define RK_INDEX_BUSY 2
+#define RK_INDEX_NO_SPACE 3
+#define RK_INDEX_TOO_LARGE 4
+int64_t rk_index_reserve(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                         const uint64_t *sizes, const uint8_t *digests, uint32_t max_size,
+                         uint64_t owner, const uint32_t *spare, size_t nspare,
+                         const int32_t *refs, uint32_t *lengths, uint8_t *status,
+                         int64_t *blocks, uint64_t *evicted, uint64_t *evicted_bytes);
+
+/* Commit owner's pending key i, with checksum i in sums[] at its block: it
+ * becomes the most recently used (in key order). With require_written, only
+ * one marked written (rk_index_mark_written). blocks[i]: its block, or
+ * RK_INDEX_NONE (not owner's pending key, not written, or named earlier in the
+ * batch). *bytes: the committed values' lengths[], *one_sided: those of the
+ * ones not marked written. Returns how many were committed. */
+size_t rk_index_commit(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                       uint64_t owner, int require_written, const uint64_t *checksums,
+                       const uint32_t *lengths, uint64_t *sums, int64_t *blocks,
+                       uint64_t *bytes, uint64_t *one_sided);
+
+/* Forget owner's pending key i; blocks[i]: its block (for the caller to
+ * free) or RK_INDEX_NONE. Returns how many were forgotten. */
+size_t rk_index_abort(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
+                      uint64_t owner, int64_t *blocks);
+
+/* Up to max blocks of owner's pending keys (owner 0: anyone's) into out;
+ * with drop, those keys are forgotten too (a session that ended). Returns
+ * how many were written. A scan of every block: not on a hot path. */
+size_t rk_index_pending_blocks(rk_index *ix, uint64_t owner, int drop, uint32_t *out,
+                               size_t max);
+uint32_t rk_index_pending_count(const rk_index *ix);
+
+/* Whether block holds a pending key of owner. */
+int rk_index_is_pending(const rk_index *ix, uint32_t block, uint64_t owner);
+
+/* Mark the pending keys of owner in blocks[0..n) written: the node received
+ * every byte (others are left alone: a block that is no longer owner's). */
+void rk_index_mark_written(rk_index *ix, const uint32_t *blocks, size_t n, uint64_t owner);
+
+/* The digest of each committed block into out + 16 i (zeros for
+ * RK_INDEX_NONE); returns 0, or -1 when a block holds no committed key. */
+int rk_index_digests(const rk_index *ix, const int64_t *blocks, size_t n, uint8_t *out);
 
 /* Remove each key; blocks[i]: the block it held, or RK_INDEX_NONE (absent, or
  * named earlier in the batch). */

@@ -724,7 +724,8 @@ def decode_get_answer_arrays(
     return lengths, np.frombuffer(raw, dtype="<u8", count=expected, offset=expected * U32.size)
 
 
-def encode_put_answer(statuses: Sequence[AllocStatus]) -> bytes:
+def encode_put_answer(statuses: Sequence[int]) -> bytes:
+    """PUT's answer: per item its :class:`AllocStatus`."""
     return U32.pack(len(statuses)) + bytes(statuses)
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterator, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from rdmakv.errors import ConfigError
 from rdmakv.node import native_index
-from rdmakv.node.index import NO_BLOCK, Entry, Index, IndexBase
+from rdmakv.node.index import NO_BLOCK, Index, IndexBase
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
 from rdmakv.protocol import (
@@ -64,11 +65,31 @@ INDEXES = [pytest.param(Index, id="python"), pytest.param(NativeIndex, id="nativ
                                                           marks=needs_native)]
 
 
+def _refs(blocks: int, pinned: Sequence[int] = ()) -> array[int]:
+    """A pool's refcounts as the index reads them: every committed block
+    referenced by the index alone (1), ``pinned`` ones by a reader too."""
+    refs = array("i", [1]) * blocks
+    for b in pinned:
+        refs[b] = 2
+    return refs
+
+
+def _add(
+    idx: IndexBase, items: Sequence[tuple[bytes, int, int, bytes]], sums: Sequence[int],
+    owner: int = 1,
+) -> None:
+    """Reserve and commit (key, block, length, digest) items, each in its block."""
+    reserved = idx.reserve(owner, [(k, n, d) for k, _, n, d in items], BLOCK,
+                           [b for _, b, _, _ in items], _refs(idx.num_blocks))
+    assert reserved.statuses == bytes(len(items))
+    assert idx.commit(owner, [k for k, _, _, _ in items], sums).committed == len(items)
+
+
 def _index_of(kind: type[IndexBase], *keys: bytes) -> IndexBase:
     """An index with ``keys`` committed in order, key i in block i, value length i + 1."""
     idx = kind(8)
-    idx.commit([Entry(k, block, block + 1, D, owner=1) for block, k in enumerate(keys)],
-               [100 + block for block in range(len(keys))])
+    _add(idx, [(k, block, block + 1, D) for block, k in enumerate(keys)],
+         [100 + block for block in range(len(keys))])
     return idx
 
 
@@ -99,7 +120,7 @@ def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order(
 def test_rows_hold_each_committed_value_and_a_miss_reads_as_zeros(kind: type[IndexBase]) -> None:
     idx = _index_of(kind, b"a", b"b", b"c")
     other = bytes(range(16))
-    idx.commit([Entry(b"d", 5, 4000, other, owner=2)], [7])
+    _add(idx, [(b"d", 5, 4000, other)], [7], owner=2)
     assert idx.lengths([5, 1, NO_BLOCK]) == [4000, 2, 0]
     assert idx.checksums([5, 1, NO_BLOCK]) == [7, 101, 0]
     assert idx.digests([5, 1]) == [other, D]
@@ -162,31 +183,46 @@ def test_the_python_index_keeps_no_object_per_committed_key_for_the_collector() 
     assert not any(id(k) in tracked or id(b) in tracked for k, b in idx.items())
 
 
+@pytest.mark.parametrize("kind", INDEXES)
+def test_an_index_refuses_a_spare_block_its_invariants_forbid_and_changes_nothing(
+    kind: type[IndexBase],
+) -> None:
+    idx = _index_of(kind, b"a", b"b")
+    idx.reserve(1, [(b"p", 10, D)], BLOCK, [2], _refs(8))
+    for spare, why in ((1, "holds a key"), (2, "holds a key"), (8, "out of range")):
+        with pytest.raises(ValueError, match=why):
+            idx.reserve(1, [(b"new", 10, D), (b"other", 10, D)], BLOCK, [5, spare], _refs(8))
+    assert _lru_keys(idx) == [b"a", b"b"] and idx.pending_blocks() == [2]
+    assert idx.reserve(1, [(b"new", 10, D)], BLOCK, [], _refs(8)).blocks.tolist() == [0]
+
+
 @needs_native
-def test_the_native_index_refuses_a_commit_its_invariants_forbid() -> None:
+def test_the_native_index_refuses_what_its_invariants_forbid() -> None:
     idx = _index_of(NativeIndex, b"a", b"b")
-    with pytest.raises(native_index.IndexCorrupt, match="already committed"):
-        idx.commit([Entry(b"a", 5, 1, D, owner=1)], [0])
-    with pytest.raises(native_index.IndexCorrupt, match="already holds a key"):
-        idx.commit([Entry(b"new", 1, 1, D, owner=1)], [0])
-    with pytest.raises(native_index.IndexCorrupt, match="out of range"):
-        idx.commit([Entry(b"new", 8, 1, D, owner=1)], [0])
     with pytest.raises(native_index.IndexCorrupt, match="holds no committed key"):
         idx.remove_block(6)
-    assert _lru_keys(idx) == [b"a", b"b"]
+    with pytest.raises(ValueError, match="shared_refcounts"):
+        idx.reserve(1, [(b"new", 10, D)], BLOCK, [], [1] * 8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="owner 0"):
+        idx.reserve(0, [(b"new", 10, D)], BLOCK, [5], _refs(8))
+    assert _lru_keys(idx) == [b"a", b"b"] and idx.pending_count == 0
 
 
 @needs_native
-@settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from("ctxrbo"),
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("pcCawAtxrbo"), st.integers(1, 3),
                               st.lists(st.integers(0, 20), max_size=8)), max_size=60))
-def test_the_native_index_answers_like_the_python_one(ops: list[tuple[str, list[int]]]) -> None:
-    """Random batches of every operation against both indexes (8 blocks: a
-    16-slot table up to half full, so probe runs collide and deletions shift
-    them): same answers, same LRU."""
+def test_the_native_index_answers_like_the_python_one(
+    ops: list[tuple[str, int, list[int]]],
+) -> None:
+    """Random batches of every operation, by three owners, against both
+    indexes (8 blocks: a 16-slot table up to half full, so probe runs collide
+    and deletions shift them; reserves run out of spares and evict, around
+    pinned blocks): same answers, same LRU, same pending keys."""
     blocks = 8
     py, nat = Index(blocks), NativeIndex(blocks)
     free = list(range(blocks))
+    pinned: set[int] = set()  # committed blocks a reader references too
 
     def key(i: int) -> bytes:
         # inline (2, 9: a partial last word) and heap (25, 64, 512 bytes) keys
@@ -195,15 +231,41 @@ def test_the_native_index_answers_like_the_python_one(ops: list[tuple[str, list[
     def digest(i: int) -> bytes:
         return bytes([i % 2]) * 16
 
-    for op, picks in ops:
+    for op, owner, picks in ops:
         keys = [key(i) for i in picks]
-        if op == "c":  # commit the picks not committed yet (distinct), while blocks last
-            new = [k for k in dict.fromkeys(keys) if not py.present([k])[0]][: len(free)]
-            entries = [Entry(k, free.pop(), len(k), digest(len(k)), owner=1) for k in new]
-            for idx in (py, nat):
-                idx.commit(entries, [len(k) * 7 for k in new])
+        if op in "pc":  # reserve (a size 0 or over the block: refused), then maybe commit
+            items = [(k, (len(k) + 40 * i) % (BLOCK + 200), digest(i))
+                     for k, i in zip(keys, picks, strict=True)]
+            spares = free[: len(items) // 2]  # the rest by eviction
+            refs = _refs(blocks, pinned)
+            got = py.reserve(owner, items, BLOCK, spares, refs)
+            assert nat.reserve(owner, items, BLOCK, spares, refs) == got
+            del free[: got.spares_used]
+            if op == "c":
+                sums = [len(k) * 7 for k in keys]
+                assert nat.commit(owner, keys, sums) == py.commit(owner, keys, sums)
+        elif op == "C":  # commit only what the node received in full
+            sums = list(range(len(keys)))
+            assert nat.commit(owner, keys, sums, require_written=True) == py.commit(
+                owner, keys, sums, require_written=True)
+        elif op == "a":
+            gone = py.abort(owner, keys)
+            assert nat.abort(owner, keys) == gone
+            free.extend(b for b in gone if b != NO_BLOCK)
+        elif op == "w":  # some of the picks name blocks, owner's pending or not
+            written = [i % (blocks + 2) for i in picks if i % (blocks + 2) < blocks]
+            py.mark_written(owner, written)
+            nat.mark_written(owner, written)
+            assert [nat.pending_length(owner, b) for b in written] == [
+                py.pending_length(owner, b) for b in written]
+        elif op == "A":
+            gone = py.abandon(owner)
+            assert sorted(nat.abandon(owner)) == sorted(gone)
+            free.extend(gone)
         elif op == "t":
-            assert nat.touch_all(keys) == py.touch_all(keys)
+            found = py.touch_all(keys)
+            assert nat.touch_all(keys) == found
+            pinned.update(b for b in found[:1] if b != NO_BLOCK)  # a reader of the first
         elif op == "x":
             digests = [digest(i) for i in picks]
             assert nat.touch_matching(keys, digests) == py.touch_matching(keys, digests)
@@ -211,26 +273,40 @@ def test_the_native_index_answers_like_the_python_one(ops: list[tuple[str, list[
             gone = py.remove(keys)
             assert nat.remove(keys) == gone
             free.extend(b for b in gone if b != NO_BLOCK)
+            pinned.difference_update(gone)
         elif op == "b" and len(py):
             victim = list(py.oldest_blocks())[picks[0] % len(py) if picks else 0]
             py.remove_block(victim)
             nat.remove_block(victim)
             free.append(victim)
+            pinned.discard(victim)
         else:
             assert nat.present(keys) == py.present(keys)
         assert nat.items() == py.items()
         assert len(nat) == len(py) and nat.committed_bytes == py.committed_bytes
+        assert sorted(nat.pending_blocks()) == sorted(py.pending_blocks())
+        assert nat.pending_count == py.pending_count
+        committed = [b for _, b in py.items()]
+        assert nat.digests(committed) == py.digests(committed)
+        assert nat.lengths(committed) == py.lengths(committed)
+        assert nat.checksums(committed) == py.checksums(committed)
+        # every block is free, committed or pending: none lost, none twice
+        held = sorted(free + committed + py.pending_blocks())
+        assert held == list(range(blocks))
 
 
-def test_the_store_keeps_its_keys_in_the_native_index_unless_turned_off(
+def test_the_store_keeps_its_keys_in_the_native_index_on_a_shared_pool_unless_turned_off(
     pool: Slab, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(native_index.ENV_NATIVE, "0")
     assert type(KVStore(pool)._index) is Index
     monkeypatch.delenv(native_index.ENV_NATIVE)
-    built = native_index.NATIVE_ERROR is None
-    assert type(KVStore(pool)._index) is (NativeIndex if built else Index)
+    native = native_index.NATIVE_ERROR is None and pool.refcounts is not None
+    assert type(KVStore(pool)._index) is (NativeIndex if native else Index)
     assert type(KVStore(pool, native_index=False)._index) is Index
+    if pool.refcounts is None:  # C reads the refcounts to pick eviction victims
+        with pytest.raises(ConfigError, match="shared_refcounts"):
+            KVStore(pool, native_index=True)
 
 
 def test_alloc_statuses(pool: Slab) -> None:
@@ -351,8 +427,8 @@ def test_alloc_received_commits_only_after_every_byte_arrived(pool: Slab) -> Non
     items = [(b"a", 100, D), (b"old", 10, D), (b"busy", 10, D), (b"big", BLOCK + 1, D),
              (b"b", BLOCK, D)]
     statuses, offsets, received = s.alloc_received(1, items)
-    assert statuses == [AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY,
-                        AllocStatus.TOO_LARGE, AllocStatus.OK]
+    assert list(statuses) == [AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY,
+                              AllocStatus.TOO_LARGE, AllocStatus.OK]
     assert offsets[1:4] == [None, None, None]
     a, b = offsets[0], offsets[4]
     assert a is not None and b is not None and a != b and a % BLOCK == b % BLOCK == 0
@@ -536,7 +612,7 @@ class StoreMachine(RuleBasedStateMachine):
         leases + the GETs still sending it."""
         index = self.store._index
         expected: dict[int, int] = {}
-        blocks = [*(b for _, b in index.items()), *(e.block for e in index.pending_map.values())]
+        blocks = [*(b for _, b in index.items()), *index.pending_blocks()]
         for block in blocks:
             expected[block] = expected.get(block, 0) + 1
         for _, _, blk in self.leases.values():

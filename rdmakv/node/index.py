@@ -1,15 +1,27 @@
-"""The node's index: key -> pool block in LRU order, and per block the value's row.
+"""The node's index: its keys, committed (key -> pool block, in LRU order) and
+pending (reserved by a PUT or ALLOC, not yet committed), and per block the
+value's row.
 
-:class:`IndexBase` holds what every index keeps the same way: a committed
-value's length, token digest and checksum in per-block columns (indexed by
-block, written at commit: lengths and checksums in C arrays that the native
-index reads, digests in a list), and the uncommitted entries. Where the
-committed keys live is the subclass's: :class:`Index` keeps them in an
-``OrderedDict`` (key -> block) whose order is recency (oldest first), so
-eviction scans from the front; :class:`~rdmakv.node.native_index.NativeIndex`
-keeps them in C (``rdmakv._native_index``), one call per batch. The store uses
-the native one when it is built. Both take and return the same things, so the
-store has one code path.
+:class:`IndexBase` holds what every index keeps the same way: a value's
+length and writer's checksum in per-block columns (C arrays, indexed by
+block, that the native index reads and writes: the length at reserve, the
+checksum at commit). Where the keys live is the subclass's: :class:`Index`
+keeps the committed ones in an ``OrderedDict`` (key -> block) whose order is
+recency (oldest first), so eviction scans from the front, and the pending
+ones in a dict; :class:`~rdmakv.node.native_index.NativeIndex` keeps both in
+C (``rdmakv._native_index``), one call per batch, so a PUT's reserve and its
+COMMIT cost one crossing each, as a GET does. The store uses the native one
+when it is built. Both take and return the same things, so the store has one
+code path.
+
+A pending key belongs to the session (``owner``) that reserved it: only that
+one may commit or abort it or write into its block, and until it commits
+nobody finds it (lookups miss, reserve of its key answers BUSY). Reserve takes
+its blocks from the spares the caller took from the pool and, when they run
+out, evicts the least recently used committed key whose block only the index
+references: the index reads the pool's refcounts for that and never changes
+them, so the evicted block's one reference passes to the new pending key.
+The index does not own pool memory: the store does the refcounting.
 
 Why no object per committed key: bytes and ints are not tracked by Python's
 cyclic garbage collector, an object per key is. With an ``Entry`` per key a
@@ -21,10 +33,6 @@ index's dict among it, so the collector does not walk the dict either.
 Each column has one row more than the pool has blocks, the last, all zeros:
 a miss is :data:`NO_BLOCK` (-1), so reading a batch's rows with one C-level
 ``map`` over its blocks reads a miss as length 0 and checksum 0.
-
-Uncommitted values (ALLOC to COMMIT) are :class:`Entry` objects kept apart,
-never visible to lookup/exists, each owned by the session that allocated it.
-The index does not own pool memory: the store does the refcounting.
 """
 
 from __future__ import annotations
@@ -34,54 +42,59 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
-from rdmakv.protocol import GetRequest
+from rdmakv.protocol import MAX_KEY_LEN, AllocStatus, GetRequest
 
 NO_BLOCK = -1
 """A miss, in the block lists lookups return: the columns' zero row."""
 _NO_DIGEST = b""
 
+AllocItem = tuple[bytes, int, bytes]
+"""One item of a PUT or ALLOC: (key, size, digest)."""
 
-@dataclass(slots=True)
-class Entry:
-    """One uncommitted value. ``block`` is a pool block handle; ``length`` <= block size."""
 
-    key: bytes
-    block: int
-    length: int
-    digest: bytes
-    owner: int  # the session that allocated it: only it may write, commit or abort
-    written: bool = False  # the node received all ``length`` bytes through WRITE
+class Refcounts(Protocol):
+    """The pool's reference count of each block, as reserve reads them."""
+
+    def __getitem__(self, block: int, /) -> int: ...
+
+
+class Reserved(NamedTuple):
+    """What :meth:`IndexBase.reserve` did with a batch of items."""
+
+    statuses: bytearray
+    """Per item its :class:`~rdmakv.protocol.AllocStatus` (the wire's byte)."""
+    blocks: array[int]
+    """Per item the block it is pending in; :data:`NO_BLOCK` where refused."""
+    spares_used: int
+    """How many of the spares (the first ones) it took; the rest are the caller's."""
+    evicted: int
+    """Committed keys evicted to make room."""
+
+
+class Committed(NamedTuple):
+    """What :meth:`IndexBase.commit` did with a batch of keys."""
+
+    blocks: list[int]
+    """Per key its block, now committed; :data:`NO_BLOCK` where it was not."""
+    committed: int
+    one_sided: int
+    """Bytes committed that were never marked written (they moved one-sided)."""
 
 
 class IndexBase(ABC):
-    """Committed keys (the subclass's) with their rows, plus uncommitted
-    entries by key. A block is in at most one of them. Not thread-safe: the
-    store calls it under its lock."""
+    """Committed and pending keys (the subclass's) with their rows. A block
+    holds at most one key, a key at most one block. Not thread-safe: the store
+    calls it under its lock."""
 
     def __init__(self, num_blocks: int) -> None:
-        self._pending: dict[bytes, Entry] = {}
+        self.num_blocks = num_blocks
         rows = num_blocks + 1  # the last: a miss's
-        # C arrays, not lists: the native index reads them in GET's one call
+        # C arrays, not lists: the native index reads and writes them in its calls
         self._lengths = array("I", [0]) * rows
         self._checksums = array("Q", [0]) * rows
-        self._digests = [_NO_DIGEST] * rows
         self.committed_bytes = 0
-
-    @property
-    def pending_map(self) -> dict[bytes, Entry]:
-        """Uncommitted entries by key; the store adds new ones here directly."""
-        return self._pending
-
-    @property
-    def pending_count(self) -> int:
-        return len(self._pending)
-
-    def pending(self, key: bytes) -> Entry | None:
-        return self._pending.get(key)
-
-    def drop_pending(self, key: bytes) -> Entry:
-        return self._pending.pop(key)
 
     def lengths(self, blocks: Sequence[int]) -> list[int]:
         """Per block (:data:`NO_BLOCK` allowed) its value length; 0 for a miss."""
@@ -91,22 +104,46 @@ class IndexBase(ABC):
         """Per block (:data:`NO_BLOCK` allowed) its writer's checksum; 0 for a miss."""
         return list(map(self._checksums.__getitem__, blocks))
 
-    def digests(self, blocks: Sequence[int]) -> list[bytes]:
-        """Per block (:data:`NO_BLOCK` allowed) its token digest; empty for a miss."""
-        return list(map(self._digests.__getitem__, blocks))
+    def reserve(
+        self,
+        owner: int,
+        items: Sequence[AllocItem],
+        max_size: int,
+        spares: Sequence[int],
+        refcounts: Refcounts,
+    ) -> Reserved:
+        """Make each (key, size, digest) a pending key of ``owner``, in order,
+        or say why not: TOO_LARGE (size outside 1..``max_size``, or a key
+        length outside 1..MAX_KEY_LEN), EXISTS (committed), BUSY (pending, any
+        owner's), NO_SPACE (no block left). Its block is the next of
+        ``spares`` (free blocks the caller took from the pool, each with the
+        one reference the pending key holds) or, once they are used up, that of
+        the least recently used committed key whose ``refcounts`` is 1, which
+        is evicted. An item sees what the items before it did: one may evict a
+        key named later. Raises :class:`ValueError` for a spare that is out of
+        range or holds a key, before changing anything."""
+        reserved = self._reserve(owner, items, max_size, spares, refcounts)
+        self.committed_bytes -= reserved[1]
+        return reserved[0]
 
-    def commit(self, entries: Sequence[Entry], checksums: Sequence[int]) -> None:
-        """Make ``entries`` -- taken out of :attr:`pending_map` by the caller,
-        distinct keys none of which is committed -- committed and most recently
-        used (in order), each with its writer's checksum."""
-        lengths, sums, digests = self._lengths, self._checksums, self._digests
-        for e, checksum in zip(entries, checksums, strict=True):
-            b = e.block
-            lengths[b] = e.length
-            sums[b] = checksum
-            digests[b] = e.digest
-            self.committed_bytes += e.length
-        self._insert(entries)
+    def commit(
+        self,
+        owner: int,
+        keys: Sequence[bytes],
+        checksums: Sequence[int],
+        *,
+        require_written: bool = False,
+    ) -> Committed:
+        """Commit ``owner``'s pending ``keys``, each with its writer's
+        checksum: each becomes the most recently used, in order. Any other key
+        is left alone (:data:`NO_BLOCK`): not pending, another owner's, named
+        earlier in the batch, or, with ``require_written``, not marked
+        written (its bytes may be stale)."""
+        if len(checksums) != len(keys):
+            raise ValueError(f"commit of {len(keys)} keys with {len(checksums)} checksums")
+        blocks, nbytes, one_sided = self._commit(owner, keys, checksums, require_written)
+        self.committed_bytes += nbytes
+        return Committed(blocks, len(blocks) - blocks.count(NO_BLOCK), one_sided)
 
     def _forget_rows(self, blocks: Sequence[int]) -> None:
         """Account for committed ``blocks`` (no :data:`NO_BLOCK`) just removed."""
@@ -124,9 +161,43 @@ class IndexBase(ABC):
         self._remove_block(block)
         self._forget_rows([block])
 
+    def pending_length(self, owner: int, block: int) -> int:
+        """The size reserved in ``block`` when it holds a pending key of
+        ``owner``, else 0."""
+        return self._lengths[block] if self._is_pending(owner, block) else 0
+
     @abstractmethod
     def __len__(self) -> int:
         """Committed keys."""
+
+    @property
+    @abstractmethod
+    def pending_count(self) -> int:
+        """Pending keys."""
+
+    @abstractmethod
+    def pending_blocks(self, owner: int | None = None) -> list[int]:
+        """The blocks of ``owner``'s pending keys (None: everyone's)."""
+
+    @abstractmethod
+    def abort(self, owner: int, keys: Sequence[bytes]) -> list[int]:
+        """Forget ``owner``'s pending ``keys``; per key its block, for the
+        caller to free (:data:`NO_BLOCK`: not ``owner``'s pending key)."""
+
+    @abstractmethod
+    def abandon(self, owner: int) -> list[int]:
+        """Forget every pending key of ``owner`` (a session that ended); their
+        blocks, for the caller to free."""
+
+    @abstractmethod
+    def mark_written(self, owner: int, blocks: Sequence[int]) -> None:
+        """The node received every byte of the pending keys of ``owner`` in
+        ``blocks`` (any other block is left alone: no longer ``owner``'s)."""
+
+    @abstractmethod
+    def digests(self, blocks: Sequence[int]) -> list[bytes]:
+        """Per committed block (:data:`NO_BLOCK` allowed) its token digest;
+        empty for a miss."""
 
     @abstractmethod
     def present(self, keys: Sequence[bytes]) -> list[bool]:
@@ -158,29 +229,158 @@ class IndexBase(ABC):
         """Committed (key, block), least recently used first (introspection)."""
 
     @abstractmethod
-    def _insert(self, entries: Sequence[Entry]) -> None:
-        """Add each entry's key -> block as the most recently used, in order."""
+    def _is_pending(self, owner: int, block: int) -> bool:
+        """Whether ``block`` holds a pending key of ``owner``."""
+
+    @abstractmethod
+    def _reserve(
+        self,
+        owner: int,
+        items: Sequence[AllocItem],
+        max_size: int,
+        spares: Sequence[int],
+        refcounts: Refcounts,
+    ) -> tuple[Reserved, int]:
+        """:meth:`reserve`, and the bytes of the committed values it evicted."""
+
+    @abstractmethod
+    def _commit(
+        self, owner: int, keys: Sequence[bytes], checksums: Sequence[int], require_written: bool
+    ) -> tuple[list[int], int, int]:
+        """:meth:`commit` (lengths checked): per key its block or
+        :data:`NO_BLOCK`, the bytes committed, and those never marked written."""
 
     @abstractmethod
     def _remove(self, keys: Sequence[bytes]) -> list[int]:
-        """Drop keys (see :meth:`remove`); their rows are the base's."""
+        """Drop committed keys (see :meth:`remove`); their rows are the base's."""
 
     @abstractmethod
     def _remove_block(self, block: int) -> None:
-        """Drop the key ``block`` holds."""
+        """Drop the committed key ``block`` holds."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One pending key of the Python index; its size is the length column's."""
+
+    key: bytes
+    block: int
+    owner: int
+    written: bool = False
 
 
 class Index(IndexBase):
     """Committed keys in an ``OrderedDict`` (key -> block) in LRU order, oldest
-    first. The index of hosts without ``rdmakv._native_index``."""
+    first, pending ones in dicts by key and by block. The index of hosts
+    without ``rdmakv._native_index``."""
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._keys = [b""] * (num_blocks + 1)  # per block: its key (remove_block)
+        self._digests = [_NO_DIGEST] * (num_blocks + 1)
+        self._pending: dict[bytes, _Pending] = {}
+        self._pending_at: dict[int, _Pending] = {}  # the same, by block
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def pending_blocks(self, owner: int | None = None) -> list[int]:
+        return [b for b, p in self._pending_at.items() if owner is None or p.owner == owner]
+
+    def _is_pending(self, owner: int, block: int) -> bool:
+        p = self._pending_at.get(block)
+        return p is not None and p.owner == owner
+
+    def _drop_pending(self, p: _Pending) -> int:
+        del self._pending[p.key], self._pending_at[p.block]
+        return p.block
+
+    def abort(self, owner: int, keys: Sequence[bytes]) -> list[int]:
+        out = []
+        for key in keys:
+            p = self._pending.get(key)
+            out.append(NO_BLOCK if p is None or p.owner != owner else self._drop_pending(p))
+        return out
+
+    def abandon(self, owner: int) -> list[int]:
+        mine = [p for p in self._pending_at.values() if p.owner == owner]
+        return [self._drop_pending(p) for p in mine]
+
+    def mark_written(self, owner: int, blocks: Sequence[int]) -> None:
+        at = self._pending_at
+        for block in blocks:
+            p = at.get(block)
+            if p is not None and p.owner == owner:
+                p.written = True
+
+    def digests(self, blocks: Sequence[int]) -> list[bytes]:
+        return [_NO_DIGEST if b == NO_BLOCK else self._digests[b] for b in blocks]
+
+    def _reserve(
+        self,
+        owner: int,
+        items: Sequence[AllocItem],
+        max_size: int,
+        spares: Sequence[int],
+        refcounts: Refcounts,
+    ) -> tuple[Reserved, int]:
+        for block in spares:
+            if not 0 <= block < self.num_blocks or block in self._pending_at or self._keys[block]:
+                raise ValueError(f"spare block {block} is out of range or holds a key")
+        statuses = bytearray(len(items))
+        blocks = array("q", [NO_BLOCK]) * len(items)
+        lru, pending, at = self._lru, self._pending, self._pending_at
+        used = evicted = evicted_bytes = 0
+        for i, (key, size, digest) in enumerate(items):
+            if not (0 < size <= max_size and 0 < len(key) <= MAX_KEY_LEN):
+                statuses[i] = AllocStatus.TOO_LARGE
+                continue
+            if key in lru or key in pending:
+                statuses[i] = AllocStatus.EXISTS if key in lru else AllocStatus.BUSY
+                continue
+            if used < len(spares):
+                block = spares[used]
+                used += 1
+            else:
+                victim = next((b for b in lru.values() if refcounts[b] == 1), None)
+                if victim is None:  # every committed block is leased or being read
+                    statuses[i] = AllocStatus.NO_SPACE
+                    continue
+                block = victim
+                evicted += 1
+                evicted_bytes += self._lengths[block]
+                self._remove_block(block)
+            blocks[i] = block
+            pending[key] = at[block] = _Pending(key, block, owner)
+            self._lengths[block] = size
+            self._digests[block] = digest
+        return Reserved(statuses, blocks, used, evicted), evicted_bytes
+
+    def _commit(
+        self, owner: int, keys: Sequence[bytes], checksums: Sequence[int], require_written: bool
+    ) -> tuple[list[int], int, int]:
+        pending, lengths, sums, lru = self._pending, self._lengths, self._checksums, self._lru
+        out: list[int] = []
+        nbytes = one_sided = 0
+        for key, checksum in zip(keys, checksums, strict=True):
+            p = pending.get(key)
+            if p is None or p.owner != owner or (require_written and not p.written):
+                out.append(NO_BLOCK)
+                continue
+            block = self._drop_pending(p)  # a repeat of the key in this batch: a miss
+            sums[block] = checksum
+            nbytes += lengths[block]
+            if not p.written:
+                one_sided += lengths[block]
+            lru[key] = block
+            self._keys[block] = key
+            out.append(block)
+        return out, nbytes, one_sided
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         return list(map(self._lru.__contains__, keys))
@@ -213,16 +413,13 @@ class Index(IndexBase):
     def items(self) -> list[tuple[bytes, int]]:
         return list(self._lru.items())
 
-    def _insert(self, entries: Sequence[Entry]) -> None:
-        lru, keys = self._lru, self._keys
-        for e in entries:
-            lru[e.key] = e.block
-            keys[e.block] = e.key
-
     def _remove(self, keys: Sequence[bytes]) -> list[int]:
         pop = self._lru.pop
-        return [pop(key, NO_BLOCK) for key in keys]
+        blocks = [pop(key, NO_BLOCK) for key in keys]
+        for block in blocks:
+            self._keys[block] = b""  # NO_BLOCK: the spare row's
+        return blocks
 
     def _remove_block(self, block: int) -> None:
         del self._lru[self._keys[block]]
-
+        self._keys[block] = b""

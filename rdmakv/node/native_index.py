@@ -1,10 +1,11 @@
-"""NativeIndex: the node's committed keys in C (``rdmakv._native_index``).
+"""NativeIndex: the node's keys in C (``rdmakv._native_index``).
 
 The same index as :class:`~rdmakv.node.index.Index`, with the key -> block
-table and the LRU list in C (native/rk_index.h) instead of an
-``OrderedDict``. Each batch crosses into C once, its keys joined into one
-buffer with an array of their lengths, so a GET of a thousand keys is one call,
-not a thousand dict operations under the store lock. The C side hashes a batch
+table, the LRU list and the pending keys in C (native/rk_index.h) instead of
+dicts. Each batch crosses into C once, its keys joined into one buffer with
+an array of their lengths, so a GET, a PUT's reserve or a COMMIT of a
+thousand keys is one call, not a thousand dict operations under the store
+lock. The C side hashes a batch
 ahead of its lookups and prefetches, so a cold batch (a node's usual: the
 values it just sent have flushed the caches) waits for its misses in parallel.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import secrets
 from array import array
 from collections.abc import Iterator, Sequence
-from operator import attrgetter
+from operator import itemgetter
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -32,8 +33,8 @@ import numpy.typing as npt
 
 from rdmakv import native_core
 from rdmakv.errors import RdmakvError
-from rdmakv.node.index import NO_BLOCK, Entry, IndexBase
-from rdmakv.protocol import DIGEST_LEN, GET_ENTRY_BYTES, MAX_KEY_LEN, U32, GetRequest
+from rdmakv.node.index import NO_BLOCK, AllocItem, IndexBase, Refcounts, Reserved
+from rdmakv.protocol import DIGEST_LEN, GET_ENTRY_BYTES, U32, GetRequest
 
 ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
 """Set to 0 to keep the node's keys in the Python index even when this one is built."""
@@ -45,16 +46,9 @@ OLDEST_PAGE = 16
 """Blocks fetched per call when walking the LRU list from the oldest: eviction
 almost always takes the first, and rarely needs more than a page."""
 
-_KEY, _BLOCK, _DIGEST = attrgetter("key"), attrgetter("block"), attrgetter("digest")
+_ITEM_KEY, _ITEM_SIZE, _ITEM_DIGEST = itemgetter(0), itemgetter(1), itemgetter(2)
 
-_INSERT_ERRORS = {} if _lib is None else {
-    _lib.RK_INDEX_EXISTS: "the key is already committed",
-    _lib.RK_INDEX_BUSY: "the block already holds a key",
-    _lib.RK_INDEX_BAD_BLOCK: "the block is out of range",
-    _lib.RK_INDEX_BAD_KEY: f"the key length is outside [1, {MAX_KEY_LEN}]",
-    _lib.RK_INDEX_NOMEM: "out of memory",
-}
-"""Why rk_index_insert refused a key, by its status."""
+_MAX_OWNER = (1 << 64) - 1
 
 
 class PinnedRequest(NamedTuple):
@@ -91,10 +85,18 @@ def _blocks_out(n: int) -> array[int]:
     return array("q", bytes(8 * n))
 
 
+def _owner(owner: int) -> int:
+    """A session id as C keeps it (0 means "anyone's" there)."""
+    if not 0 < owner <= _MAX_OWNER:
+        raise ValueError(f"owner {owner} is outside [1, 2**64)")
+    return owner
+
+
 class NativeIndex(IndexBase):
-    """Committed keys in C: a seeded open-addressing table of blocks and an LRU
-    list through them (native/rk_index.h). Rows and uncommitted entries are the
-    base's. Not thread-safe: the store calls it under its lock."""
+    """Keys in C: a seeded open-addressing table of blocks, committed and
+    pending, and an LRU list through the committed ones (native/rk_index.h).
+    Rows are the base's. Owners are session ids in [1, 2**64). Not
+    thread-safe: the store calls it under its lock."""
 
     def __init__(self, num_blocks: int) -> None:
         if _lib is None:
@@ -107,6 +109,100 @@ class NativeIndex(IndexBase):
 
     def __len__(self) -> int:
         return int(_lib.rk_index_count(self._ix))
+
+    @property
+    def pending_count(self) -> int:
+        return int(_lib.rk_index_pending_count(self._ix))
+
+    def _pending_blocks(self, owner: int, drop: bool) -> list[int]:
+        out = array("I", bytes(4 * self.pending_count))
+        n = _lib.rk_index_pending_blocks(
+            self._ix, owner, drop, _ffi.from_buffer("uint32_t[]", out), len(out)
+        )
+        return out[:n].tolist()
+
+    def pending_blocks(self, owner: int | None = None) -> list[int]:
+        return self._pending_blocks(0 if owner is None else _owner(owner), False)
+
+    def abandon(self, owner: int) -> list[int]:
+        return self._pending_blocks(_owner(owner), True)
+
+    def _is_pending(self, owner: int, block: int) -> bool:
+        return bool(_lib.rk_index_is_pending(self._ix, block, _owner(owner)))
+
+    def abort(self, owner: int, keys: Sequence[bytes]) -> list[int]:
+        blocks = _blocks_out(len(keys))
+        _lib.rk_index_abort(
+            self._ix, *_keys(keys), len(keys), _owner(owner), _ffi.from_buffer("int64_t[]", blocks)
+        )
+        return blocks.tolist()
+
+    def mark_written(self, owner: int, blocks: Sequence[int]) -> None:
+        at = array("I", blocks)
+        _lib.rk_index_mark_written(self._ix, _ffi.from_buffer("uint32_t[]", at), len(at),
+                                   _owner(owner))
+
+    def digests(self, blocks: Sequence[int]) -> list[bytes]:
+        n = len(blocks)
+        out = bytearray(DIGEST_LEN * n)
+        at = array("q", blocks)
+        if _lib.rk_index_digests(self._ix, _ffi.from_buffer("int64_t[]", at), n,
+                                 _ffi.from_buffer("uint8_t[]", out)):
+            raise IndexCorrupt(f"digests of blocks that hold no committed key: {blocks}")
+        return [b"" if b == NO_BLOCK else bytes(out[i * DIGEST_LEN : (i + 1) * DIGEST_LEN])
+                for i, b in enumerate(blocks)]
+
+    def _reserve(
+        self,
+        owner: int,
+        items: Sequence[AllocItem],
+        max_size: int,
+        spares: Sequence[int],
+        refcounts: Refcounts,
+    ) -> tuple[Reserved, int]:
+        # C reads refs[block] for any committed block
+        if not isinstance(refcounts, array) or refcounts.typecode != "i" \
+                or len(refcounts) != self.num_blocks:
+            raise ValueError(f"the native index needs the pool's {self.num_blocks} int32 "
+                             "refcounts (a slab made with shared_refcounts)")
+        n = len(items)
+        # C-level passes (map), not a loop: a reserve is on every put's path
+        keys = list(map(_ITEM_KEY, items))
+        digests = b"".join(map(_ITEM_DIGEST, items))
+        if len(digests) != n * DIGEST_LEN:
+            raise ValueError(f"reserve of {n} keys with {len(digests)} bytes of digests")
+        sizes = array("Q", map(_ITEM_SIZE, items))
+        spare = array("I", spares)
+        statuses = bytearray(n)
+        blocks = _blocks_out(n)
+        evicted = _ffi.new("uint64_t[2]")
+        used = _lib.rk_index_reserve(
+            self._ix, *_keys(keys), n, _ffi.from_buffer("uint64_t[]", sizes),
+            _ffi.from_buffer(digests), max_size, _owner(owner),
+            _ffi.from_buffer("uint32_t[]", spare), len(spare),
+            _ffi.from_buffer("int32_t[]", refcounts),
+            _ffi.from_buffer("uint32_t[]", self._lengths),
+            _ffi.from_buffer("uint8_t[]", statuses), _ffi.from_buffer("int64_t[]", blocks),
+            evicted, evicted + 1,
+        )
+        if used < 0:
+            raise ValueError(f"spare block {spare[-1 - used]} is out of range or holds a key")
+        return Reserved(statuses, blocks, used, int(evicted[0])), int(evicted[1])
+
+    def _commit(
+        self, owner: int, keys: Sequence[bytes], checksums: Sequence[int], require_written: bool
+    ) -> tuple[list[int], int, int]:
+        n = len(keys)
+        sums = array("Q", checksums)
+        blocks = _blocks_out(n)
+        totals = _ffi.new("uint64_t[2]")
+        _lib.rk_index_commit(
+            self._ix, *_keys(keys), n, _owner(owner), require_written,
+            _ffi.from_buffer("uint64_t[]", sums), _ffi.from_buffer("uint32_t[]", self._lengths),
+            _ffi.from_buffer("uint64_t[]", self._checksums), _ffi.from_buffer("int64_t[]", blocks),
+            totals, totals + 1,
+        )
+        return blocks.tolist(), int(totals[0]), int(totals[1])
 
     def _lookup(self, keys: Sequence[bytes], touch: bool) -> array[int]:
         blocks = _blocks_out(len(keys))
@@ -228,29 +324,6 @@ class NativeIndex(IndexBase):
             n = _lib.rk_index_key(self._ix, block, key)
             out.append((bytes(_ffi.buffer(key, n)), block))
         return out
-
-    def _insert(self, entries: Sequence[Entry]) -> None:
-        n = len(entries)
-        if not n:
-            return
-        # C-level passes (map), not generators: a commit is on every put's path
-        digests = b"".join(map(_DIGEST, entries))
-        if len(digests) != n * DIGEST_LEN:
-            raise IndexCorrupt(f"commit of {n} entries with {len(digests)} bytes of digests")
-        keys = list(map(_KEY, entries))
-        blocks = array("I", map(_BLOCK, entries))
-        status = bytearray(n)
-        _lib.rk_index_insert(
-            self._ix, *_keys(keys), n,
-            _ffi.from_buffer("uint32_t[]", blocks), _ffi.from_buffer(digests),
-            _ffi.from_buffer("uint8_t[]", status),
-        )
-        if any(status):
-            i = next(i for i, st in enumerate(status) if st)
-            raise IndexCorrupt(
-                f"commit of {keys[i]!r} to block {blocks[i]}: "
-                f"{_INSERT_ERRORS.get(status[i], f'status {status[i]}')}"
-            )
 
     def _remove(self, keys: Sequence[bytes]) -> list[int]:
         blocks = _blocks_out(len(keys))

@@ -46,7 +46,6 @@ from rdmakv.protocol import (
     PROTOCOL_VERSION,
     RESPONSE_BIT,
     U32,
-    AllocStatus,
     Channel,
     FrameTooLarge,
     GetRequest,
@@ -160,7 +159,7 @@ class Session:
 
     def alloc_received(
         self, items: Sequence[tuple[bytes, int, bytes]]
-    ) -> tuple[list[AllocStatus], list[int | None], Callable[[], None]]:
+    ) -> tuple[bytearray, list[int | None], Callable[[], None]]:
         return self.node.store.alloc_received(self.session_id, items)
 
     def abort(self, keys: Sequence[bytes]) -> list[bool]:

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import NO_BLOCK, Entry, Index, IndexBase
+from rdmakv.node.index import NO_BLOCK, AllocItem, Index, IndexBase, Refcounts, Reserved
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.native_index import enabled as native_index_enabled
@@ -66,6 +66,17 @@ DEFAULT_LEASE_QUOTA_SHARE = 2
 LEASE_QUOTA_FLOOR = MAX_BULK_BYTES
 """... but never below the bulk bytes of one READ (256 MiB), so one client's batched
 get always fits: on a pool under twice that, the default quota guards nothing."""
+
+
+class _RefcountsOf:
+    """A pool's refcounts read one block at a time, for a pool that does not
+    share them as an array (only the Python index reads them so)."""
+
+    def __init__(self, pool: Slab) -> None:
+        self._refcount = pool.refcount
+
+    def __getitem__(self, block: int, /) -> int:
+        return self._refcount(block)
 
 
 class LeaseQuotaExceeded(LimitExceeded):
@@ -135,16 +146,21 @@ class KVStore:
         self._guard = guard  # told of every extent handed to / taken from a session
         self._clock = clock
         self._lock = threading.Lock()
+        refs = pool.refcounts
         if native_index is None:
-            native_index = native_index_enabled()
+            native_index = native_index_enabled() and refs is not None
+        if native_index and refs is None:
+            raise ConfigError(
+                "the native index needs a pool whose refcounts C can read "
+                "(Slab(..., shared_refcounts=True)), or native_index=False"
+            )
         self._index: IndexBase = (NativeIndex if native_index else Index)(pool.num_blocks)
+        self._refcounts: Refcounts = _RefcountsOf(pool) if refs is None else refs
         # GET's one native call takes its pins in the pool's own refcounts
-        native, refs = self._index, pool.refcounts
         self._get_in_c: tuple[NativeIndex, array[int]] | None = None
-        if isinstance(native, NativeIndex) and refs is not None:
-            self._get_in_c = native, refs
+        if isinstance(self._index, NativeIndex) and refs is not None:
+            self._get_in_c = self._index, refs
         self._leases = LeaseTable()
-        self._pending_by_session: dict[int, dict[int, Entry]] = {}  # session -> block -> entry
         self.counters = Counters()
 
     # -- helpers (lock held) ------------------------------------------------------
@@ -163,71 +179,36 @@ class KVStore:
         for block, _, _ in lease.extents:
             decref(block)
 
-    def _revoke_write(self, session: int, e: Entry) -> None:
-        if self._guard is not None:
-            self._guard.revoke(session, [self._base + e.block * self.block_size], write=True)
+    def _revoke_writes(self, session: int, blocks: Sequence[int]) -> None:
+        if self._guard is not None and blocks:
+            base, bs = self._base, self.block_size
+            self._guard.revoke(session, [base + b * bs for b in blocks], write=True)
 
-    def _evict_one(self) -> bool:
-        refcount = self.pool.refcount
-        victim = next((b for b in self._index.oldest_blocks() if refcount(b) == 1), None)
-        if victim is None:  # every committed block is leased or being read
-            return False
-        self._index.remove_block(victim)  # only the index held it
-        self.pool.decref(victim)
-        self.counters.evictions += 1
-        return True
-
-    def _take_block(self) -> int | None:
-        if self.pool.free_blocks == 0:
-            self._expire()
-        while self.pool.free_blocks == 0:
-            if not self._evict_one():
-                return None
-        return self.pool.alloc()
+    def _free_pending(self, session: int, blocks: Sequence[int]) -> None:
+        """Free the blocks of pending keys the index just forgot."""
+        self._revoke_writes(session, blocks)  # before the blocks can be reused
+        self.pool.decref_many(blocks)
 
     # -- control operations ----------------------------------------------------------
-    def _reserve(
-        self, session: int, items: Sequence[tuple[bytes, int, bytes]]
-    ) -> tuple[list[AllocStatus], list[Entry | None]]:
-        """Per (key, size, digest): a new uncommitted entry of this session, or
-        why not (lock held)."""
-        statuses: list[AllocStatus] = []
-        entries: list[Entry | None] = []
-        status, entry = statuses.append, entries.append
-        ok, exists, busy = AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY
-        mine = self._pending_by_session.setdefault(session, {})
-        index, pending = self._index, self._index.pending_map
-        committed = index.present([key for key, _, _ in items])
-        evictions = self.counters.evictions
-        take = self.pool.try_alloc
-        bs = self.block_size
-        self.counters.allocs += len(items)
-        for (key, size, digest), was_committed in zip(items, committed, strict=True):
-            if was_committed and self.counters.evictions != evictions:
-                # an earlier item of this batch may have evicted it
-                (was_committed,) = index.present([key])
-            if not (0 < size <= bs):
-                status(AllocStatus.TOO_LARGE)
-            elif was_committed:
-                status(exists)
-            elif key in pending:
-                status(busy)
-            else:
-                block = take()
-                if block is None:
-                    block = self._take_block()
-                if block is None:
-                    self.counters.no_space += 1
-                    status(AllocStatus.NO_SPACE)
-                    entry(None)
-                    continue
-                e = Entry(key, block, size, digest, session)
-                pending[key] = mine[block] = e
-                status(ok)
-                entry(e)
-                continue
-            entry(None)
-        return statuses, entries
+    def _reserve(self, session: int, items: Sequence[AllocItem]) -> Reserved:
+        """Per (key, size, digest): a new pending key of this session, or why
+        not (lock held). The index takes free blocks first, then evicts."""
+        pool = self.pool
+        n = len(items)
+        if pool.free_blocks < n:
+            self._expire()  # expired leases free blocks for eviction
+        spares = pool.alloc_many(min(n, pool.free_blocks))
+        try:
+            reserved = self._index.reserve(session, items, self.block_size, spares, self._refcounts)
+        except BaseException:
+            pool.decref_many(spares)
+            raise
+        pool.decref_many(spares[reserved.spares_used :])
+        c = self.counters
+        c.allocs += n
+        c.evictions += reserved.evicted
+        c.no_space += reserved.statuses.count(AllocStatus.NO_SPACE)
+        return reserved
 
     def alloc(
         self, session: int, items: Sequence[tuple[bytes, int, bytes]]
@@ -249,17 +230,15 @@ class KVStore:
         elsewhere. Laid out in array passes, not an object per key: ALLOC is
         the node's busiest control request."""
         with self._lock:
-            statuses, entries = self._reserve(session, items)
+            statuses, blocks, _, _ = self._reserve(session, items)
             table = np.zeros(len(items), dtype=EXTENT_DTYPE)
-            table["status"] = np.frombuffer(bytes(statuses), dtype=np.uint8)
-            mine = [e for e in entries if e is not None]  # exactly the OK items
-            if not mine:
-                return table
+            table["status"] = np.frombuffer(statuses, dtype=np.uint8)
             ok = table["status"] == AllocStatus.OK
-            addrs = np.array([e.block for e in mine], dtype=np.uint64)
-            addrs *= np.uint64(self.block_size)
-            addrs += np.uint64(self._base)
-            lengths = [e.length for e in mine]
+            if not ok.any():
+                return table
+            mine = np.frombuffer(blocks, dtype=np.int64)[ok]
+            addrs = mine.astype(np.uint64) * np.uint64(self.block_size) + np.uint64(self._base)
+            lengths = self._index.lengths(mine.tolist())  # the sizes reserved
             table["addr"][ok] = addrs
             table["length"][ok] = lengths
             if self._guard is None:
@@ -270,24 +249,26 @@ class KVStore:
         return table
 
     def alloc_received(
-        self, session: int, items: Sequence[tuple[bytes, int, bytes]]
-    ) -> tuple[list[AllocStatus], list[int | None], Callable[[], None]]:
+        self, session: int, items: Sequence[AllocItem]
+    ) -> tuple[bytearray, list[int | None], Callable[[], None]]:
         """ALLOC for values the node itself receives (PUT): per item its status
-        and its extent's pool offset (None when refused), and ``received()``, to
-        call once every byte of every allocated value is in the pool: it marks
-        them written (see ``commit(require_written=True)``). Nothing is granted
-        to a one-sided data path: these bytes never move one-sided."""
+        (the wire's byte) and its extent's pool offset (None when refused), and
+        ``received()``, to call once every byte of every allocated value is in
+        the pool: it marks them written (see ``commit(require_written=True)``).
+        Nothing is granted to a one-sided data path: these bytes never move
+        one-sided."""
         with self._lock:
-            statuses, entries = self._reserve(session, items)
+            statuses, blocks, _, _ = self._reserve(session, items)
         bs = self.block_size
-        offsets = [None if e is None else e.block * bs for e in entries]
-        mine = [e for e in entries if e is not None]
+        offsets = [None if b == NO_BLOCK else b * bs for b in blocks]
+        mine = [b for b in blocks if b != NO_BLOCK]
+        nbytes = sum(size for (_, size, _), st in zip(items, statuses, strict=True)
+                     if st == AllocStatus.OK)
 
         def received() -> None:
             with self._lock:
-                for e in mine:
-                    e.written = True
-                self.counters.bytes_written += sum(e.length for e in mine)
+                self._index.mark_written(session, mine)
+                self.counters.bytes_written += nbytes
 
         return statuses, offsets, received
 
@@ -305,54 +286,23 @@ class KVStore:
         With ``require_written`` an extent the node did not receive in full
         through WRITE stays uncommitted (False): its bytes may be stale.
         """
-        if len(checksums) != len(keys):
-            raise ValueError(f"commit of {len(keys)} keys with {len(checksums)} checksums")
-        out: list[bool] = []
-        flag = out.append
-        one_sided = 0
         with self._lock:
-            mine = self._pending_by_session.get(session, {})
-            pending = self._index.pending_map
-            done: list[Entry] = []  # entries to commit, with their checksums
-            sums: list[int] = []
-            for key, checksum in zip(keys, checksums, strict=True):
-                e = pending.get(key)
-                if e is None or e.owner != session or (require_written and not e.written):
-                    flag(False)
-                    continue
-                del pending[key], mine[e.block]  # a repeat of the key in this batch: False
-                done.append(e)
-                sums.append(checksum)
-                if not e.written:
-                    one_sided += e.length
-                flag(True)
-            self._index.commit(done, sums)
-            if self._guard is not None and done:
-                # one call for the batch, still under the lock: nobody can see
-                # these entries before their write grants are gone
-                base, bs = self._base, self.block_size
-                self._guard.revoke(session, [base + e.block * bs for e in done], write=True)
-            self.counters.commits += len(done)
-            self.counters.bytes_committed_one_sided += one_sided
-        return out
+            done = self._index.commit(session, keys, checksums, require_written=require_written)
+            # still under the lock: nobody can see these keys before their
+            # write grants are gone
+            self._revoke_writes(session, [b for b in done.blocks if b != NO_BLOCK])
+            self.counters.commits += done.committed
+            self.counters.bytes_committed_one_sided += done.one_sided
+        return list(map(NO_BLOCK.__ne__, done.blocks))
 
     def abort(self, session: int, keys: Sequence[bytes]) -> list[bool]:
         """Free this session's uncommitted extents for ``keys``."""
-        out = []
         with self._lock:
-            mine = self._pending_by_session.get(session, {})
-            for key in keys:
-                e = self._index.pending(key)
-                if e is None or e.owner != session:
-                    out.append(False)
-                    continue
-                self._revoke_write(session, e)  # before the block can be reused
-                self._index.drop_pending(key)
-                del mine[e.block]
-                self.pool.decref(e.block)
-                self.counters.aborted += 1
-                out.append(True)
-        return out
+            blocks = self._index.abort(session, keys)
+            gone = [b for b in blocks if b != NO_BLOCK]
+            self._free_pending(session, gone)
+            self.counters.aborted += len(gone)
+        return list(map(NO_BLOCK.__ne__, blocks))
 
     def lookup(self, session: int, keys: Sequence[bytes], lease: bool) -> list[LookupResult | None]:
         """Committed extents (+ digest) for ``keys``.
@@ -468,11 +418,9 @@ class KVStore:
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
         with self._lock:
-            for e in self._pending_by_session.pop(session, {}).values():
-                self._revoke_write(session, e)
-                self._index.drop_pending(e.key)
-                self.pool.decref(e.block)
-                self.counters.reclaimed_on_disconnect += 1
+            gone = self._index.abandon(session)
+            self._free_pending(session, gone)
+            self.counters.reclaimed_on_disconnect += len(gone)
             for lease in self._leases.of_session(session):
                 self._leases.remove(lease.lease_id)
                 self._revoke_lease(lease)
@@ -504,30 +452,28 @@ class KVStore:
         busy running this write.
         """
         views = []
-        covered: list[Entry] = []
+        covered: list[int] = []  # blocks whose whole extent an op writes
         buf = self.pool.buffer
         base = self._base
         with self._lock:
-            mine = self._pending_by_session.get(session, {})
             for addr, length in ops:
                 block = self._block_of(addr, length, "write")
-                e = mine.get(block)
+                reserved = self._index.pending_length(session, block)
                 start = base + block * self.block_size
-                if e is None or addr + length > start + e.length:
+                if not reserved or addr + length > start + reserved:
                     self.counters.bad_addresses += 1
                     raise BadAddress(
                         f"write of {length} bytes at 0x{addr:x} is not inside an extent "
                         "allocated to this client and not yet committed"
                     )
-                if addr == start and length == e.length:
-                    covered.append(e)
+                if addr == start and length == reserved:
+                    covered.append(block)
                 off = addr - base
                 views.append(buf[off : off + length])
 
         def written() -> None:
             with self._lock:
-                for e in covered:
-                    e.written = True
+                self._index.mark_written(session, covered)
                 self.counters.bytes_written += sum(n for _, n in ops)
 
         return views, written

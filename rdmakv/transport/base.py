@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
-from rdmakv.protocol import AllocStatus, Channel, GetRequest, Header, NodeInfo
+from rdmakv.protocol import Channel, GetRequest, Header, NodeInfo
 from rdmakv.slab import Slab
 
 REQUEST_BYTES_AHEAD = 32 * 1024
@@ -302,10 +302,11 @@ class NodeSession(Protocol):
 
     def alloc_received(
         self, items: Sequence[tuple[bytes, int, bytes]]
-    ) -> tuple[list[AllocStatus], list[int | None], Callable[[], None]]:
+    ) -> tuple[bytearray, list[int | None], Callable[[], None]]:
         """ALLOC for values the node receives itself: per (key, size, digest) its
-        status and its extent's pool offset (None: refused), and a callback to
-        run once every allocated value arrived in full (marks them written)."""
+        status (an ``AllocStatus`` byte) and its extent's pool offset (None:
+        refused), and a callback to run once every allocated value arrived in
+        full (marks them written)."""
         ...
 
     def abort(self, keys: Sequence[bytes]) -> list[bool]:
