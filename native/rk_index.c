@@ -382,73 +382,110 @@ static int64_t evict(rk_index *ix, const int32_t *refs, int32_t *cursor) {
     return RK_INDEX_NONE;
 }
 
+/* One reserve call's state: its spares, where eviction resumes, what it evicted. */
+struct reserving {
+    rk_index *ix;
+    uint64_t owner, max_size;
+    const uint32_t *spare;
+    size_t nspare, used;
+    const int32_t *refs;
+    uint32_t *lengths;
+    int32_t cursor;
+    uint64_t evicted, evicted_bytes;
+};
+
+/* -1 - j for the first spare j out of range or holding a key, else 0. */
+static int64_t check_spares(const rk_index *ix, const uint32_t *spare, size_t nspare) {
+    for (size_t j = 0; j < nspare; j++)
+        if (spare[j] >= ix->num_blocks || ix->recs[spare[j]].state != REC_EMPTY)
+            return -1 - (int64_t)j;
+    return 0;
+}
+
+/* Reserve one item (rk_index_reserve); its status, *block its block or NONE. */
+static uint8_t reserve_item(struct reserving *rv, const uint8_t *key, size_t len, uint64_t size,
+                            const uint8_t *digest, int64_t *block) {
+    rk_index *ix = rv->ix;
+    *block = RK_INDEX_NONE;
+    if (size == 0 || size > rv->max_size || len == 0 || len > RK_INDEX_MAX_KEY)
+        return RK_INDEX_TOO_LARGE;
+    uint64_t h = hash_key(ix->seed, key, len);
+    int found;
+    uint64_t slot = probe(ix, key, len, h, &found);
+    if (found)
+        return ix->recs[SLOT_BLOCK(ix->slots[slot])].state == REC_COMMITTED ? RK_INDEX_EXISTS
+                                                                            : RK_INDEX_BUSY;
+    uint8_t *copy = NULL;
+    if (len > INLINE_KEY && !(copy = malloc(len))) return RK_INDEX_NO_SPACE;
+    int64_t b;
+    if (rv->used < rv->nspare) {
+        b = rv->spare[rv->used++];
+    } else {
+        b = evict(ix, rv->refs, &rv->cursor);
+        if (b == RK_INDEX_NONE) {
+            free(copy);
+            return RK_INDEX_NO_SPACE;
+        }
+        rv->evicted++;
+        rv->evicted_bytes += rv->lengths[b];
+        /* the eviction emptied a slot: this key's probe may now end sooner */
+        slot = probe(ix, key, len, h, &found);
+    }
+    struct rec *r = &ix->recs[b];
+    if (copy) {
+        memcpy(copy, key, len);
+        r->key.heap = copy;
+    } else {
+        memcpy(r->key.bytes, key, len);
+    }
+    r->key_len = (uint16_t)len;
+    r->hash = h;
+    r->state = REC_PENDING;
+    r->written = 0;
+    r->owner = rv->owner;
+    memcpy(r->digest, digest, RK_INDEX_DIGEST);
+    ix->slots[slot] = (TAG(h) << 32) | (uint64_t)(b + 1);
+    ix->pending++;
+    rv->lengths[b] = (uint32_t)size;
+    *block = b;
+    return RK_INDEX_RESERVED;
+}
+
 int64_t rk_index_reserve(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
                          const uint64_t *sizes, const uint8_t *digests, uint32_t max_size,
                          uint64_t owner, const uint32_t *spare, size_t nspare,
                          const int32_t *refs, uint32_t *lengths, uint8_t *status,
                          int64_t *blocks, uint64_t *evicted, uint64_t *evicted_bytes) {
-    for (size_t j = 0; j < nspare; j++)
-        if (spare[j] >= ix->num_blocks || ix->recs[spare[j]].state != REC_EMPTY)
-            return -1 - (int64_t)j;
-    size_t used = 0;
-    int32_t cursor = ix->oldest;
-    *evicted = *evicted_bytes = 0;
-    for (size_t i = 0; i < n; keys += lens[i], i++) {
-        const uint8_t *key = keys;
-        size_t len = lens[i];
-        blocks[i] = RK_INDEX_NONE;
-        if (sizes[i] == 0 || sizes[i] > max_size || len == 0 || len > RK_INDEX_MAX_KEY) {
-            status[i] = RK_INDEX_TOO_LARGE;
-            continue;
-        }
-        uint64_t h = hash_key(ix->seed, key, len);
-        int found;
-        uint64_t slot = probe(ix, key, len, h, &found);
-        if (found) {
-            int committed = ix->recs[SLOT_BLOCK(ix->slots[slot])].state == REC_COMMITTED;
-            status[i] = committed ? RK_INDEX_EXISTS : RK_INDEX_BUSY;
-            continue;
-        }
-        uint8_t *copy = NULL;
-        if (len > INLINE_KEY && !(copy = malloc(len))) {
-            status[i] = RK_INDEX_NO_SPACE;
-            continue;
-        }
-        int64_t b;
-        if (used < nspare) {
-            b = spare[used++];
-        } else {
-            b = evict(ix, refs, &cursor);
-            if (b == RK_INDEX_NONE) {
-                free(copy);
-                status[i] = RK_INDEX_NO_SPACE;
-                continue;
-            }
-            ++*evicted;
-            *evicted_bytes += lengths[b];
-            /* the eviction emptied a slot: this key's probe may now end sooner */
-            slot = probe(ix, key, len, h, &found);
-        }
-        struct rec *r = &ix->recs[b];
-        if (copy) {
-            memcpy(copy, key, len);
-            r->key.heap = copy;
-        } else {
-            memcpy(r->key.bytes, key, len);
-        }
-        r->key_len = (uint16_t)len;
-        r->hash = h;
-        r->state = REC_PENDING;
-        r->written = 0;
-        r->owner = owner;
-        memcpy(r->digest, digests + i * RK_INDEX_DIGEST, RK_INDEX_DIGEST);
-        ix->slots[slot] = (TAG(h) << 32) | (uint64_t)(b + 1);
-        ix->pending++;
-        lengths[b] = sizes[i];
-        blocks[i] = b;
-        status[i] = RK_INDEX_RESERVED;
+    int64_t bad = check_spares(ix, spare, nspare);
+    if (bad) return bad;
+    struct reserving rv = {ix, owner, max_size, spare, nspare, 0, refs, lengths, ix->oldest, 0, 0};
+    for (size_t i = 0; i < n; keys += lens[i], i++)
+        status[i] = reserve_item(&rv, keys, lens[i], sizes[i], digests + i * RK_INDEX_DIGEST,
+                                 &blocks[i]);
+    *evicted = rv.evicted;
+    *evicted_bytes = rv.evicted_bytes;
+    return (int64_t)rv.used;
+}
+
+int64_t rk_index_reserve_records(rk_index *ix, const uint8_t *records, size_t n,
+                                 uint32_t key_len, uint32_t max_size, uint64_t owner,
+                                 const uint32_t *spare, size_t nspare, const int32_t *refs,
+                                 uint32_t *lengths, uint8_t *status, int64_t *blocks,
+                                 uint64_t *evicted, uint64_t *evicted_bytes) {
+    int64_t bad = check_spares(ix, spare, nspare);
+    if (bad) return bad;
+    struct reserving rv = {ix, owner, max_size, spare, nspare, 0, refs, lengths, ix->oldest, 0, 0};
+    const size_t stride = RK_INDEX_RECORD_HEAD + key_len + RK_INDEX_SIZE_BYTES + RK_INDEX_DIGEST;
+    for (size_t i = 0; i < n; i++, records += stride) {
+        const uint8_t *key = records + RK_INDEX_RECORD_HEAD;
+        uint32_t size;
+        memcpy(&size, key + key_len, RK_INDEX_SIZE_BYTES); /* little-endian, as checked */
+        status[i] = reserve_item(&rv, key, key_len, size, key + key_len + RK_INDEX_SIZE_BYTES,
+                                 &blocks[i]);
     }
-    return (int64_t)used;
+    *evicted = rv.evicted;
+    *evicted_bytes = rv.evicted_bytes;
+    return (int64_t)rv.used;
 }
 
 /* The block of owner's pending key, and its slot; RK_INDEX_NONE for another. */

@@ -109,6 +109,17 @@ int64_t rk_index_reserve(rk_index *ix, const uint8_t *keys, const uint32_t *lens
                          const int32_t *refs, uint32_t *lengths, uint8_t *status,
                          int64_t *blocks, uint64_t *evicted, uint64_t *evicted_bytes);
 
+/* rk_index_reserve of a PUT's or ALLOC's items where they lie: n records of
+ * RK_INDEX_RECORD_HEAD bytes (the key's length, which the caller checked is
+ * key_len for every record), the key, its size (RK_INDEX_SIZE_BYTES,
+ * little-endian) and its digest: ALLOC in rdmakv/protocol.py. */
+#define RK_INDEX_SIZE_BYTES 4
+int64_t rk_index_reserve_records(rk_index *ix, const uint8_t *records, size_t n,
+                                 uint32_t key_len, uint32_t max_size, uint64_t owner,
+                                 const uint32_t *spare, size_t nspare, const int32_t *refs,
+                                 uint32_t *lengths, uint8_t *status, int64_t *blocks,
+                                 uint64_t *evicted, uint64_t *evicted_bytes);
+
 /* Commit owner's pending key i, with checksum i in sums[] at its block: it
  * becomes the most recently used (in key order). With require_written, only
  * one marked written (rk_index_mark_written). blocks[i]: its block, or

@@ -600,19 +600,73 @@ def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[
     return b"".join(parts)
 
 
-def decode_alloc(payload: Buffer, what: str = "ALLOC") -> list[tuple[bytes, int, bytes]]:
-    """(key, size, digest) items of an ALLOC (or PUT) request."""
+class AllocRequest:
+    """An ALLOC or PUT request's ``count`` (key, size, digest) items, decoded
+    as far as a node needs: like :class:`GetRequest`, with ``key_len`` the one
+    length of every key when they share it, and then :attr:`records` the items
+    where they lie in the payload -- per item its u16 key length, the key,
+    its u32 size, its digest -- which the native index reserves without
+    splitting them into objects. :attr:`items`, the split list, is made on
+    first use; a payload whose keys differ in length is split when decoded.
+    :meth:`of_items` wraps items made elsewhere (no records then)."""
+
+    __slots__ = ("_items", "_payload", "count", "key_len")
+
+    def __init__(
+        self, payload: bytes, count: int, key_len: int | None,
+        items: list[tuple[bytes, int, bytes]] | None = None,
+    ) -> None:
+        self._payload = payload
+        self.count = count
+        self.key_len = key_len
+        self._items = items
+
+    @classmethod
+    def of_items(cls, items: Sequence[tuple[bytes, int, bytes]]) -> AllocRequest:
+        return cls(b"", len(items), None, list(items))
+
+    @property
+    def records(self) -> memoryview:
+        return memoryview(self._payload)[U32.size :]
+
+    @property
+    def items(self) -> list[tuple[bytes, int, bytes]]:
+        if self._items is None:
+            if self.key_len is None:  # decode_alloc_request splits these itself
+                raise ProtocolError("ALLOC request of keys of several lengths, never split")
+            self._items = list(_iter_uniform(self._payload, self.key_len, ALLOC_ITEM_CODES))
+        return self._items
+
+    def total_bytes(self) -> int:
+        """The sum of the items' sizes (what a PUT's bulk must carry)."""
+        if self._items is not None or self.key_len is None:
+            return sum(map(_SECOND, self.items))
+        sizes = np.dtype({"names": ["size"], "formats": ["<u4"],
+                          "offsets": [U16.size + self.key_len],
+                          "itemsize": U16.size + self.key_len + ALLOC_ITEM.size})
+        return int(np.frombuffer(self.records, dtype=sizes)["size"].sum(dtype=np.uint64))
+
+
+def decode_alloc_request(payload: Buffer, what: str = "ALLOC") -> AllocRequest:
+    """An ALLOC (or PUT) request's payload, checked whole (bounds, key
+    lengths, no trailing bytes); split into key objects only where the keys
+    differ in length."""
     buf = bytes(payload)
     n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1 + ALLOC_ITEM.size, "keys")
     klen = _uniform_key_len(buf, n, ALLOC_ITEM.size)
     if klen is not None:
-        return list(_iter_uniform(buf, klen, ALLOC_ITEM_CODES))
+        return AllocRequest(buf, n, klen)
     unpack = ALLOC_ITEM.unpack_from
     out = []
     for k, pos in _scan_keys(buf, n, ALLOC_ITEM.size, what):
         size, digest = unpack(buf, pos)
         out.append((k, size, digest))
-    return out
+    return AllocRequest(buf, n, None, out)
+
+
+def decode_alloc(payload: Buffer, what: str = "ALLOC") -> list[tuple[bytes, int, bytes]]:
+    """(key, size, digest) items of an ALLOC (or PUT) request."""
+    return decode_alloc_request(payload, what).items
 
 
 def encode_get(keys: Sequence[bytes], digests: Sequence[bytes]) -> bytes:

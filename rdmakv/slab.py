@@ -231,9 +231,15 @@ class Slab:
                 f"slab exhausted: asked for {n} blocks, {len(self._free)} of "
                 f"{self.num_blocks} free"
             )
-        out = [self._free.pop() for _ in range(n)]
+        if not n:
+            return []
+        # the order pop() would give, in C-level slices: the last freed first
+        free, refs = self._free, self._refs
+        out = free[-n:]
+        del free[-n:]
+        out.reverse()
         for h in out:
-            self._refs[h] = 1
+            refs[h] = 1
         return out
 
     def _check(self, h: int) -> None:

@@ -20,10 +20,13 @@ from rdmakv.protocol import (
     DIGEST_LEN,
     MAX_KEY_LEN,
     U16,
+    AllocRequest,
     AllocStatus,
     GetRequest,
+    decode_alloc_request,
     decode_get_answer,
     decode_get_request,
+    encode_alloc,
     encode_get,
 )
 from rdmakv.slab import Slab
@@ -74,12 +77,18 @@ def _refs(blocks: int, pinned: Sequence[int] = ()) -> array[int]:
     return refs
 
 
+def _wire(items: Sequence[tuple[bytes, int, bytes]]) -> AllocRequest:
+    """A PUT's or ALLOC's (key, size, digest) items as the node decodes them
+    off the wire: records where the keys share one length, else split."""
+    return decode_alloc_request(encode_alloc(*map(list, zip(*items, strict=True))))
+
+
 def _add(
     idx: IndexBase, items: Sequence[tuple[bytes, int, int, bytes]], sums: Sequence[int],
     owner: int = 1,
 ) -> None:
     """Reserve and commit (key, block, length, digest) items, each in its block."""
-    reserved = idx.reserve(owner, [(k, n, d) for k, _, n, d in items], BLOCK,
+    reserved = idx.reserve(owner, _wire([(k, n, d) for k, _, n, d in items]), BLOCK,
                            [b for _, b, _, _ in items], _refs(idx.num_blocks))
     assert reserved.statuses == bytes(len(items))
     assert idx.commit(owner, [k for k, _, _, _ in items], sums).committed == len(items)
@@ -188,12 +197,13 @@ def test_an_index_refuses_a_spare_block_its_invariants_forbid_and_changes_nothin
     kind: type[IndexBase],
 ) -> None:
     idx = _index_of(kind, b"a", b"b")
-    idx.reserve(1, [(b"p", 10, D)], BLOCK, [2], _refs(8))
+    idx.reserve(1, _wire([(b"p", 10, D)]), BLOCK, [2], _refs(8))
     for spare, why in ((1, "holds a key"), (2, "holds a key"), (8, "out of range")):
         with pytest.raises(ValueError, match=why):
-            idx.reserve(1, [(b"new", 10, D), (b"other", 10, D)], BLOCK, [5, spare], _refs(8))
+            idx.reserve(1, _wire([(b"new", 10, D), (b"other", 10, D)]), BLOCK, [5, spare],
+                        _refs(8))
     assert _lru_keys(idx) == [b"a", b"b"] and idx.pending_blocks() == [2]
-    assert idx.reserve(1, [(b"new", 10, D)], BLOCK, [], _refs(8)).blocks.tolist() == [0]
+    assert idx.reserve(1, _wire([(b"new", 10, D)]), BLOCK, [], _refs(8)).blocks.tolist() == [0]
 
 
 @needs_native
@@ -202,9 +212,9 @@ def test_the_native_index_refuses_what_its_invariants_forbid() -> None:
     with pytest.raises(native_index.IndexCorrupt, match="holds no committed key"):
         idx.remove_block(6)
     with pytest.raises(ValueError, match="shared_refcounts"):
-        idx.reserve(1, [(b"new", 10, D)], BLOCK, [], [1] * 8)  # type: ignore[arg-type]
+        idx.reserve(1, _wire([(b"new", 10, D)]), BLOCK, [], [1] * 8)
     with pytest.raises(ValueError, match="owner 0"):
-        idx.reserve(0, [(b"new", 10, D)], BLOCK, [5], _refs(8))
+        idx.reserve(0, _wire([(b"new", 10, D)]), BLOCK, [5], _refs(8))
     assert _lru_keys(idx) == [b"a", b"b"] and idx.pending_count == 0
 
 
@@ -234,9 +244,9 @@ def test_the_native_index_answers_like_the_python_one(
     for op, owner, picks in ops:
         keys = [key(i) for i in picks]
         if op in "pc":  # reserve (a size 0 or over the block: refused), then maybe commit
-            items = [(k, (len(k) + 40 * i) % (BLOCK + 200), digest(i))
-                     for k, i in zip(keys, picks, strict=True)]
-            spares = free[: len(items) // 2]  # the rest by eviction
+            items = _wire([(k, (len(k) + 40 * i) % (BLOCK + 200), digest(i))
+                           for k, i in zip(keys, picks, strict=True)] or [(b"k", 1, D)])
+            spares = free[: items.count // 2]  # the rest by eviction
             refs = _refs(blocks, pinned)
             got = py.reserve(owner, items, BLOCK, spares, refs)
             assert nat.reserve(owner, items, BLOCK, spares, refs) == got
@@ -426,12 +436,12 @@ def test_alloc_received_commits_only_after_every_byte_arrived(pool: Slab) -> Non
     assert s.alloc(2, [(b"busy", 10, D)])[0].status == AllocStatus.OK
     items = [(b"a", 100, D), (b"old", 10, D), (b"busy", 10, D), (b"big", BLOCK + 1, D),
              (b"b", BLOCK, D)]
-    statuses, offsets, received = s.alloc_received(1, items)
+    statuses, iov, received = s.alloc_received(1, AllocRequest.of_items(items))
     assert list(statuses) == [AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY,
                               AllocStatus.TOO_LARGE, AllocStatus.OK]
-    assert offsets[1:4] == [None, None, None]
-    a, b = offsets[0], offsets[4]
-    assert a is not None and b is not None and a != b and a % BLOCK == b % BLOCK == 0
+    assert iov[:, 1].tolist() == [100, BLOCK]  # the two reserved, in item order
+    a, b = (iov[:, 0] - pool.base_addr).tolist()
+    assert a != b and a % BLOCK == b % BLOCK == 0 and 0 <= a < pool.nbytes
     assert s.exists([b"a", b"b"]) == [False, False]  # uncommitted: invisible
     # not received yet: a commit that requires the bytes refuses, and keeps them pending
     assert s.commit(1, [b"a"], [5], require_written=True) == [False]

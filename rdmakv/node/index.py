@@ -44,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from rdmakv.protocol import MAX_KEY_LEN, AllocStatus, GetRequest
+from rdmakv.protocol import MAX_KEY_LEN, AllocRequest, AllocStatus, GetRequest
 
 NO_BLOCK = -1
 """A miss, in the block lists lookups return: the columns' zero row."""
@@ -96,6 +96,12 @@ class IndexBase(ABC):
         self._checksums = array("Q", [0]) * rows
         self.committed_bytes = 0
 
+    @property
+    def lengths_column(self) -> array[int]:
+        """Every block's value length (``uint32``; one row more, a miss's), for
+        numpy to gather from; the index's own, not to be written."""
+        return self._lengths
+
     def lengths(self, blocks: Sequence[int]) -> list[int]:
         """Per block (:data:`NO_BLOCK` allowed) its value length; 0 for a miss."""
         return list(map(self._lengths.__getitem__, blocks))
@@ -107,12 +113,12 @@ class IndexBase(ABC):
     def reserve(
         self,
         owner: int,
-        items: Sequence[AllocItem],
+        request: AllocRequest,
         max_size: int,
         spares: Sequence[int],
         refcounts: Refcounts,
     ) -> Reserved:
-        """Make each (key, size, digest) a pending key of ``owner``, in order,
+        """Make each (key, size, digest) item of ``request`` a pending key of ``owner``, in order,
         or say why not: TOO_LARGE (size outside 1..``max_size``, or a key
         length outside 1..MAX_KEY_LEN), EXISTS (committed), BUSY (pending, any
         owner's), NO_SPACE (no block left). Its block is the next of
@@ -122,7 +128,7 @@ class IndexBase(ABC):
         is evicted. An item sees what the items before it did: one may evict a
         key named later. Raises :class:`ValueError` for a spare that is out of
         range or holds a key, before changing anything."""
-        reserved = self._reserve(owner, items, max_size, spares, refcounts)
+        reserved = self._reserve(owner, request, max_size, spares, refcounts)
         self.committed_bytes -= reserved[1]
         return reserved[0]
 
@@ -236,7 +242,7 @@ class IndexBase(ABC):
     def _reserve(
         self,
         owner: int,
-        items: Sequence[AllocItem],
+        request: AllocRequest,
         max_size: int,
         spares: Sequence[int],
         refcounts: Refcounts,
@@ -324,11 +330,12 @@ class Index(IndexBase):
     def _reserve(
         self,
         owner: int,
-        items: Sequence[AllocItem],
+        request: AllocRequest,
         max_size: int,
         spares: Sequence[int],
         refcounts: Refcounts,
     ) -> tuple[Reserved, int]:
+        items = request.items
         for block in spares:
             if not 0 <= block < self.num_blocks or block in self._pending_at or self._keys[block]:
                 raise ValueError(f"spare block {block} is out of range or holds a key")

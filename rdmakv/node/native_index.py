@@ -33,8 +33,16 @@ import numpy.typing as npt
 
 from rdmakv import native_core
 from rdmakv.errors import RdmakvError
-from rdmakv.node.index import NO_BLOCK, AllocItem, IndexBase, Refcounts, Reserved
-from rdmakv.protocol import DIGEST_LEN, GET_ENTRY_BYTES, U32, GetRequest
+from rdmakv.node.index import NO_BLOCK, IndexBase, Refcounts, Reserved
+from rdmakv.protocol import (
+    ALLOC_ITEM,
+    DIGEST_LEN,
+    GET_ENTRY_BYTES,
+    U16,
+    U32,
+    AllocRequest,
+    GetRequest,
+)
 
 ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
 """Set to 0 to keep the node's keys in the Python index even when this one is built."""
@@ -155,7 +163,7 @@ class NativeIndex(IndexBase):
     def _reserve(
         self,
         owner: int,
-        items: Sequence[AllocItem],
+        request: AllocRequest,
         max_size: int,
         spares: Sequence[int],
         refcounts: Refcounts,
@@ -165,26 +173,39 @@ class NativeIndex(IndexBase):
                 or len(refcounts) != self.num_blocks:
             raise ValueError(f"the native index needs the pool's {self.num_blocks} int32 "
                              "refcounts (a slab made with shared_refcounts)")
-        n = len(items)
-        # C-level passes (map), not a loop: a reserve is on every put's path
-        keys = list(map(_ITEM_KEY, items))
-        digests = b"".join(map(_ITEM_DIGEST, items))
-        if len(digests) != n * DIGEST_LEN:
-            raise ValueError(f"reserve of {n} keys with {len(digests)} bytes of digests")
-        sizes = array("Q", map(_ITEM_SIZE, items))
+        n = request.count
         spare = array("I", spares)
         statuses = bytearray(n)
         blocks = _blocks_out(n)
         evicted = _ffi.new("uint64_t[2]")
-        used = _lib.rk_index_reserve(
-            self._ix, *_keys(keys), n, _ffi.from_buffer("uint64_t[]", sizes),
-            _ffi.from_buffer(digests), max_size, _owner(owner),
-            _ffi.from_buffer("uint32_t[]", spare), len(spare),
+        # the same arguments, after the items; the records' call or the split one
+        tail = (
+            max_size, _owner(owner), _ffi.from_buffer("uint32_t[]", spare), len(spare),
             _ffi.from_buffer("int32_t[]", refcounts),
             _ffi.from_buffer("uint32_t[]", self._lengths),
             _ffi.from_buffer("uint8_t[]", statuses), _ffi.from_buffer("int64_t[]", blocks),
             evicted, evicted + 1,
         )
+        if request.key_len is not None:  # one key length: C reads the payload as it is
+            key_len = request.key_len
+            records = request.records
+            if len(records) != n * (U16.size + key_len + ALLOC_ITEM.size):
+                raise ValueError(f"ALLOC records: {len(records)} bytes for {n} items")
+            used = _lib.rk_index_reserve_records(
+                self._ix, _ffi.from_buffer(records), n, key_len, *tail
+            )
+        else:
+            items = request.items
+            # C-level passes (map), not a loop
+            keys = list(map(_ITEM_KEY, items))
+            digests = b"".join(map(_ITEM_DIGEST, items))
+            if len(digests) != n * DIGEST_LEN:
+                raise ValueError(f"reserve of {n} keys with {len(digests)} bytes of digests")
+            sizes = array("Q", map(_ITEM_SIZE, items))
+            used = _lib.rk_index_reserve(
+                self._ix, *_keys(keys), n, _ffi.from_buffer("uint64_t[]", sizes),
+                _ffi.from_buffer(digests), *tail
+            )
         if used < 0:
             raise ValueError(f"spare block {spare[-1 - used]} is out of range or holds a key")
         return Reserved(statuses, blocks, used, int(evicted[0])), int(evicted[1])

@@ -46,6 +46,7 @@ from rdmakv.protocol import (
     PROTOCOL_VERSION,
     RESPONSE_BIT,
     U32,
+    AllocRequest,
     Channel,
     FrameTooLarge,
     GetRequest,
@@ -54,7 +55,7 @@ from rdmakv.protocol import (
     NodeInfo,
     Op,
     Status,
-    decode_alloc,
+    decode_alloc_request,
     decode_commit,
     decode_hello,
     decode_keys,
@@ -67,7 +68,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
-from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress, PinnedValues
+from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress, PinnedValues, ReceivingValues
 from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.node")
@@ -157,10 +158,8 @@ class Session:
     def pin_values(self, request: GetRequest) -> PinnedValues:
         return self.node.store.pin_values(request)
 
-    def alloc_received(
-        self, items: Sequence[tuple[bytes, int, bytes]]
-    ) -> tuple[bytearray, list[int | None], Callable[[], None]]:
-        return self.node.store.alloc_received(self.session_id, items)
+    def alloc_received(self, request: AllocRequest) -> ReceivingValues:
+        return self.node.store.alloc_received(self.session_id, request)
 
     def abort(self, keys: Sequence[bytes]) -> list[bool]:
         return self.node.store.abort(self.session_id, keys)
@@ -610,8 +609,8 @@ class KVNode:
 
     # -- control handlers ----------------------------------------------------------------
     def _alloc(self, s: NodeSession, req: Header, payload: bytearray) -> None:
-        items = decode_alloc(payload)
-        s.reply(req, encode_extent_table(self.store.alloc_table(s.session_id, items)))
+        request = decode_alloc_request(payload)
+        s.reply(req, encode_extent_table(self.store.alloc_table(s.session_id, request)))
 
     def _commit(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         keys, checksums = decode_commit(payload)

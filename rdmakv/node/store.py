@@ -39,13 +39,14 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import NO_BLOCK, AllocItem, Index, IndexBase, Refcounts, Reserved
+from rdmakv.node.index import NO_BLOCK, Index, IndexBase, Refcounts, Reserved
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.native_index import enabled as native_index_enabled
 from rdmakv.protocol import (
     EXTENT_DTYPE,
     MAX_BULK_BYTES,
+    AllocRequest,
     AllocResult,
     AllocStatus,
     Extent,
@@ -55,7 +56,7 @@ from rdmakv.protocol import (
     encode_get_answer,
 )
 from rdmakv.slab import Slab
-from rdmakv.transport.base import BadAddress, ExtentGuard, PinnedValues
+from rdmakv.transport.base import BadAddress, ExtentGuard, PinnedValues, ReceivingValues
 
 DEFAULT_LEASE_TIMEOUT = 30.0
 DEFAULT_MAX_LEASES_PER_BLOCK = 4
@@ -190,16 +191,18 @@ class KVStore:
         self.pool.decref_many(blocks)
 
     # -- control operations ----------------------------------------------------------
-    def _reserve(self, session: int, items: Sequence[AllocItem]) -> Reserved:
-        """Per (key, size, digest): a new pending key of this session, or why
-        not (lock held). The index takes free blocks first, then evicts."""
+    def _reserve(self, session: int, request: AllocRequest) -> Reserved:
+        """Per (key, size, digest) item: a new pending key of this session, or
+        why not (lock held). The index takes free blocks first, then evicts."""
         pool = self.pool
-        n = len(items)
+        n = request.count
         if pool.free_blocks < n:
             self._expire()  # expired leases free blocks for eviction
         spares = pool.alloc_many(min(n, pool.free_blocks))
         try:
-            reserved = self._index.reserve(session, items, self.block_size, spares, self._refcounts)
+            reserved = self._index.reserve(
+                session, request, self.block_size, spares, self._refcounts
+            )
         except BaseException:
             pool.decref_many(spares)
             raise
@@ -217,21 +220,21 @@ class KVStore:
         ok = AllocStatus.OK
         return [
             AllocResult(AllocStatus(st), Extent(addr, length, rkey) if st == ok else None)
-            for st, addr, length, rkey in self.alloc_table(session, items).tolist()
+            for st, addr, length, rkey in self.alloc_table(
+                session, AllocRequest.of_items(items)
+            ).tolist()
         ]
 
-    def alloc_table(
-        self, session: int, items: Sequence[tuple[bytes, int, bytes]]
-    ) -> npt.NDArray[np.void]:
-        """Reserve one extent per (key, size, digest); invisible until commit.
+    def alloc_table(self, session: int, request: AllocRequest) -> npt.NDArray[np.void]:
+        """Reserve one extent per (key, size, digest) item; invisible until commit.
 
         Per item one :data:`~rdmakv.protocol.EXTENT_DTYPE` record: its status,
         and where that is OK its extent (address, length, rkey); zeros
         elsewhere. Laid out in array passes, not an object per key: ALLOC is
         the node's busiest control request."""
         with self._lock:
-            statuses, blocks, _, _ = self._reserve(session, items)
-            table = np.zeros(len(items), dtype=EXTENT_DTYPE)
+            statuses, blocks, _, _ = self._reserve(session, request)
+            table = np.zeros(request.count, dtype=EXTENT_DTYPE)
             table["status"] = np.frombuffer(statuses, dtype=np.uint8)
             ok = table["status"] == AllocStatus.OK
             if not ok.any():
@@ -248,29 +251,30 @@ class KVStore:
                 table["rkey"][ok] = self._guard.grant(session, extents, write=True)
         return table
 
-    def alloc_received(
-        self, session: int, items: Sequence[AllocItem]
-    ) -> tuple[bytearray, list[int | None], Callable[[], None]]:
-        """ALLOC for values the node itself receives (PUT): per item its status
-        (the wire's byte) and its extent's pool offset (None when refused), and
-        ``received()``, to call once every byte of every allocated value is in
-        the pool: it marks them written (see ``commit(require_written=True)``).
-        Nothing is granted to a one-sided data path: these bytes never move
-        one-sided."""
+    def alloc_received(self, session: int, request: AllocRequest) -> ReceivingValues:
+        """ALLOC for values the node itself receives (PUT): where each
+        reserved value goes, and ``received()`` to mark them written (see
+        ``commit(require_written=True)``). Nothing is granted to a one-sided
+        data path: these bytes never move one-sided."""
         with self._lock:
-            statuses, blocks, _, _ = self._reserve(session, items)
-        bs = self.block_size
-        offsets = [None if b == NO_BLOCK else b * bs for b in blocks]
-        mine = [b for b in blocks if b != NO_BLOCK]
-        nbytes = sum(size for (_, size, _), st in zip(items, statuses, strict=True)
-                     if st == AllocStatus.OK)
+            statuses, blocks, _, _ = self._reserve(session, request)
+            reserved = np.frombuffer(blocks, dtype=np.int64)
+            if len(reserved) and reserved.min() == NO_BLOCK:
+                reserved = reserved[reserved != NO_BLOCK]
+            iov = np.empty((len(reserved), 2), dtype=np.uint64)
+            iov[:, 0] = reserved
+            iov[:, 0] *= np.uint64(self.block_size)
+            iov[:, 0] += np.uint64(self._base)
+            iov[:, 1] = np.frombuffer(self._index.lengths_column, dtype=np.uint32)[reserved]
+        mine = reserved.tolist()
+        nbytes = int(iov[:, 1].sum())
 
         def received() -> None:
             with self._lock:
                 self._index.mark_written(session, mine)
                 self.counters.bytes_written += nbytes
 
-        return statuses, offsets, received
+        return ReceivingValues(statuses, iov, received)
 
     def commit(
         self,

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
-from rdmakv.protocol import Channel, GetRequest, Header, NodeInfo
+from rdmakv.protocol import AllocRequest, Channel, GetRequest, Header, NodeInfo
 from rdmakv.slab import Slab
 
 REQUEST_BYTES_AHEAD = 32 * 1024
@@ -276,6 +276,22 @@ class PinnedValues(NamedTuple):
     unpin: Callable[[], None]
 
 
+class ReceivingValues(NamedTuple):
+    """Where a PUT's values go (:meth:`NodeSession.alloc_received`).
+
+    ``statuses`` is per item its ``AllocStatus`` byte (the PUT's answer).
+    ``iov`` is ``uint64`` (reserved items, 2): per item reserved (OK), in item
+    order, the (address, length) of its extent in the pool; the bytes of the
+    others are drained. ``received()`` is to be called once every byte of
+    every reserved value is in the pool: it marks them written, so a COMMIT
+    that requires it may make them visible.
+    """
+
+    statuses: bytearray
+    iov: npt.NDArray[np.uint64]
+    received: Callable[[], None]
+
+
 class NodeSession(Protocol):
     """What a node-side handler may use for one client connection."""
 
@@ -300,13 +316,8 @@ class NodeSession(Protocol):
         no eviction/expiry reuses them until the returned unpin() is called."""
         ...
 
-    def alloc_received(
-        self, items: Sequence[tuple[bytes, int, bytes]]
-    ) -> tuple[bytearray, list[int | None], Callable[[], None]]:
-        """ALLOC for values the node receives itself: per (key, size, digest) its
-        status (an ``AllocStatus`` byte) and its extent's pool offset (None:
-        refused), and a callback to run once every allocated value arrived in
-        full (marks them written)."""
+    def alloc_received(self, request: AllocRequest) -> ReceivingValues:
+        """ALLOC for values the node receives itself, per (key, size, digest) item."""
         ...
 
     def abort(self, keys: Sequence[bytes]) -> list[bool]:

@@ -57,7 +57,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -72,6 +72,7 @@ from rdmakv.protocol import (
     RESPONSE_BIT,
     U32,
     U64,
+    AllocRequest,
     AllocStatus,
     Channel,
     Header,
@@ -81,7 +82,7 @@ from rdmakv.protocol import (
     Reply,
     Status,
     chunk_ops,
-    decode_alloc,
+    decode_alloc_request,
     decode_data_ops,
     decode_flags,
     decode_get_answer_arrays,
@@ -106,6 +107,7 @@ from rdmakv.transport.base import (
     NodeHandler,
     NodeSession,
     Ops,
+    ReceivingValues,
     Stored,
     Transport,
     check_local_ops,
@@ -928,57 +930,52 @@ class TcpNodeDataPath(NodeDataPath):
             found.unpin()
 
     def _put(self, session: NodeSession, req: Header, payload: bytearray) -> None:
-        items = decode_alloc(payload, "PUT")
-        sizes = [size for _, size, _ in items]
-        total = sum(sizes)
+        request = decode_alloc_request(payload, "PUT")
+        total = request.total_bytes()
         if total != req.bulk_len:
             raise ProtocolError(
                 f"PUT items name {total} bytes but the frame carries {req.bulk_len}"
             )
-        statuses, offsets, received = session.alloc_received(items)
+        values = session.alloc_received(request)
         try:
-            self._receive_values(session.channel, sizes, offsets, total)
+            self._receive_values(session.channel, request, values, total)
         except BaseException:  # nothing half-written stays allocated
-            session.abort([key for (key, _, _), o in zip(items, offsets, strict=True)
-                           if o is not None])
+            session.abort([key for (key, _, _), st in
+                           zip(request.items, values.statuses, strict=True)
+                           if st == AllocStatus.OK])
             raise
-        received()  # only now: every byte of every allocated value is in the pool
-        session.reply(req, encode_put_answer(statuses))
+        values.received()  # only now: every byte of every allocated value is in the pool
+        session.reply(req, encode_put_answer(values.statuses))
 
     def _receive_values(
         self,
         ch: Channel,
-        sizes: Sequence[int],
-        offsets: Sequence[int | None],
+        request: AllocRequest,
+        values: ReceivingValues,
         total: int,
     ) -> None:
-        """A PUT's bulk: each allocated value into its extent (pool ``offsets``),
+        """A PUT's bulk: each reserved value into its extent (``values.iov``),
         the bytes of the values refused into a scratch buffer."""
-        refused = sum(size for size, o in zip(sizes, offsets, strict=True) if o is None)
-        if use_native and not refused:  # the common case: one table, built in C
-            # no None among the offsets: nothing refused
-            iov = _iov_at(self.pool.base_addr, _u64(cast("Sequence[int]", offsets)), _u64(sizes))
-            recv_iov_from(ch, iov, total)  # the store's extents: inside the pool
+        extents = values.iov
+        if use_native and len(extents) == request.count:  # the common case: nothing refused
+            recv_iov_from(ch, extents, total)  # the store's extents: inside the pool
             return
+        refused = total - int(extents[:, 1].sum())
         scratch = bytearray(min(refused, PUT_DRAIN_BYTES))
         step = len(scratch) or 1
-        if not use_native:
-            pool, drain = self.pool.buffer, memoryview(scratch)
-            parts: list[memoryview] = []
-            for size, o in zip(sizes, offsets, strict=True):
-                if o is not None:
-                    parts.append(pool[o : o + size])
-                    continue
-                parts.extend(drain[: min(step, size - s)] for s in range(0, size, step))
-            ch.recv_bulk(parts)
-            return
-        base = self.pool.base_addr
-        where = _address_of(scratch) if scratch else 0
-        rows: list[int] = []
-        for size, o in zip(sizes, offsets, strict=True):
-            if o is not None:
-                rows += (base + o, size)  # an extent the store just handed out
+        where = _address_of(scratch) if scratch else 0  # never a pool address
+        reserved = iter(extents.tolist())
+        rows: list[int] = []  # (address, length) pairs, flat
+        for (_, size, _), st in zip(request.items, values.statuses, strict=True):
+            if st == AllocStatus.OK:
+                rows += next(reserved)  # an extent the store just handed out
                 continue
             for s in range(0, size, step):
                 rows += (where, min(step, size - s))
-        recv_iov_from(ch, _u64(rows).reshape(-1, 2), total)  # `scratch` lives meanwhile
+        if use_native:
+            recv_iov_from(ch, _u64(rows).reshape(-1, 2), total)  # `scratch` lives meanwhile
+            return
+        pool, drain, base = self.pool.buffer, memoryview(scratch), self.pool.base_addr
+        pairs = zip(rows[::2], rows[1::2], strict=True)
+        ch.recv_bulk([drain[:n] if a == where else pool[a - base : a - base + n]
+                      for a, n in pairs])
