@@ -14,7 +14,10 @@ Ownership of a pool block, as slab references:
 So a block is reused only when nobody can still read or write it. Eviction
 (byte-capacity LRU: the pool is the capacity) removes committed entries from
 the oldest end whose block has no reference other than the index's -- it
-never evicts an extent under lease, being read, or not yet committed.
+never evicts an extent under lease, being read, or not yet committed. The
+index evicts, inside a reserve: it takes the free blocks the store hands it
+first, and then reuses an evicted block with its one reference, which passes
+from the committed entry to the new uncommitted one.
 
 Leases cannot pin the pool: a session may hold at most ``lease_quota_bytes``
 under lease and ``max_leases_per_block`` live leases on one block (a LOOKUP
@@ -111,9 +114,11 @@ class Counters:
 class KVStore:
     """Thread-safe node state. ``rkey`` is stamped into every extent handed out.
 
-    ``native_index``: keep the committed keys in C (:class:`NativeIndex`), or in
-    Python (:class:`Index`); None: in C where it is built and not turned off
-    (:func:`rdmakv.node.native_index.enabled`)."""
+    ``native_index``: keep the keys in C (:class:`NativeIndex`), or in Python
+    (:class:`Index`); None: in C where it is built and not turned off
+    (:func:`rdmakv.node.native_index.enabled`) and the pool shares its
+    refcounts (``Slab(shared_refcounts=True)``, as ``rdmakv serve``'s does),
+    which C reads to pick eviction victims."""
 
     def __init__(
         self,
