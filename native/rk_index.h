@@ -87,7 +87,8 @@ size_t rk_index_unpin(int32_t *refs, const uint32_t *blocks, size_t n, uint32_t 
 
 /* A PUT's or ALLOC's reservation, item by item in order, of key i (sizes[i]
  * bytes, digest i) for session owner (> 0). status[i] is the wire's
- * AllocStatus: RK_INDEX_TOO_LARGE for a size outside 1..max_size,
+ * AllocStatus: RK_INDEX_TOO_LARGE for a size outside 1..max_size (or a key
+ * length outside 1..RK_INDEX_MAX_KEY),
  * RK_INDEX_EXISTS for a committed key, RK_INDEX_BUSY for a pending one (any
  * owner's), RK_INDEX_NO_SPACE when no block is left, else RK_INDEX_RESERVED:
  * the key is pending in blocks[i] (RK_INDEX_NONE for the others), whose
@@ -154,12 +155,12 @@ void rk_index_mark_written(rk_index *ix, const uint32_t *blocks, size_t n, uint6
  * RK_INDEX_NONE); returns 0, or -1 when a block holds no committed key. */
 int rk_index_digests(const rk_index *ix, const int64_t *blocks, size_t n, uint8_t *out);
 
-/* Remove each key; blocks[i]: the block it held, or RK_INDEX_NONE (absent, or
- * named earlier in the batch). */
+/* Remove each committed key; blocks[i]: the block it held, or RK_INDEX_NONE
+ * (absent, pending, or named earlier in the batch). */
 void rk_index_remove(rk_index *ix, const uint8_t *keys, const uint32_t *lens, size_t n,
                      int64_t *blocks);
 
-/* Remove the key block holds; 0, or -1 when it holds none. */
+/* Remove the committed key block holds; 0, or -1 when it holds none. */
 int rk_index_remove_block(rk_index *ix, uint32_t block);
 
 /* Up to max blocks in LRU order, oldest first, starting after block `after`

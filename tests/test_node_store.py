@@ -17,6 +17,7 @@ from rdmakv.node.index import NO_BLOCK, Index, IndexBase
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
 from rdmakv.protocol import (
+    ALLOC_ITEM,
     DIGEST_LEN,
     MAX_KEY_LEN,
     U16,
@@ -181,7 +182,13 @@ def test_touch_request_reads_a_get_payload_like_touch_matching(kind: type[IndexB
 def test_the_native_index_and_the_wire_agree_on_sizes() -> None:
     lib = native_index._lib
     assert lib.RK_INDEX_DIGEST == DIGEST_LEN and lib.RK_INDEX_MAX_KEY == MAX_KEY_LEN
-    assert U16.size == lib.RK_INDEX_RECORD_HEAD  # a GET item's key length field
+    assert U16.size == lib.RK_INDEX_RECORD_HEAD  # a GET or ALLOC item's key length field
+    assert ALLOC_ITEM.size == lib.RK_INDEX_SIZE_BYTES + DIGEST_LEN  # an ALLOC item's size
+    # reserve writes the wire's AllocStatus bytes as they are
+    assert [lib.RK_INDEX_RESERVED, lib.RK_INDEX_EXISTS, lib.RK_INDEX_BUSY,
+            lib.RK_INDEX_NO_SPACE, lib.RK_INDEX_TOO_LARGE] == [
+        AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY, AllocStatus.NO_SPACE,
+        AllocStatus.TOO_LARGE]
 
 
 def test_the_python_index_keeps_no_object_per_committed_key_for_the_collector() -> None:
