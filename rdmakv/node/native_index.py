@@ -5,9 +5,9 @@ table, the LRU list and the pending keys in C (native/rk_index.h) instead of
 dicts. Each batch crosses into C once, its keys joined into one buffer with
 an array of their lengths, so a GET, a PUT's reserve or a COMMIT of a
 thousand keys is one call, not a thousand dict operations under the store
-lock. The C side hashes a batch
-ahead of its lookups and prefetches, so a cold batch (a node's usual: the
-values it just sent have flushed the caches) waits for its misses in parallel.
+lock. The C side hashes a batch ahead of its lookups and prefetches, so a
+cold batch (a node's usual: the values it just sent have flushed the caches)
+waits for its misses in parallel.
 
 Only ``array`` and ``bytes.join`` build a call's arguments: numpy's per-call
 overhead, with its code cold as well, cost more than the lookups did. The one
@@ -41,6 +41,7 @@ from rdmakv.protocol import (
     U16,
     U32,
     AllocRequest,
+    AllocStatus,
     GetRequest,
 )
 
@@ -114,6 +115,16 @@ class NativeIndex(IndexBase):
         if ix == _ffi.NULL:
             raise MemoryError(f"native index of {num_blocks} blocks")
         self._ix = _ffi.gc(ix, _lib.rk_index_free)
+        # pending keys per owner: finding a session's takes a scan of every
+        # block, which a session that leaves none (the usual) must not pay
+        self._pending_of: dict[int, int] = {}
+
+    def _count_pending(self, owner: int, n: int) -> None:
+        left = self._pending_of.get(owner, 0) + n
+        if left:
+            self._pending_of[owner] = left
+        else:
+            self._pending_of.pop(owner, None)
 
     def __len__(self) -> int:
         return int(_lib.rk_index_count(self._ix))
@@ -123,7 +134,11 @@ class NativeIndex(IndexBase):
         return int(_lib.rk_index_pending_count(self._ix))
 
     def _pending_blocks(self, owner: int, drop: bool) -> list[int]:
-        out = array("I", bytes(4 * self.pending_count))
+        """Owner's (0: anyone's) pending blocks; the scan stops once it found them all."""
+        expected = self.pending_count if not owner else self._pending_of.get(owner, 0)
+        if drop:
+            self._pending_of.pop(owner, None)
+        out = array("I", bytes(4 * expected))
         n = _lib.rk_index_pending_blocks(
             self._ix, owner, drop, _ffi.from_buffer("uint32_t[]", out), len(out)
         )
@@ -140,9 +155,10 @@ class NativeIndex(IndexBase):
 
     def abort(self, owner: int, keys: Sequence[bytes]) -> list[int]:
         blocks = _blocks_out(len(keys))
-        _lib.rk_index_abort(
+        gone = _lib.rk_index_abort(
             self._ix, *_keys(keys), len(keys), _owner(owner), _ffi.from_buffer("int64_t[]", blocks)
         )
+        self._count_pending(owner, -gone)
         return blocks.tolist()
 
     def mark_written(self, owner: int, blocks: Sequence[int]) -> None:
@@ -208,6 +224,7 @@ class NativeIndex(IndexBase):
             )
         if used < 0:
             raise ValueError(f"spare block {spare[-1 - used]} is out of range or holds a key")
+        self._count_pending(owner, statuses.count(AllocStatus.OK))
         return Reserved(statuses, blocks, used, int(evicted[0])), int(evicted[1])
 
     def _commit(
@@ -217,12 +234,13 @@ class NativeIndex(IndexBase):
         sums = array("Q", checksums)
         blocks = _blocks_out(n)
         totals = _ffi.new("uint64_t[2]")
-        _lib.rk_index_commit(
+        committed = _lib.rk_index_commit(
             self._ix, *_keys(keys), n, _owner(owner), require_written,
             _ffi.from_buffer("uint64_t[]", sums), _ffi.from_buffer("uint32_t[]", self._lengths),
             _ffi.from_buffer("uint64_t[]", self._checksums), _ffi.from_buffer("int64_t[]", blocks),
             totals, totals + 1,
         )
+        self._count_pending(owner, -committed)
         return blocks.tolist(), int(totals[0]), int(totals[1])
 
     def _lookup(self, keys: Sequence[bytes], touch: bool) -> array[int]:
