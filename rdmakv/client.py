@@ -325,9 +325,9 @@ class KVClient:
             try:
                 if not tp.stores_by_key:
                     return self._put_pipelined(ch, tp, keys, handles, sizes, digests)
-                done = tp.store(
-                    keys, handles, sizes, digests, self._sub_batches(len(keys)), self.timeout
-                )
+                # a PUT carries its values: no round trip to hide behind a ramp
+                done = tp.store(keys, handles, sizes, digests,
+                                self._sub_batches(len(keys), ramp=False), self.timeout)
                 if done.refused is not None:
                     raise done.refused
                 return done.ok
@@ -341,12 +341,12 @@ class KVClient:
         with self._lock:
             return self._retrying(run)
 
-    def _sub_batches(self, n: int) -> list[tuple[int, int]]:
+    def _sub_batches(self, n: int, *, ramp: bool = True) -> list[tuple[int, int]]:
         """(start, end) of each sub-batch; see :func:`sub_batch_sizes`."""
         max_keys = self.info.max_keys if self.info else MIN_SUB_BATCH
         out = []
         start = 0
-        for size in sub_batch_sizes(n, max_keys):
+        for size in sub_batch_sizes(n, max_keys, ramp=ramp):
             out.append((start, start + size))
             start += size
         return out
@@ -511,7 +511,9 @@ class KVClient:
             try:
                 if not tp.fetches_by_key:
                     return self._get_pipelined(ch, tp, keys, handles, digests)
-                got = tp.fetch(keys, handles, digests, self._sub_batches(len(keys)), self.timeout)
+                # a GET's answer carries the values: no ramp either (see sub_batch_sizes)
+                got = tp.fetch(keys, handles, digests, self._sub_batches(len(keys), ramp=False),
+                               self.timeout)
                 if got.corrupt:
                     self._drop_corrupt(ch, got.corrupt)
                 if got.refused is not None:
@@ -768,28 +770,32 @@ def check_digests(digests: Sequence[bytes]) -> None:
             raise ConfigError(f"digest #{i} must be {DIGEST_LEN} bytes, got {d!r:.40}")
 
 
-def sub_batch_sizes(n: int, max_keys: int) -> list[int]:
+def sub_batch_sizes(n: int, max_keys: int, *, ramp: bool = True) -> list[int]:
     """Split ``n`` keys so each sub-batch's control round trip overlaps the
     previous sub-batch's data transfer.
 
     Sub-batches are about ``n / PIPELINE_WINDOW`` keys (at least
-    ``MIN_SUB_BATCH``, at most the node's ``max_keys``), but the first and
-    last ones ramp (64, 128, ... keys): the first ALLOC/LOOKUP and the last
-    COMMIT are the round trips nothing overlaps, so they should be short.
-    Sizes sum to ``n`` and none exceeds ``max_keys``.
+    ``MIN_SUB_BATCH``, at most the node's ``max_keys``). With ``ramp`` the
+    first and last ones ramp (64, 128, ... keys): where the data waits for a
+    control round trip (an ALLOC before a one-sided write, a LOOKUP before a
+    read), the first ALLOC/LOOKUP and the last COMMIT are the round trips
+    nothing overlaps, so they should be short. Without it (a PUT that carries
+    its values, a GET whose answer carries them) no round trip comes before
+    the data, and every extra sub-batch only adds a request's fixed work on
+    both ends. Sizes sum to ``n`` and none exceeds ``max_keys``.
     """
     if n <= 0:
         return []
     full = min(max_keys, max(MIN_SUB_BATCH, -(-n // PIPELINE_WINDOW)))
-    ramp: list[int] = []
+    ramp_sizes: list[int] = []
     step = MIN_SUB_BATCH
-    while step < full and 2 * (sum(ramp) + step) + full <= n:
-        ramp.append(step)
+    while ramp and step < full and 2 * (sum(ramp_sizes) + step) + full <= n:
+        ramp_sizes.append(step)
         step *= 2
-    middle = n - 2 * sum(ramp)
+    middle = n - 2 * sum(ramp_sizes)
     pieces = -(-middle // full)
     even = [middle // pieces + (1 if i < middle % pieces else 0) for i in range(pieces)]
-    return [*ramp, *even, *reversed(ramp)]
+    return [*ramp_sizes, *even, *reversed(ramp_sizes)]
 
 
 @dataclasses.dataclass

@@ -479,20 +479,21 @@ def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
     node_factory: Callable[..., NodeProcess], native: bool, keyed: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """12,000 small values: the ramp's sub-batches are small enough to be read
-    lazily (their answers read while the next sub-batch is prepared), the
-    middle ones are not, and their LOOKUPs (or GETs) are larger than a caller
-    may send behind unread answers. Every value must land in its own block.
-    ``lookup_read`` takes rdma's paths (ALLOC then write, LOOKUP then read)
-    over tcp."""
+    """12,000 small values. ``lookup_read`` takes rdma's paths (ALLOC then
+    write, LOOKUP then read) over tcp: the ramp's sub-batches are small enough
+    to be read lazily (their answers read while the next sub-batch is
+    prepared), the middle ones are not. Their LOOKUPs, and the GETs of
+    ``get`` (even sub-batches, no ramp), are larger than a caller may send
+    behind unread answers. Every value must land in its own block."""
     monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
     monkeypatch.setattr(tcp.TcpTransport, "fetches_by_key", keyed)
     monkeypatch.setattr(tcp.TcpTransport, "stores_by_key", keyed)
     n, block = 12_000, 512
     node = node_factory(block_size=block, pool_size=2 * n * block)
-    plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST)
-    read_bytes = [k * DATA_OP.size for k in plan]
-    assert min(read_bytes) <= tcp.LAZY_READ_REQUEST_BYTES < max(read_bytes)
+    plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST, ramp=not keyed)
+    if not keyed:
+        read_bytes = [k * DATA_OP.size for k in plan]
+        assert min(read_bytes) <= tcp.LAZY_READ_REQUEST_BYTES < max(read_bytes)
     keys = [hashlib.sha256(k).digest() for k in keys_for("mix", n)]  # engine-like keys
     assert len(encode_keys(keys[: max(plan)])) > REQUEST_BYTES_AHEAD
     with Slab(2 * n * block, block, lock=False) as slab:
@@ -513,11 +514,11 @@ def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
 def test_a_put_whose_answers_outgrow_what_may_stay_unread_stores_every_value(
     node_factory: Callable[..., NodeProcess], native: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """20,000 small values: the PUT and COMMIT answers of the whole put are
-    more than may stay unread, so the native path sends its frames in several
-    calls and reads the oldest answers in between (a COMMIT's checksums go
-    out in the same call as its values). Every value must be stored with the
-    right checksum: the get verifies each one."""
+    """40,000 small values: the PUT and COMMIT answers of the put's first
+    sub-batches are more than may stay unread, so the native path sends its
+    frames in several calls and reads the oldest answers in between (a
+    COMMIT's checksums go out in the same call as its values). Every value
+    must be stored with the right checksum: the get verifies each one."""
     monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
     sends: list[int] = []
     real_send = tcp._PutFrames.send
@@ -527,9 +528,9 @@ def test_a_put_whose_answers_outgrow_what_may_stay_unread_stores_every_value(
         real_send(self, sock)
 
     monkeypatch.setattr(tcp._PutFrames, "send", counted)
-    n, block = 20_000, 256
-    plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST)
-    assert sum(2 * (HEADER.size + 4 + k) for k in plan) > REQUEST_BYTES_AHEAD
+    n, block = 40_000, 256
+    plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST, ramp=False)  # a PUT's split
+    assert sum(2 * (HEADER.size + 4 + k) for k in plan[:-1]) > REQUEST_BYTES_AHEAD
     node = node_factory(block_size=block, pool_size=2 * n * block)
     keys = [hashlib.sha256(k).digest() for k in keys_for("many", n)]
     with Slab(2 * n * block, block, lock=False) as slab:
@@ -555,7 +556,8 @@ def test_a_put_that_fails_between_sub_batches_leaves_the_connection_in_sync(
     real encoder), after two sub-batches' frames were queued but not yet sent:
     they still go out, so the replies queued for them arrive and the next call
     on the connection works instead of waiting for answers never asked for."""
-    n = 600  # sub-batches of 64, 128, 108, 108, 128, 64
+    n = 600
+    plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST, ramp=False)  # 4 x 150: a PUT's split
     node = node_factory(pool_size=2 * n * BLOCK)  # room for all: nothing evicted
     with Slab(n * BLOCK, BLOCK, lock=False) as slab:
         src = slab.alloc_many(n)
@@ -577,7 +579,8 @@ def test_a_put_that_fails_between_sub_batches_leaves_the_connection_in_sync(
             monkeypatch.setattr(tcp, "encode_alloc", real)
             done = calls[0]
             stored = c.exists(keys)
-            assert stored == [True] * 192 + [False] * (n - 192)  # the two sub-batches sent
+            sent = sum(plan[:2])  # the two sub-batches queued before the failure
+            assert stored == [True] * sent + [False] * (n - sent)
             assert all(c.put(keys, src, BLOCK, digests))
             assert c.exists(keys) == [True] * n
             assert done == 3
@@ -613,3 +616,19 @@ def test_sub_batches_cover_the_batch_within_the_node_limit(n: int, max_keys: int
     if n >= 4 * MIN_SUB_BATCH * PIPELINE_WINDOW and max_keys >= 2 * MIN_SUB_BATCH:
         # the round trips nothing overlaps (first ALLOC/LOOKUP, last COMMIT) stay short
         assert sizes[0] == sizes[-1] == MIN_SUB_BATCH
+
+
+@given(n=st.integers(0, 200_000), max_keys=st.integers(1, 8192))
+def test_sub_batches_without_a_ramp_are_even_and_few(n: int, max_keys: int) -> None:
+    """A PUT or GET that carries its data (tcp) splits into as few, even
+    sub-batches as the pipeline and the node's limit allow: no ramp."""
+    sizes = sub_batch_sizes(n, max_keys, ramp=False)
+    assert sum(sizes) == n
+    assert all(0 < s <= max(max_keys, 1) for s in sizes)
+    if sizes:
+        assert max(sizes) - min(sizes) <= 1
+    full = min(max_keys, max(MIN_SUB_BATCH, -(-n // PIPELINE_WINDOW)))
+    assert len(sizes) == (-(-n // full) if n else 0)
+    if MIN_SUB_BATCH * PIPELINE_WINDOW <= n <= max_keys * PIPELINE_WINDOW:
+        assert len(sizes) == PIPELINE_WINDOW
+

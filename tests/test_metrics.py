@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from rdmakv.client import KVClient
+from rdmakv.client import PIPELINE_WINDOW, KVClient
 from rdmakv.errors import AuthError, RemoteError
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
@@ -108,6 +108,36 @@ def test_node_counters_match_the_workload(node: LocalNodeProcess) -> None:
     # the metrics and the STATS op tell the same story
     assert stats["commits"] == 6 and stats["refused_bad_address"] == 1
 
+
+
+def test_a_tcp_put_and_get_go_out_in_as_many_even_requests_as_the_pipeline(tmp_path) -> None:
+    """Over tcp a PUT carries its values and a GET's answer carries them, so a
+    1000-key put is PIPELINE_WINDOW PUTs and a get as many GETs, every value
+    read back: not the ramped split (64, 128, ...) an ALLOC or LOOKUP round
+    trip wants, whose extra requests cost both ends their fixed work."""
+    n = 1000
+    proc = LocalNodeProcess(
+        {"pool-size": str((n + 8) * BLOCK), "block-size": str(BLOCK), "transport": "tcp",
+         "metrics-port": "0"},
+        extra_args=["--no-lock"],
+    )
+    try:
+        assert proc.metrics_url is not None
+        slab = Slab(2 * n * BLOCK, BLOCK, lock=False)
+        src, dst = slab.alloc_many(n), slab.alloc_many(n)
+        for i, h in enumerate(src):
+            slab.view(h)[:] = i.to_bytes(4, "little") * (BLOCK // 4)
+        keys = [os.urandom(16) for _ in range(n)]
+        with KVClient(*proc.address, slab=slab, transport="tcp") as c:
+            assert c.put(keys, src, BLOCK, [DIGEST] * n) == [True] * n
+            assert c.get(keys, dst, [DIGEST] * n) == [True] * n
+        assert all(slab.view(d) == slab.view(s) for s, d in zip(src, dst, strict=True))
+        m = scrape(proc.metrics_url)
+        for op in ("put", "commit", "get"):
+            assert m[("rdmakv_node_request_seconds_count", (("op", op),))] == PIPELINE_WINDOW, op
+        slab.close()
+    finally:
+        proc.terminate()
 
 def test_readyz_false_until_serving_and_after_stop() -> None:
     node = KVNode(pool_size=8 * BLOCK, block_size=BLOCK, port=0, lock_pool=False, metrics_port=0)
