@@ -631,4 +631,3 @@ def test_sub_batches_without_a_ramp_are_even_and_few(n: int, max_keys: int) -> N
     assert len(sizes) == (-(-n // full) if n else 0)
     if MIN_SUB_BATCH * PIPELINE_WINDOW <= n <= max_keys * PIPELINE_WINDOW:
         assert len(sizes) == PIPELINE_WINDOW
-
