@@ -600,7 +600,33 @@ def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[
     return b"".join(parts)
 
 
-class AllocRequest:
+class _KeyedRequest:
+    """A request's ``count`` items, each a u16 key length, the key and a
+    fixed-size trailer, decoded as far as a node needs. ``key_len`` is the one
+    length of every key when they share it (an engine's batches), else None.
+    Then :attr:`records` are the items where they lie in the payload, which
+    the native index reads without splitting them into objects; subclasses
+    split them on first use (:meth:`_split_uniform`)."""
+
+    __slots__ = ("_payload", "count", "key_len")
+
+    def __init__(self, payload: bytes, count: int, key_len: int | None) -> None:
+        self._payload = payload
+        self.count = count
+        self.key_len = key_len
+
+    @property
+    def records(self) -> memoryview:
+        return memoryview(self._payload)[U32.size :]
+
+    def _split_uniform(self, trailer: str, what: str) -> list[tuple[Any, ...]]:
+        """The records as (key, *trailer fields) tuples (struct codes ``trailer``)."""
+        if self.key_len is None:  # the decoder splits these itself
+            raise ProtocolError(f"{what} request of keys of several lengths, never split")
+        return list(_iter_uniform(self._payload, self.key_len, trailer))
+
+
+class AllocRequest(_KeyedRequest):
     """An ALLOC or PUT request's ``count`` (key, size, digest) items, decoded
     as far as a node needs: like :class:`GetRequest`, with ``key_len`` the one
     length of every key when they share it, and then :attr:`records` the items
@@ -610,15 +636,13 @@ class AllocRequest:
     first use; a payload whose keys differ in length is split when decoded.
     :meth:`of_items` wraps items made elsewhere (no records then)."""
 
-    __slots__ = ("_items", "_payload", "count", "key_len")
+    __slots__ = ("_items",)
 
     def __init__(
         self, payload: bytes, count: int, key_len: int | None,
         items: list[tuple[bytes, int, bytes]] | None = None,
     ) -> None:
-        self._payload = payload
-        self.count = count
-        self.key_len = key_len
+        super().__init__(payload, count, key_len)
         self._items = items
 
     @classmethod
@@ -626,15 +650,9 @@ class AllocRequest:
         return cls(b"", len(items), None, list(items))
 
     @property
-    def records(self) -> memoryview:
-        return memoryview(self._payload)[U32.size :]
-
-    @property
     def items(self) -> list[tuple[bytes, int, bytes]]:
         if self._items is None:
-            if self.key_len is None:  # decode_alloc_request splits these itself
-                raise ProtocolError("ALLOC request of keys of several lengths, never split")
-            self._items = list(_iter_uniform(self._payload, self.key_len, ALLOC_ITEM_CODES))
+            self._items = self._split_uniform(ALLOC_ITEM_CODES, "ALLOC")
         return self._items
 
     def total_bytes(self) -> int:
@@ -688,7 +706,7 @@ def encode_get(keys: Sequence[bytes], digests: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-class GetRequest:
+class GetRequest(_KeyedRequest):
     """A GET request's ``count`` (key, digest) items, decoded as far as a node needs.
 
     ``key_len`` is the one length of every key when they share it (an
@@ -700,26 +718,18 @@ class GetRequest:
     checked) when decoded.
     """
 
-    __slots__ = ("_payload", "_split", "count", "key_len")
+    __slots__ = ("_split",)
 
     def __init__(
         self, payload: bytes, count: int, key_len: int | None,
         split: tuple[list[bytes], list[bytes]] | None = None,
     ) -> None:
-        self._payload = payload
-        self.count = count
-        self.key_len = key_len
+        super().__init__(payload, count, key_len)
         self._split = split
-
-    @property
-    def records(self) -> memoryview:
-        return memoryview(self._payload)[U32.size :]
 
     def _pairs(self) -> tuple[list[bytes], list[bytes]]:
         if self._split is None:
-            if self.key_len is None:  # decode_get_request splits these itself
-                raise ProtocolError("GET request of keys of several lengths, never split")
-            pairs = list(_iter_uniform(self._payload, self.key_len, f"{DIGEST_LEN}s"))
+            pairs = self._split_uniform(f"{DIGEST_LEN}s", "GET")
             self._split = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
         return self._split
 
