@@ -122,7 +122,7 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
     struct iovec win[RK_TCP_IOV_MAX];
     size_t i = 0;
     uint64_t off = skip, moved = skip, bytes;
-    uint64_t cap = RK_TCP_WINDOW;
+    uint64_t cap = h && sending ? RK_TCP_HASHED_SEND_WINDOW : RK_TCP_WINDOW;
     *err = 0;
     *done = skip;
     int64_t deadline = timeout_ms >= 0 ? now_ms() + timeout_ms : 0;

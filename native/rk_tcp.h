@@ -24,6 +24,17 @@
  * When hashing, a range is hashed and moved within one window for the same
  * reason. */
 #define RK_TCP_WINDOW 524288
+/* The window of a send that hashes as it goes (rk_tcp_sendv_hashed). The
+ * hash reads each window right after sendmsg copied it, and in 512 KiB
+ * windows much of it had left the cache by then (XXH3 read it at 22 GB/s,
+ * against 35 GB/s in 128 KiB windows and 60 on data in cache). Over
+ * loopback to the bench's socket loop (2-core VM, 12 rounds, twice): 256 KiB
+ * blocks moved at 4.10-4.18 GB/s median in 512 KiB windows, 4.59-4.64 in
+ * 128 KiB ones; 1 MiB blocks 3.95-4.06 -> 4.67-4.76. A send that does not
+ * hash, and a receive (which hashes the bytes it has just written, still in
+ * cache), keep RK_TCP_WINDOW: unhashed, 128 KiB windows were slower (5.5
+ * against 6.2 GB/s). */
+#define RK_TCP_HASHED_SEND_WINDOW 131072
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -55,7 +66,8 @@ typedef struct {
 
 /* Like rk_tcp_sendv / rk_tcp_recvv, and also hashes[i] = hash(range i) for
  * every range: both hash the bytes each system call moved right after it
- * moved them (a window, RK_TCP_WINDOW, at a time), so the hash reads them
+ * moved them (a window at a time: RK_TCP_HASHED_SEND_WINDOW bytes for a
+ * send, RK_TCP_WINDOW for a receive), so the hash reads them
  * from the CPU cache, where the kernel's copy left them, not from memory.
  * Hashing before the send instead cost a fifth of a plain loop's rate over
  * loopback (1000 x 16 KiB, 2-core VM): the hash paid the memory reads and

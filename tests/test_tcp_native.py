@@ -222,7 +222,7 @@ def test_each_range_is_hashed_on_the_way_out_and_in_as_value_checksum_would(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     """Hashed send and receive give every range's value_checksum, for ranges
-    smaller and larger than the hashing window, empty ones, and a receive
+    smaller and larger than the hashing windows, empty ones, and a receive
     whose first bytes were already placed (``skip``, as after a read-ahead)."""
     a, b = pair
     a.settimeout(10)
@@ -231,6 +231,7 @@ def test_each_range_is_hashed_on_the_way_out_and_in_as_value_checksum_would(
     sizes = [int(n) for n in rng.integers(0, 40_000, 200)]
     sizes[5] = sizes[-1] = 0
     sizes[17] = 3 * tcp._lib.RK_TCP_WINDOW + 5
+    sizes[40] = tcp._lib.RK_TCP_HASHED_SEND_WINDOW + 1  # a send window and one byte
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     dst = [np.zeros(n, np.uint8) for n in sizes]
     want = [value_checksum(x.tobytes()) for x in src]
