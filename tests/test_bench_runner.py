@@ -17,6 +17,7 @@ import pytest
 from rdmakv.bench import runner
 from rdmakv.bench.driver import PeerUnavailable, Workload
 from rdmakv.bench.drivers import make_driver, register, socket_loop, unregister
+from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
 from rdmakv.bench.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
 from rdmakv.bench.placement import placements
 
@@ -135,6 +136,15 @@ def test_rdmakv_with_two_streams_moves_every_byte_split() -> None:
     assert r["rdmakv_streams2"]["put_vs_socket_loop"] > 0
     assert r["rdmakv_streams2"]["get_vs_socket_loop"] > 0
     assert "rdmakv_streams2" not in res["latency"]["systems"]
+
+
+def test_rdmakv_driver_passes_digest_sized_keys_as_their_digests_and_pads_others() -> None:
+    """The workload's keys are DIGEST_LEN bytes and go in as they are (no copy in the
+    timed call); keys of other lengths are padded or cut to DIGEST_LEN."""
+    keys = Workload(16384, 3, 3).keys("t")
+    assert RdmakvDriver._digests(keys) is keys
+    odd: list[bytes] = [b"ab", b"x" * 20, b"y" * 16]
+    assert RdmakvDriver._digests(odd) == [b"ab".ljust(16, b"\0"), b"x" * 16, b"y" * 16]
 
 
 def test_unavailable_peer_is_recorded_not_fatal() -> None:

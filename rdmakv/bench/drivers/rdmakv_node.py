@@ -25,6 +25,7 @@ from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
 from rdmakv.client import NodeClient
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess, NodeStartError
+from rdmakv.protocol import DIGEST_LEN
 from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 
@@ -106,8 +107,15 @@ class RdmakvDriver:
                            timeout=CLIENT_TIMEOUT_S, streams=self.streams)
 
     @staticmethod
-    def _digests(keys: Sequence[bytes]) -> list[bytes]:
-        return [bytes(k).ljust(16, b"\0")[:16] for k in keys]
+    def _digests(keys: Sequence[bytes]) -> Sequence[bytes]:
+        """Each key's content digest, as an engine passes the block hashes it
+        already holds: the key itself, padded or cut to DIGEST_LEN bytes. The
+        bench's keys are DIGEST_LEN bytes, so they are passed as they are:
+        building a padded copy per key was 0.2 ms of bench code inside each
+        timed 1000-key call (5% of a 16 KiB put)."""
+        if set(map(len, keys)) == {DIGEST_LEN} and set(map(type, keys)) == {bytes}:
+            return keys
+        return [bytes(k).ljust(DIGEST_LEN, b"\0")[:DIGEST_LEN] for k in keys]
 
     def put(self, keys: Sequence[bytes]) -> None:
         assert self._put_c is not None
