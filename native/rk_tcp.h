@@ -27,7 +27,7 @@
 /* The window of a send that hashes as it goes (rk_tcp_sendv_hashed). The
  * hash reads each window right after sendmsg copied it, and in 512 KiB
  * windows much of it had left the cache by then (XXH3 read it at 22 GB/s,
- * against 35 GB/s in 128 KiB windows and 60 on data in cache). Over
+ * against 31-35 GB/s in 128 KiB windows and 60 on data in cache). Over
  * loopback to the bench's socket loop (2-core VM, 12 rounds, twice): 256 KiB
  * blocks moved at 4.10-4.18 GB/s median in 512 KiB windows, 4.59-4.64 in
  * 128 KiB ones; 1 MiB blocks 3.95-4.06 -> 4.67-4.76. A send that does not

@@ -111,8 +111,8 @@ class RdmakvDriver:
         """Each key's content digest, as an engine passes the block hashes it
         already holds: the key itself, padded or cut to DIGEST_LEN bytes. The
         bench's keys are DIGEST_LEN bytes, so they are passed as they are:
-        building a padded copy per key was 0.2 ms of bench code inside each
-        timed 1000-key call (5% of a 16 KiB put)."""
+        building a padded copy per key was ~0.1 ms of bench code inside each
+        timed 1000-key call (the check that replaces it, 0.03 ms)."""
         if set(map(len, keys)) == {DIGEST_LEN} and set(map(type, keys)) == {bytes}:
             return keys
         return [bytes(k).ljust(DIGEST_LEN, b"\0")[:DIGEST_LEN] for k in keys]
