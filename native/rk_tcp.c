@@ -3,8 +3,11 @@
 #include "rk_tcp.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -36,6 +39,79 @@ static int wait_fd(int fd, short events, int timeout_ms, int64_t deadline, int *
     if (errno == EINTR) return RK_TCP_EINTR;
     *err = errno;
     return RK_TCP_ERRNO;
+}
+
+/* The hashed-send window (see rk_tcp.h). `chosen` is read on every hashed
+ * send without the lock: 0 while measuring, then the window for good. The
+ * samples are shared by every thread that sends hashed, under probe_lock. */
+static const uint64_t probe_sizes[2] = {RK_TCP_HASHED_WINDOW_SMALL, RK_TCP_HASHED_WINDOW_LARGE};
+static uint64_t chosen;
+static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
+static double probe_cost[2][RK_TCP_WINDOW_PROBES]; /* ns of thread CPU per byte moved */
+static int probe_count[2];
+static unsigned probe_turn;
+static int warm_up = RK_TCP_WINDOW_WARM_UP; /* full windows left before the samples */
+
+static uint64_t chosen_window(void) { return __atomic_load_n(&chosen, __ATOMIC_ACQUIRE); }
+
+static int64_t thread_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* The probe size the next window should measure (the one with fewer
+ * samples; turns when even), or -1 once a window is chosen. */
+static int probe_next(void) {
+    pthread_mutex_lock(&probe_lock);
+    int which = -1;
+    if (!chosen_window()) {
+        which = probe_count[0] == probe_count[1] ? (int)(probe_turn++ & 1)
+                                                 : probe_count[1] < probe_count[0];
+    }
+    pthread_mutex_unlock(&probe_lock);
+    return which;
+}
+
+/* One full window of probe size `which`: `ns` of thread CPU moved `bytes`.
+ * The last sample needed settles the choice (ties keep the small window). */
+static void probe_record(int which, int64_t ns, uint64_t bytes) {
+    pthread_mutex_lock(&probe_lock);
+    if (warm_up > 0) {
+        warm_up--;
+    } else if (!chosen_window() && probe_count[which] < RK_TCP_WINDOW_PROBES) {
+        probe_cost[which][probe_count[which]++] = (double)ns / (double)bytes;
+        if (probe_count[0] == RK_TCP_WINDOW_PROBES && probe_count[1] == RK_TCP_WINDOW_PROBES) {
+            double small = median(probe_cost[0], RK_TCP_WINDOW_PROBES);
+            double large = median(probe_cost[1], RK_TCP_WINDOW_PROBES);
+            __atomic_store_n(&chosen, probe_sizes[large < small], __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&probe_lock);
+}
+
+uint64_t rk_tcp_hashed_send_window(void) { return chosen_window(); }
+
+int rk_tcp_set_hashed_send_window(uint64_t bytes) {
+    if (bytes > RK_TCP_WINDOW) return -1;
+    pthread_mutex_lock(&probe_lock);
+    if (!bytes) {
+        probe_count[0] = probe_count[1] = 0;
+        warm_up = RK_TCP_WINDOW_WARM_UP;
+    }
+    __atomic_store_n(&chosen, bytes, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&probe_lock);
+    return 0;
 }
 
 /* Fill win[] with up to RK_TCP_IOV_MAX ranges of [i, n) starting at range i,
@@ -122,7 +198,18 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
     struct iovec win[RK_TCP_IOV_MAX];
     size_t i = 0;
     uint64_t off = skip, moved = skip, bytes;
-    uint64_t cap = h && sending ? RK_TCP_HASHED_SEND_WINDOW : RK_TCP_WINDOW;
+    uint64_t cap = RK_TCP_WINDOW;
+    /* a hashed send measures the windows while none is chosen; on a blocking
+     * socket the calls' time would include the waits for room: no samples */
+    int probing = 0;
+    if (h && sending) {
+        cap = chosen_window();
+        if (!cap) {
+            cap = RK_TCP_HASHED_WINDOW_SMALL;
+            int fl = fcntl(fd, F_GETFL);
+            probing = fl >= 0 && (fl & O_NONBLOCK);
+        }
+    }
     *err = 0;
     *done = skip;
     int64_t deadline = timeout_ms >= 0 ? now_ms() + timeout_ms : 0;
@@ -152,6 +239,18 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             if (stop == NO_STOP || stop <= i) stop = next_hashes_range(h, iov, n, i + 1);
             end = stop;
         }
+        int which = -1; /* the probe size this window measures */
+        int64_t t0 = 0;
+        if (probing) {
+            which = probe_next();
+            if (which < 0) {
+                probing = 0;
+                cap = chosen_window();
+            } else {
+                cap = probe_sizes[which];
+                t0 = thread_ns();
+            }
+        }
         int k = fill_window(win, iov, end, i, off, cap, &bytes);
         ssize_t r;
         if (sending) {
@@ -170,6 +269,8 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             /* hashed right after the copy into or out of the socket, while
              * the bytes are still in the CPU cache */
             if (h && hash_to(h, iov, n, moved)) goto nomem;
+            if (which >= 0 && bytes == cap) /* a short window's fixed costs would skew it */
+                probe_record(which, thread_ns() - t0, (uint64_t)r);
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
             continue;
         }

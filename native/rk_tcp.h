@@ -24,17 +24,30 @@
  * When hashing, a range is hashed and moved within one window for the same
  * reason. */
 #define RK_TCP_WINDOW 524288
-/* The window of a send that hashes as it goes (rk_tcp_sendv_hashed). The
- * hash reads each window right after sendmsg copied it, and in 512 KiB
- * windows much of it had left the cache by then (XXH3 read it at 22 GB/s,
- * against 31-35 GB/s in 128 KiB windows and 60 on data in cache). Over
- * loopback to the bench's socket loop (2-core VM, 12 rounds, twice): 256 KiB
- * blocks moved at 4.10-4.18 GB/s median in 512 KiB windows, 4.59-4.64 in
- * 128 KiB ones; 1 MiB blocks 3.95-4.06 -> 4.67-4.76. A send that does not
+/* The window of a send that hashes as it goes (rk_tcp_sendv_hashed): the
+ * hash reads each window right after sendmsg copied it, and which size costs
+ * the sending thread least depends on the CPU, so the loop measures it.
+ * - On a 2-core Intel Xeon VM (AVX-512) 512 KiB windows had left the cache by
+ *   the time the hash read them (XXH3 at 22 GB/s, against 31-35 in 128 KiB
+ *   windows): 256 KiB blocks to the bench's socket loop moved at 4.10-4.18
+ *   GB/s median in 512 KiB windows, 4.59-4.64 in 128 KiB ones.
+ * - On a 2-core AMD EPYC VM the hash ran at ~60 GB/s after either, and the
+ *   four times as many sendmsg calls were what cost: the same send, 40 rounds,
+ *   3.88-4.17 GB/s median in 128 KiB windows, 4.75-5.24 in 512 KiB ones
+ *   (unhashed: 4.75 against 6.92).
+ * So the first hashed sends of a process on a non-blocking socket alternate
+ * the two windows and time each full window's sendmsg and hash on the
+ * thread's CPU clock (waits for room are polls outside it). The first
+ * RK_TCP_WINDOW_WARM_UP windows are not counted (a new connection's first
+ * sends cost more, whatever their size); once each size has
+ * RK_TCP_WINDOW_PROBES samples, the one with the lower median nanoseconds
+ * per byte moved is kept for the rest of the process. A send that does not
  * hash, and a receive (which hashes the bytes it has just written, still in
- * cache), keep RK_TCP_WINDOW: unhashed, 128 KiB windows were slower (5.5
- * against 6.2 GB/s). */
-#define RK_TCP_HASHED_SEND_WINDOW 131072
+ * cache), keep RK_TCP_WINDOW: unhashed, 128 KiB windows were slower. */
+#define RK_TCP_HASHED_WINDOW_SMALL 131072
+#define RK_TCP_HASHED_WINDOW_LARGE 524288
+#define RK_TCP_WINDOW_PROBES 24
+#define RK_TCP_WINDOW_WARM_UP 32
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -66,7 +79,7 @@ typedef struct {
 
 /* Like rk_tcp_sendv / rk_tcp_recvv, and also hashes[i] = hash(range i) for
  * every range: both hash the bytes each system call moved right after it
- * moved them (a window at a time: RK_TCP_HASHED_SEND_WINDOW bytes for a
+ * moved them (a window at a time: rk_tcp_hashed_send_window() bytes for a
  * send, RK_TCP_WINDOW for a receive), so the hash reads them
  * from the CPU cache, where the kernel's copy left them, not from memory.
  * Hashing before the send instead cost a fifth of a plain loop's rate over
@@ -85,5 +98,14 @@ int rk_tcp_sendv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, in
 int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
                         const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err);
+
+/* The hashed-send window in use: RK_TCP_HASHED_WINDOW_SMALL or _LARGE once
+ * measured (or set), 0 while the process is still measuring. */
+uint64_t rk_tcp_hashed_send_window(void);
+
+/* Fix the hashed-send window at `bytes` (1 to RK_TCP_WINDOW; tests, and an
+ * operator who measured their own); 0 forgets the choice and its samples, so
+ * the next hashed sends measure again. -1 for a size out of range, else 0. */
+int rk_tcp_set_hashed_send_window(uint64_t bytes);
 
 #endif

@@ -20,6 +20,7 @@ from rdmakv.bench.drivers import make_driver, register, socket_loop, unregister
 from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
 from rdmakv.bench.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
 from rdmakv.bench.placement import placements
+from rdmakv.transport import tcp
 
 QUICK_SIZES = ("16384", "262144")
 
@@ -90,6 +91,14 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
         )
     meta = res["meta"]
     assert meta["quick"] is True and meta["date"] and meta["machine"] and meta["commit"]
+    # the window the bench's puts measured and kept (a quick run's puts are
+    # enough bytes for both windows' samples)
+    if tcp.native_checksums():
+        assert meta["tcp_hashed_send_window"] in (
+            tcp._lib.RK_TCP_HASHED_WINDOW_SMALL, tcp._lib.RK_TCP_HASHED_WINDOW_LARGE
+        )
+    else:
+        assert meta["tcp_hashed_send_window"] is None
     assert json.loads((out / "q.json").read_text()) == res
     for what in ("throughput", "latency", "concurrency"):
         assert (out / f"q_{what}.png").stat().st_size > 0

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from rdmakv.errors import ConnectionLost
+from rdmakv.errors import ConfigError, ConnectionLost
 from rdmakv.protocol import HEADER, Channel, Op, value_checksum
 from rdmakv.transport import tcp
 
@@ -217,13 +217,26 @@ needs_checksums = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=["small", "large"])
+def hashed_window(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Each hashed-send window the loop may pick, fixed for the test; after
+    it the process measures again."""
+    window = int(getattr(tcp._lib, f"RK_TCP_HASHED_WINDOW_{request.param.upper()}"))
+    tcp.set_hashed_send_window(window)
+    try:
+        yield window
+    finally:
+        tcp.set_hashed_send_window(0)
+
+
 @needs_checksums
 def test_each_range_is_hashed_on_the_way_out_and_in_as_value_checksum_would(
-    pair: tuple[socket.socket, socket.socket],
+    pair: tuple[socket.socket, socket.socket], hashed_window: int
 ) -> None:
     """Hashed send and receive give every range's value_checksum, for ranges
-    smaller and larger than the hashing windows, empty ones, and a receive
-    whose first bytes were already placed (``skip``, as after a read-ahead)."""
+    smaller and larger than the hashing windows (either send window), empty
+    ones, and a receive whose first bytes were already placed (``skip``, as
+    after a read-ahead)."""
     a, b = pair
     a.settimeout(10)
     b.settimeout(10)
@@ -231,7 +244,7 @@ def test_each_range_is_hashed_on_the_way_out_and_in_as_value_checksum_would(
     sizes = [int(n) for n in rng.integers(0, 40_000, 200)]
     sizes[5] = sizes[-1] = 0
     sizes[17] = 3 * tcp._lib.RK_TCP_WINDOW + 5
-    sizes[40] = tcp._lib.RK_TCP_HASHED_SEND_WINDOW + 1  # a send window and one byte
+    sizes[40] = hashed_window + 1  # a send window and one byte
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     dst = [np.zeros(n, np.uint8) for n in sizes]
     want = [value_checksum(x.tobytes()) for x in src]
@@ -310,7 +323,7 @@ def test_a_hashed_send_resumes_where_a_signal_interrupted_it(
 
 @needs_checksums
 def test_a_range_that_is_the_hashes_of_earlier_ranges_goes_out_holding_them(
-    pair: tuple[socket.socket, socket.socket],
+    pair: tuple[socket.socket, socket.socket], hashed_window: int
 ) -> None:
     """What the tcp transport's PUT relies on: ranges are hashed as they go
     out, and a COMMIT's checksum row (pointing into the call's own hashes)
@@ -348,3 +361,67 @@ def test_a_range_that_is_the_hashes_of_earlier_ranges_goes_out_holding_them(
         assert trailer.tolist() == [value_checksum(v.tobytes()) for v in vs]
         pos += 8 * len(vs)
     assert pos == len(wire)
+
+
+def _hashed_send(sock: socket.socket, peer: socket.socket, nbytes: int) -> None:
+    """``nbytes`` in 16 KiB ranges through a hashed send, drained by a thread;
+    the hashes are checked."""
+    src = np.random.default_rng(13).integers(0, 256, 16384 * 8, dtype=np.uint8)
+    ranges = [src[i * 16384 : (i + 1) * 16384] for i in range(8)] * (nbytes // (8 * 16384))
+    hashes = np.zeros(len(ranges), np.uint64)
+    sink = np.empty(len(ranges) * 16384, np.uint8)
+    receiver = threading.Thread(target=tcp.recv_iov, args=(peer, table([sink])))
+    receiver.start()
+    tcp.send_iov(sock, table(ranges), hashes)
+    receiver.join()
+    assert hashes.tolist() == [value_checksum(r.tobytes()) for r in ranges[:8]] * (
+        len(ranges) // 8
+    )
+
+
+@pytest.fixture
+def measuring() -> Iterator[None]:
+    """No hashed-send window chosen: the next hashed sends measure (and again after)."""
+    tcp.set_hashed_send_window(0)
+    try:
+        yield
+    finally:
+        tcp.set_hashed_send_window(0)
+
+
+@needs_checksums
+def test_hashed_sends_on_a_non_blocking_socket_pick_one_of_the_two_windows(
+    pair: tuple[socket.socket, socket.socket], measuring: None
+) -> None:
+    """The process measures both windows on its first hashed sends and keeps
+    one: nothing is chosen before enough windows went out, one of the two
+    sizes after."""
+    a, b = pair
+    a.settimeout(10)  # non-blocking underneath, as every rdmakv connection
+    b.settimeout(10)
+    _hashed_send(a, b, 1 << 20)  # fewer windows than the warm-up alone
+    assert tcp.hashed_send_window() is None
+    per_round = tcp._lib.RK_TCP_HASHED_WINDOW_SMALL + tcp._lib.RK_TCP_HASHED_WINDOW_LARGE
+    rounds = tcp._lib.RK_TCP_WINDOW_WARM_UP + tcp._lib.RK_TCP_WINDOW_PROBES + 8
+    _hashed_send(a, b, per_round * rounds)
+    assert tcp.hashed_send_window() in (
+        tcp._lib.RK_TCP_HASHED_WINDOW_SMALL,
+        tcp._lib.RK_TCP_HASHED_WINDOW_LARGE,
+    )
+
+
+@needs_checksums
+def test_hashed_sends_on_a_blocking_socket_measure_nothing(
+    pair: tuple[socket.socket, socket.socket], measuring: None
+) -> None:
+    """A blocking sendmsg's time includes its waits for room: no samples from it."""
+    a, b = pair
+    _hashed_send(a, b, 64 << 20)
+    assert tcp.hashed_send_window() is None
+
+
+def test_a_hashed_send_window_out_of_range_is_refused() -> None:
+    with pytest.raises(ConfigError, match="hashed send window"):
+        tcp.set_hashed_send_window(tcp._lib.RK_TCP_WINDOW + 1)
+    with pytest.raises(ConfigError, match="hashed send window"):
+        tcp.set_hashed_send_window(-1)

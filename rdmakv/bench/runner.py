@@ -63,6 +63,7 @@ from rdmakv.bench.drivers import (
 )
 from rdmakv.bench.placement import Placement, placements
 from rdmakv.bench.provenance import provenance
+from rdmakv.transport.tcp import hashed_send_window
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -763,6 +764,8 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
             **cfg.extra_meta,
         },
     }
+    if cfg.transport == "tcp":  # what this process's puts measured and kept (rk_tcp.h)
+        result["meta"]["tcp_hashed_send_window"] = hashed_send_window()
     # rdmakv never skips; nor does the socket loop where it applies (TCP runs).
     never_skip = FATAL if cfg.transport == "tcp" else FATAL - {CEILING}
     for size_key, per in section.items():

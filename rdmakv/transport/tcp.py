@@ -38,7 +38,9 @@ The same loop hashes each block with XXH3 (the protocol's value checksum)
 right after each system call moved it, out or in, while the kernel's copy
 has left it in the CPU cache: the writer's checksums for COMMIT and the
 reader's verification come from that pass instead of one more read of every
-block from memory.
+block from memory. A send that hashes moves 128 KiB or 512 KiB per call,
+whichever the process measured to cost its thread less on this CPU
+(:func:`hashed_send_window`).
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
 raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
 mid-transfer raises ``ConnectionLost``). Without the native module, or with
@@ -63,7 +65,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv import native_core
-from rdmakv.errors import ConnectionLost, ProtocolError, RdmakvError, RemoteError
+from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
     DATA_OP,
@@ -211,6 +213,27 @@ def native_checksums() -> bool:
     """True when the native loop also computes each block's value checksum as
     it moves (see :func:`send_iov`); False: callers hash the slab themselves."""
     return use_native and _checksum_fn is not None
+
+
+def hashed_send_window() -> int | None:
+    """Bytes per system call of a send that hashes as it goes: 128 KiB or
+    512 KiB, whichever the first such sends of this process measured to cost
+    the sending thread less CPU per byte (rk_tcp.h says why it depends on the
+    CPU); None while it is still measuring, or without the native loop."""
+    if _lib is None:
+        return None
+    return int(_lib.rk_tcp_hashed_send_window()) or None
+
+
+def set_hashed_send_window(nbytes: int) -> None:
+    """Fix the hashed-send window at ``nbytes`` (1 to ``RK_TCP_WINDOW``);
+    0 forgets it, so the next hashed sends measure again."""
+    if _lib is None:
+        raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
+    if nbytes < 0 or _lib.rk_tcp_set_hashed_send_window(nbytes) != 0:
+        raise ConfigError(
+            f"hashed send window must be 0 to {_lib.RK_TCP_WINDOW} bytes, got {nbytes}"
+        )
 
 
 def _timeout_ms(sock: socket.socket) -> int:
