@@ -752,8 +752,8 @@ def same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:
 def check_keys(keys: Sequence[bytes]) -> None:
     """ConfigError naming the first key that is not 1..MAX_KEY_LEN bytes."""
     # C-level passes first: batches hold thousands of keys, all valid as a rule
-    if set(map(type, keys)) <= {bytes} and (
-        not keys or (min(map(len, keys)) >= 1 and max(map(len, keys)) <= MAX_KEY_LEN)
+    if set(map(type, keys)) <= {bytes} and all(
+        1 <= n <= MAX_KEY_LEN for n in set(map(len, keys))  # usually one length
     ):
         return
     for i, k in enumerate(keys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -147,13 +148,41 @@ def test_rdmakv_with_two_streams_moves_every_byte_split() -> None:
     assert "rdmakv_streams2" not in res["latency"]["systems"]
 
 
-def test_rdmakv_driver_passes_digest_sized_keys_as_their_digests_and_pads_others() -> None:
-    """The workload's keys are DIGEST_LEN bytes and go in as they are (no copy in the
-    timed call); keys of other lengths are padded or cut to DIGEST_LEN."""
-    keys = Workload(16384, 3, 3).keys("t")
-    assert RdmakvDriver._digests(keys) is keys
-    odd: list[bytes] = [b"ab", b"x" * 20, b"y" * 16]
-    assert RdmakvDriver._digests(odd) == [b"ab".ljust(16, b"\0"), b"x" * 16, b"y" * 16]
+def test_rdmakv_driver_passes_digest_sized_keys_as_their_digests_and_pads_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The workload's keys are DIGEST_LEN bytes and go to the client as they are
+    (no copy, no check of its own in the timed call); keys of other lengths,
+    which the client refuses as digests before sending anything, go again
+    padded or cut to DIGEST_LEN, and read back whole."""
+    work = Workload(4096, 4, 4)
+    src, dst = runner.arena(4096 * 4), runner.arena(4096 * 4)
+    runner.fill_random(src, 2)
+    drv = RdmakvDriver("tcp")
+    drv.open(work, src, dst)
+    try:
+        client = drv._put_c
+        assert client is not None
+        seen: list[Sequence[bytes]] = []
+        real_put = client.put
+
+        def put(keys: Sequence[bytes], handles: Sequence[int], nbytes: int,
+                digests: Sequence[bytes]) -> list[bool]:
+            seen.append(digests)
+            return real_put(keys, handles, nbytes, digests)
+
+        monkeypatch.setattr(client, "put", put)  # records, then the real put
+        keys = work.keys("t")
+        drv.put(keys)
+        assert len(seen) == 1 and seen[0] is keys
+        odd: list[bytes] = [b"ab", b"x" * 20, b"y" * 16, b"z" * 3]
+        drv.put(odd)
+        assert seen[1] is odd
+        assert seen[2] == [b"ab".ljust(16, b"\0"), b"x" * 16, b"y" * 16, b"zzz".ljust(16, b"\0")]
+        drv.get(odd)
+        assert runner.wrong_bytes(src, dst) == 0
+    finally:
+        drv.close()
 
 
 def test_unavailable_peer_is_recorded_not_fatal() -> None:
