@@ -41,16 +41,20 @@ static int wait_fd(int fd, short events, int timeout_ms, int64_t deadline, int *
     return RK_TCP_ERRNO;
 }
 
-/* The hashed-send window (see rk_tcp.h). `chosen` is read on every hashed
- * send without the lock: 0 while measuring, then the window for good. The
- * samples are shared by every thread that sends hashed, under probe_lock. */
+/* The hashed-send window (see rk_tcp.h). `chosen` is read without the lock:
+ * the window in use, 0 before the first choice. Everything else is shared by
+ * every thread that sends hashed, under probe_lock. */
 static const uint64_t probe_sizes[2] = {RK_TCP_HASHED_WINDOW_SMALL, RK_TCP_HASHED_WINDOW_LARGE};
 static uint64_t chosen;
 static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
+static int fixed;       /* set by rk_tcp_set_hashed_send_window: never measure */
+static int probing = 1; /* windows alternate sizes and are timed */
+static int warm_up = RK_TCP_WINDOW_WARM_UP; /* full windows left before the samples */
+static uint64_t since;  /* windows since the last choice */
+static uint64_t choices;
 static double probe_cost[2][RK_TCP_WINDOW_PROBES]; /* ns of thread CPU per byte moved */
 static int probe_count[2];
 static unsigned probe_turn;
-static int warm_up = RK_TCP_WINDOW_WARM_UP; /* full windows left before the samples */
 
 static uint64_t chosen_window(void) { return __atomic_load_n(&chosen, __ATOMIC_ACQUIRE); }
 
@@ -71,13 +75,19 @@ static double median(double *v, int n) {
 }
 
 /* The probe size the next window should measure (the one with fewer
- * samples; turns when even), or -1 once a window is chosen. */
+ * samples; turns when even), or -1: use the chosen window. Every
+ * RK_TCP_WINDOW_REPROBE windows after a choice the sizes are measured again. */
 static int probe_next(void) {
     pthread_mutex_lock(&probe_lock);
     int which = -1;
-    if (!chosen_window()) {
-        which = probe_count[0] == probe_count[1] ? (int)(probe_turn++ & 1)
-                                                 : probe_count[1] < probe_count[0];
+    if (!fixed) {
+        if (!probing && ++since >= RK_TCP_WINDOW_REPROBE) {
+            probing = 1;
+            probe_count[0] = probe_count[1] = 0;
+        }
+        if (probing)
+            which = probe_count[0] == probe_count[1] ? (int)(probe_turn++ & 1)
+                                                     : probe_count[1] < probe_count[0];
     }
     pthread_mutex_unlock(&probe_lock);
     return which;
@@ -87,14 +97,19 @@ static int probe_next(void) {
  * The last sample needed settles the choice (ties keep the small window). */
 static void probe_record(int which, int64_t ns, uint64_t bytes) {
     pthread_mutex_lock(&probe_lock);
-    if (warm_up > 0) {
+    if (!probing || fixed) {
+        /* settled or set meanwhile by another thread */
+    } else if (warm_up > 0) {
         warm_up--;
-    } else if (!chosen_window() && probe_count[which] < RK_TCP_WINDOW_PROBES) {
+    } else if (probe_count[which] < RK_TCP_WINDOW_PROBES) {
         probe_cost[which][probe_count[which]++] = (double)ns / (double)bytes;
         if (probe_count[0] == RK_TCP_WINDOW_PROBES && probe_count[1] == RK_TCP_WINDOW_PROBES) {
             double small = median(probe_cost[0], RK_TCP_WINDOW_PROBES);
             double large = median(probe_cost[1], RK_TCP_WINDOW_PROBES);
             __atomic_store_n(&chosen, probe_sizes[large < small], __ATOMIC_RELEASE);
+            probing = 0;
+            since = 0;
+            choices++;
         }
     }
     pthread_mutex_unlock(&probe_lock);
@@ -102,13 +117,21 @@ static void probe_record(int which, int64_t ns, uint64_t bytes) {
 
 uint64_t rk_tcp_hashed_send_window(void) { return chosen_window(); }
 
+uint64_t rk_tcp_hashed_send_window_choices(void) {
+    pthread_mutex_lock(&probe_lock);
+    uint64_t n = choices;
+    pthread_mutex_unlock(&probe_lock);
+    return n;
+}
+
 int rk_tcp_set_hashed_send_window(uint64_t bytes) {
     if (bytes > RK_TCP_WINDOW) return -1;
     pthread_mutex_lock(&probe_lock);
-    if (!bytes) {
-        probe_count[0] = probe_count[1] = 0;
-        warm_up = RK_TCP_WINDOW_WARM_UP;
-    }
+    fixed = bytes != 0;
+    probing = !fixed;
+    probe_count[0] = probe_count[1] = 0;
+    warm_up = RK_TCP_WINDOW_WARM_UP;
+    since = choices = 0;
     __atomic_store_n(&chosen, bytes, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&probe_lock);
     return 0;
@@ -199,16 +222,12 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
     size_t i = 0;
     uint64_t off = skip, moved = skip, bytes;
     uint64_t cap = RK_TCP_WINDOW;
-    /* a hashed send measures the windows while none is chosen; on a blocking
-     * socket the calls' time would include the waits for room: no samples */
-    int probing = 0;
+    /* a hashed send takes part in measuring its windows, but not on a blocking
+     * socket, where the calls' time would include the waits for room */
+    int measures = 0;
     if (h && sending) {
-        cap = chosen_window();
-        if (!cap) {
-            cap = RK_TCP_HASHED_WINDOW_SMALL;
-            int fl = fcntl(fd, F_GETFL);
-            probing = fl >= 0 && (fl & O_NONBLOCK);
-        }
+        int fl = fcntl(fd, F_GETFL);
+        measures = fl >= 0 && (fl & O_NONBLOCK);
     }
     *err = 0;
     *done = skip;
@@ -239,17 +258,14 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             if (stop == NO_STOP || stop <= i) stop = next_hashes_range(h, iov, n, i + 1);
             end = stop;
         }
-        int which = -1; /* the probe size this window measures */
+        int which = measures ? probe_next() : -1; /* the probe size this window measures */
         int64_t t0 = 0;
-        if (probing) {
-            which = probe_next();
-            if (which < 0) {
-                probing = 0;
-                cap = chosen_window();
-            } else {
-                cap = probe_sizes[which];
-                t0 = thread_ns();
-            }
+        if (which >= 0) {
+            cap = probe_sizes[which];
+            t0 = thread_ns();
+        } else if (h && sending) {
+            cap = chosen_window();
+            if (!cap) cap = RK_TCP_HASHED_WINDOW_SMALL;
         }
         int k = fill_window(win, iov, end, i, off, cap, &bytes);
         ssize_t r;

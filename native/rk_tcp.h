@@ -41,13 +41,19 @@
  * RK_TCP_WINDOW_WARM_UP windows are not counted (a new connection's first
  * sends cost more, whatever their size); once each size has
  * RK_TCP_WINDOW_PROBES samples, the one with the lower median nanoseconds
- * per byte moved is kept for the rest of the process. A send that does not
+ * per byte moved is used. Both are measured again (without the warm-up)
+ * after every RK_TCP_WINDOW_REPROBE windows: a choice made on one kind of
+ * batch or in a noisy moment does not stay for good (a bench whose 16 KiB
+ * puts, where the two differ little, came first once kept 128 KiB for its
+ * 256 KiB and 1 MiB puts too). The other size then moves about 2% of the
+ * windows. A send that does not
  * hash, and a receive (which hashes the bytes it has just written, still in
  * cache), keep RK_TCP_WINDOW: unhashed, 128 KiB windows were slower. */
 #define RK_TCP_HASHED_WINDOW_SMALL 131072
 #define RK_TCP_HASHED_WINDOW_LARGE 524288
 #define RK_TCP_WINDOW_PROBES 24
 #define RK_TCP_WINDOW_WARM_UP 32
+#define RK_TCP_WINDOW_REPROBE 1024
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -100,12 +106,17 @@ int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, in
                         uint64_t *done, int *err);
 
 /* The hashed-send window in use: RK_TCP_HASHED_WINDOW_SMALL or _LARGE once
- * measured (or set), 0 while the process is still measuring. */
+ * measured (or the size set), 0 before the process's first choice. */
 uint64_t rk_tcp_hashed_send_window(void);
 
+/* How often the measurement has settled on a window since the process
+ * started (or since the last rk_tcp_set_hashed_send_window). */
+uint64_t rk_tcp_hashed_send_window_choices(void);
+
 /* Fix the hashed-send window at `bytes` (1 to RK_TCP_WINDOW; tests, and an
- * operator who measured their own); 0 forgets the choice and its samples, so
- * the next hashed sends measure again. -1 for a size out of range, else 0. */
+ * operator who measured their own): nothing is measured any more. 0 forgets
+ * the choice and its samples, so the next hashed sends measure from the
+ * start (warm-up included). -1 for a size out of range, else 0. */
 int rk_tcp_set_hashed_send_window(uint64_t bytes);
 
 #endif

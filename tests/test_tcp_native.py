@@ -364,19 +364,23 @@ def test_a_range_that_is_the_hashes_of_earlier_ranges_goes_out_holding_them(
 
 
 def _hashed_send(sock: socket.socket, peer: socket.socket, nbytes: int) -> None:
-    """``nbytes`` in 16 KiB ranges through a hashed send, drained by a thread;
-    the hashes are checked."""
+    """``nbytes`` (a multiple of 128 KiB) in 16 KiB ranges through a hashed
+    send, drained by a thread; the hashes are checked."""
     src = np.random.default_rng(13).integers(0, 256, 16384 * 8, dtype=np.uint8)
     ranges = [src[i * 16384 : (i + 1) * 16384] for i in range(8)] * (nbytes // (8 * 16384))
     hashes = np.zeros(len(ranges), np.uint64)
-    sink = np.empty(len(ranges) * 16384, np.uint8)
-    receiver = threading.Thread(target=tcp.recv_iov, args=(peer, table([sink])))
+
+    def drain() -> None:
+        sink, left = bytearray(1 << 20), len(ranges) * 16384
+        while left:
+            left -= peer.recv_into(sink, min(left, len(sink)))
+
+    receiver = threading.Thread(target=drain)
     receiver.start()
     tcp.send_iov(sock, table(ranges), hashes)
     receiver.join()
-    assert hashes.tolist() == [value_checksum(r.tobytes()) for r in ranges[:8]] * (
-        len(ranges) // 8
-    )
+    want = [value_checksum(r.tobytes()) for r in ranges[:8]]
+    assert hashes.tolist() == want * (len(ranges) // 8)
 
 
 @pytest.fixture
@@ -393,21 +397,25 @@ def measuring() -> Iterator[None]:
 def test_hashed_sends_on_a_non_blocking_socket_pick_one_of_the_two_windows(
     pair: tuple[socket.socket, socket.socket], measuring: None
 ) -> None:
-    """The process measures both windows on its first hashed sends and keeps
+    """The process measures both windows on its first hashed sends and uses
     one: nothing is chosen before enough windows went out, one of the two
-    sizes after."""
+    sizes after, and both are measured again later."""
     a, b = pair
     a.settimeout(10)  # non-blocking underneath, as every rdmakv connection
     b.settimeout(10)
     _hashed_send(a, b, 1 << 20)  # fewer windows than the warm-up alone
     assert tcp.hashed_send_window() is None
-    per_round = tcp._lib.RK_TCP_HASHED_WINDOW_SMALL + tcp._lib.RK_TCP_HASHED_WINDOW_LARGE
-    rounds = tcp._lib.RK_TCP_WINDOW_WARM_UP + tcp._lib.RK_TCP_WINDOW_PROBES + 8
-    _hashed_send(a, b, per_round * rounds)
+    lib = tcp._lib
+    per_round = lib.RK_TCP_HASHED_WINDOW_SMALL + lib.RK_TCP_HASHED_WINDOW_LARGE
+    _hashed_send(a, b, per_round * (lib.RK_TCP_WINDOW_WARM_UP + lib.RK_TCP_WINDOW_PROBES + 8))
     assert tcp.hashed_send_window() in (
-        tcp._lib.RK_TCP_HASHED_WINDOW_SMALL,
-        tcp._lib.RK_TCP_HASHED_WINDOW_LARGE,
+        lib.RK_TCP_HASHED_WINDOW_SMALL, lib.RK_TCP_HASHED_WINDOW_LARGE
     )
+    assert lib.rk_tcp_hashed_send_window_choices() == 1
+    # measured again (no warm-up) once RK_TCP_WINDOW_REPROBE more windows went out
+    _hashed_send(a, b, lib.RK_TCP_WINDOW_REPROBE * lib.RK_TCP_HASHED_WINDOW_LARGE
+                 + per_round * (lib.RK_TCP_WINDOW_PROBES + 8))
+    assert lib.rk_tcp_hashed_send_window_choices() == 2
 
 
 @needs_checksums
@@ -418,6 +426,20 @@ def test_hashed_sends_on_a_blocking_socket_measure_nothing(
     a, b = pair
     _hashed_send(a, b, 64 << 20)
     assert tcp.hashed_send_window() is None
+
+
+@needs_checksums
+def test_a_window_set_by_hand_is_never_measured_again(
+    pair: tuple[socket.socket, socket.socket], measuring: None
+) -> None:
+    a, b = pair
+    a.settimeout(10)
+    b.settimeout(10)
+    tcp.set_hashed_send_window(200_000)
+    lib = tcp._lib
+    _hashed_send(a, b, (lib.RK_TCP_WINDOW_REPROBE + 64) * lib.RK_TCP_HASHED_WINDOW_LARGE // 2)
+    assert tcp.hashed_send_window() == 200_000
+    assert lib.rk_tcp_hashed_send_window_choices() == 0
 
 
 def test_a_hashed_send_window_out_of_range_is_refused() -> None:

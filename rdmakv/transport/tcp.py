@@ -217,17 +217,18 @@ def native_checksums() -> bool:
 
 def hashed_send_window() -> int | None:
     """Bytes per system call of a send that hashes as it goes: 128 KiB or
-    512 KiB, whichever the first such sends of this process measured to cost
-    the sending thread less CPU per byte (rk_tcp.h says why it depends on the
-    CPU); None while it is still measuring, or without the native loop."""
+    512 KiB, whichever this process's hashed sends last measured to cost the
+    sending thread less CPU per byte (rk_tcp.h says why it depends on the CPU,
+    and how often it is measured again); None before the first choice, or
+    without the native loop."""
     if _lib is None:
         return None
     return int(_lib.rk_tcp_hashed_send_window()) or None
 
 
 def set_hashed_send_window(nbytes: int) -> None:
-    """Fix the hashed-send window at ``nbytes`` (1 to ``RK_TCP_WINDOW``);
-    0 forgets it, so the next hashed sends measure again."""
+    """Fix the hashed-send window at ``nbytes`` (1 to ``RK_TCP_WINDOW``), never
+    measured again; 0 forgets it, so the next hashed sends measure anew."""
     if _lib is None:
         raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
     if nbytes < 0 or _lib.rk_tcp_set_hashed_send_window(nbytes) != 0:
