@@ -59,7 +59,7 @@ static unsigned probe_turn;
 static uint64_t chosen_window(void) { return __atomic_load_n(&chosen, __ATOMIC_ACQUIRE); }
 
 static int64_t thread_ns(void) {
-    struct timespec ts;
+    struct timespec ts = {0, 0}; /* no such clock: every sample 0, a tie: the small window */
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
