@@ -49,7 +49,7 @@ static uint64_t chosen;
 static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
 static int fixed;       /* set by rk_tcp_set_hashed_send_window: never measure */
 static int probing = 1; /* windows alternate sizes and are timed */
-static int warm_up = RK_TCP_WINDOW_WARM_UP; /* full windows left before the samples */
+static int warm_up = RK_TCP_WINDOW_WARM_UP; /* windows left before the samples */
 static uint64_t since;  /* windows since the last choice */
 static uint64_t choices;
 static double probe_cost[2][RK_TCP_WINDOW_PROBES]; /* ns of thread CPU per byte moved */
@@ -93,7 +93,8 @@ static int probe_next(void) {
     return which;
 }
 
-/* One full window of probe size `which`: `ns` of thread CPU moved `bytes`.
+/* One window of probe size `which` (at least half full): `ns` of thread CPU
+ * moved `bytes`.
  * The last sample needed settles the choice (ties keep the small window). */
 static void probe_record(int which, int64_t ns, uint64_t bytes) {
     pthread_mutex_lock(&probe_lock);
@@ -285,7 +286,10 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             /* hashed right after the copy into or out of the socket, while
              * the bytes are still in the CPU cache */
             if (h && hash_to(h, iov, n, moved)) goto nomem;
-            if (which >= 0 && bytes == cap) /* a short window's fixed costs would skew it */
+            /* a short window's fixed costs would skew it: not one cut short by
+             * the end of the list or a checksum row (one that a range did not
+             * fit in whole, as after a partial send, is nearly full) */
+            if (which >= 0 && 2 * bytes >= cap)
                 probe_record(which, thread_ns() - t0, (uint64_t)r);
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
             continue;

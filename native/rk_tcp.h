@@ -36,8 +36,9 @@
  *   3.88-4.17 GB/s median in 128 KiB windows, 4.75-5.24 in 512 KiB ones
  *   (unhashed: 4.75 against 6.92).
  * So the first hashed sends of a process on a non-blocking socket alternate
- * the two windows and time each full window's sendmsg and hash on the
- * thread's CPU clock (waits for room are polls outside it). The first
+ * the two windows and time each window's sendmsg and hash on the thread's
+ * CPU clock (waits for room are polls outside it; a window less than half
+ * full, cut short by the end of its list, is not counted). The first
  * RK_TCP_WINDOW_WARM_UP windows are not counted (a new connection's first
  * sends cost more, whatever their size); once each size has
  * RK_TCP_WINDOW_PROBES samples, the one with the lower median nanoseconds

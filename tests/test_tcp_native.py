@@ -411,11 +411,13 @@ def test_hashed_sends_on_a_non_blocking_socket_pick_one_of_the_two_windows(
     assert tcp.hashed_send_window() in (
         lib.RK_TCP_HASHED_WINDOW_SMALL, lib.RK_TCP_HASHED_WINDOW_LARGE
     )
-    assert lib.rk_tcp_hashed_send_window_choices() == 1
-    # measured again (no warm-up) once RK_TCP_WINDOW_REPROBE more windows went out
+    first = lib.rk_tcp_hashed_send_window_choices()
+    assert first >= 1
+    # measured again (no warm-up) once RK_TCP_WINDOW_REPROBE more windows went
+    # out (each moves at most the large window's bytes: at least that many)
     _hashed_send(a, b, lib.RK_TCP_WINDOW_REPROBE * lib.RK_TCP_HASHED_WINDOW_LARGE
                  + per_round * (lib.RK_TCP_WINDOW_PROBES + 8))
-    assert lib.rk_tcp_hashed_send_window_choices() == 2
+    assert lib.rk_tcp_hashed_send_window_choices() > first
 
 
 @needs_checksums
