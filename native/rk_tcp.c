@@ -286,9 +286,10 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             /* hashed right after the copy into or out of the socket, while
              * the bytes are still in the CPU cache */
             if (h && hash_to(h, iov, n, moved)) goto nomem;
-            /* a short window's fixed costs would skew it: not one cut short by
-             * the end of the list or a checksum row (one that a range did not
-             * fit in whole, as after a partial send, is nearly full) */
+            /* a short window's fixed costs would skew its sample: windows cut
+             * short by the end of the list, a checksum row or the next range
+             * not fitting whole (after a partial send a window starts inside
+             * a range and rarely fills exactly) count when at least half full */
             if (which >= 0 && 2 * bytes >= cap)
                 probe_record(which, thread_ns() - t0, (uint64_t)r);
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
