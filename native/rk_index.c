@@ -293,28 +293,40 @@ size_t rk_index_touch(rk_index *ix, const uint8_t *keys, const uint32_t *lens, s
     return hits;
 }
 
-/* Records [first, first + c->n) of a GET request (rk_index_touch_records). */
+/* Records [first, first + c->n) of a request: each the key's length, the key
+ * and, `with_digest`, its digest (GET: rk_index_touch_records), else nothing
+ * more (rk_index_touch_key_records). */
 static void chunk_of_records(struct chunk *c, const uint8_t *records, uint32_t key_len,
-                             size_t first) {
-    const size_t stride = RK_INDEX_RECORD_HEAD + key_len + RK_INDEX_DIGEST;
+                             int with_digest, size_t first) {
+    const size_t stride = RK_INDEX_RECORD_HEAD + key_len + (with_digest ? RK_INDEX_DIGEST : 0);
     for (size_t k = 0; k < c->n; k++) {
         const uint8_t *rec = records + (first + k) * stride;
         c->key[k] = rec + RK_INDEX_RECORD_HEAD;
         c->len[k] = key_len;
-        c->digest[k] = rec + RK_INDEX_RECORD_HEAD + key_len;
+        c->digest[k] = with_digest ? rec + RK_INDEX_RECORD_HEAD + key_len : NULL;
     }
 }
 
-size_t rk_index_touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
-                              int64_t *blocks) {
+static size_t touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
+                            int with_digest, int64_t *blocks) {
     struct chunk c;
     size_t hits = 0;
     for (size_t i = 0; i < n; i += c.n) {
         c.n = n - i < BATCH ? n - i : BATCH;
-        chunk_of_records(&c, records, key_len, i);
+        chunk_of_records(&c, records, key_len, with_digest, i);
         hits += touch_chunk(ix, &c, blocks + i);
     }
     return hits;
+}
+
+size_t rk_index_touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
+                              int64_t *blocks) {
+    return touch_records(ix, records, n, key_len, 1, blocks);
+}
+
+size_t rk_index_touch_key_records(rk_index *ix, const uint8_t *records, size_t n,
+                                  uint32_t key_len, int64_t *blocks) {
+    return touch_records(ix, records, n, key_len, 0, blocks);
 }
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -332,7 +344,7 @@ size_t rk_index_get_records(rk_index *ix, const uint8_t *records, size_t n, uint
     uint64_t total = 0;
     for (size_t i = 0; i < n; i += c.n) {
         c.n = n - i < BATCH ? n - i : BATCH;
-        chunk_of_records(&c, records, key_len, i);
+        chunk_of_records(&c, records, key_len, 1, i);
         touch_chunk(ix, &c, blocks);
         for (size_t k = 0; k < c.n; k++) {
             uint32_t len = 0;

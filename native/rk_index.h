@@ -64,6 +64,12 @@ size_t rk_index_touch(rk_index *ix, const uint8_t *keys, const uint32_t *lens, s
 size_t rk_index_touch_records(rk_index *ix, const uint8_t *records, size_t n, uint32_t key_len,
                               int64_t *blocks);
 
+/* rk_index_touch (no digests) of a keys-only request's items where they lie:
+ * n records of RK_INDEX_RECORD_HEAD bytes (the key's length, key_len for
+ * every record) and the key: EXISTS in rdmakv/protocol.py. */
+size_t rk_index_touch_key_records(rk_index *ix, const uint8_t *records, size_t n,
+                                  uint32_t key_len, int64_t *blocks);
+
 /* A GET served in one call: rk_index_touch_records, then its answer written
  * as it goes on the wire. Per record i, answer_lengths + 4 i and
  * answer_sums + 8 i (little-endian u32 and u64, GET's answer in

@@ -461,12 +461,7 @@ def _scan_keys(buf: bytes, n: int, trailer: int, what: str) -> Iterator[tuple[by
 
 
 def decode_keys(payload: Buffer, what: str) -> list[bytes]:
-    buf = bytes(payload)
-    n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
-    klen = _uniform_key_len(buf, n, 0)
-    if klen is not None:
-        return list(map(_FIRST, _iter_uniform(buf, klen, "")))
-    return [k for k, _ in _scan_keys(buf, n, 0, what)]
+    return decode_keys_request(payload, what).keys
 
 
 def encode_hello(token: bytes | None, version: int = PROTOCOL_VERSION) -> bytes:
@@ -755,6 +750,41 @@ def decode_get_request(payload: Buffer) -> GetRequest:
         keys.append(k)
         digests.append(buf[pos : pos + DIGEST_LEN])
     return GetRequest(buf, n, None, (keys, digests))
+
+
+class KeysRequest(_KeyedRequest):
+    """A request of ``count`` keys and nothing else (EXISTS, DELETE, ...),
+    decoded as far as a node needs: like :class:`GetRequest`, with ``key_len``
+    the one length of every key when they share it, and then :attr:`records`
+    the items where they lie in the payload -- per item its u16 key length and
+    the key -- which the native index looks up without splitting them into
+    objects. :attr:`keys`, the split list, is made on first use; a payload
+    whose keys differ in length is split when decoded."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(
+        self, payload: bytes, count: int, key_len: int | None, keys: list[bytes] | None = None
+    ) -> None:
+        super().__init__(payload, count, key_len)
+        self._keys = keys
+
+    @property
+    def keys(self) -> list[bytes]:
+        if self._keys is None:
+            self._keys = list(map(_FIRST, self._split_uniform("", "keys")))
+        return self._keys
+
+
+def decode_keys_request(payload: Buffer, what: str) -> KeysRequest:
+    """A keys-only request's payload, checked whole (bounds, key lengths, no
+    trailing bytes); split into key objects only where the keys differ in length."""
+    buf = bytes(payload)
+    n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
+    klen = _uniform_key_len(buf, n, 0)
+    if klen is not None:
+        return KeysRequest(buf, n, klen)
+    return KeysRequest(buf, n, None, [k for k, _ in _scan_keys(buf, n, 0, what)])
 
 
 def decode_get(payload: Buffer) -> tuple[list[bytes], list[bytes]]:

@@ -27,8 +27,10 @@ from rdmakv.protocol import (
     decode_alloc_request,
     decode_get_answer,
     decode_get_request,
+    decode_keys_request,
     encode_alloc,
     encode_get,
+    encode_keys,
 )
 from rdmakv.slab import Slab
 from rdmakv.transport.base import BadAddress, PinnedValues
@@ -124,6 +126,22 @@ def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order(
     assert idx.touch_all([]) == []
     assert idx.present([b"c", b"zz", b""]) == [True, False, False]
     assert _lru_keys(idx) == [b"c", b"a", b"b"]  # present() touches nothing
+
+
+@pytest.mark.parametrize("kind", INDEXES)
+def test_touch_keys_of_a_decoded_request_is_touch_all_of_its_keys(kind: type[IndexBase]) -> None:
+    """EXISTS as the node decodes it: keys of one length are looked up where
+    they lie in the payload (the native index's records), others split."""
+    idx = _index_of(kind, b"a", b"b", b"c")
+    one_len = decode_keys_request(encode_keys([b"b", b"z", b"a", b"b"]), "EXISTS")
+    assert one_len.key_len == 1
+    assert idx.touch_keys(one_len) == [1, NO_BLOCK, 0, 1]
+    assert _lru_keys(idx) == [b"c", b"a", b"b"]  # the last touch wins
+    several = decode_keys_request(encode_keys([b"c", b"zz", b"a"]), "EXISTS")
+    assert several.key_len is None
+    assert idx.touch_keys(several) == [2, NO_BLOCK, 0]
+    assert _lru_keys(idx) == [b"b", b"c", b"a"]
+    assert idx.touch_keys(decode_keys_request(encode_keys([]), "EXISTS")) == []
 
 
 @pytest.mark.parametrize("kind", INDEXES)
@@ -227,7 +245,7 @@ def test_the_native_index_refuses_what_its_invariants_forbid() -> None:
 
 @needs_native
 @settings(max_examples=300, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from("pcCawAtxrbo"), st.integers(1, 3),
+@given(ops=st.lists(st.tuples(st.sampled_from("pcCawAtkxrbo"), st.integers(1, 3),
                               st.lists(st.integers(0, 20), max_size=8)), max_size=60))
 def test_the_native_index_answers_like_the_python_one(
     ops: list[tuple[str, int, list[int]]],
@@ -283,6 +301,9 @@ def test_the_native_index_answers_like_the_python_one(
             found = py.touch_all(keys)
             assert nat.touch_all(keys) == found
             pinned.update(b for b in found[:1] if b != NO_BLOCK)  # a reader of the first
+        elif op == "k":  # an EXISTS as the node decodes it: its records, or split keys
+            request = decode_keys_request(encode_keys(keys), "EXISTS")
+            assert nat.touch_keys(request) == py.touch_keys(request)
         elif op == "x":
             digests = [digest(i) for i in picks]
             assert nat.touch_matching(keys, digests) == py.touch_matching(keys, digests)

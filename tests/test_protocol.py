@@ -49,6 +49,7 @@ from rdmakv.protocol import (
     decode_get_answer_arrays,
     decode_hello,
     decode_keys,
+    decode_keys_request,
     decode_lookup_results,
     decode_lookup_table,
     decode_node_info,
@@ -80,6 +81,12 @@ u32 = st.integers(0, 2**32 - 1)
 @given(keys_st)
 def test_keys_roundtrip(keys: list[bytes]) -> None:
     assert decode_keys(encode_keys(keys), "t") == keys
+    request = decode_keys_request(encode_keys(keys), "t")
+    assert request.count == len(keys) and request.keys == keys
+    one_len = {len(k) for k in keys}
+    assert request.key_len == (one_len.pop() if len(one_len) == 1 else None)
+    if request.key_len is not None:  # the records C reads: each key behind its u16 length
+        assert bytes(request.records) == b"".join(U16.pack(len(k)) + k for k in keys)
 
 
 @given(st.lists(st.tuples(st.binary(min_size=1, max_size=64), u32, digest_st), max_size=40))

@@ -44,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from rdmakv.protocol import MAX_KEY_LEN, AllocRequest, AllocStatus, GetRequest
+from rdmakv.protocol import MAX_KEY_LEN, AllocRequest, AllocStatus, GetRequest, KeysRequest
 
 NO_BLOCK = -1
 """A miss, in the block lists lookups return: the columns' zero row."""
@@ -222,6 +222,10 @@ class IndexBase(ABC):
     def touch_request(self, request: GetRequest) -> list[int]:
         """:meth:`touch_matching` of a GET request's keys and digests."""
         return self.touch_matching(request.keys, request.digests)
+
+    def touch_keys(self, request: KeysRequest) -> list[int]:
+        """:meth:`touch_all` of a keys-only request's keys (EXISTS)."""
+        return self.touch_all(request.keys)
 
     @abstractmethod
     def oldest_blocks(self) -> Iterator[int]:

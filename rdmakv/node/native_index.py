@@ -43,6 +43,7 @@ from rdmakv.protocol import (
     AllocRequest,
     AllocStatus,
     GetRequest,
+    KeysRequest,
 )
 
 ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
@@ -293,26 +294,34 @@ class NativeIndex(IndexBase):
         return last[:k]
 
     @staticmethod
-    def _records(request: GetRequest) -> Any:
+    def _records(request: GetRequest | KeysRequest) -> Any:
         """A one-key-length request's records, checked to be the size C reads."""
         records = request.records
         key_len = cast(int, request.key_len)
-        stride = _lib.RK_INDEX_RECORD_HEAD + key_len + DIGEST_LEN
+        what, trailer = ("GET", DIGEST_LEN) if isinstance(request, GetRequest) else ("keys", 0)
+        stride = _lib.RK_INDEX_RECORD_HEAD + key_len + trailer
         if len(records) != request.count * stride:  # C reads exactly this many bytes
             raise ValueError(
-                f"GET records: {len(records)} bytes for {request.count} items of {stride}"
+                f"{what} records: {len(records)} bytes for {request.count} items of {stride}"
             )
         return _ffi.from_buffer(records)
+
+    def _touch_records(self, request: GetRequest | KeysRequest, touch: Any) -> list[int]:
+        """``touch`` (a records lookup of C) of a one-key-length request."""
+        blocks = _blocks_out(request.count)
+        touch(self._ix, self._records(request), request.count, request.key_len,
+              _ffi.from_buffer("int64_t[]", blocks))
+        return blocks.tolist()
+
+    def touch_keys(self, request: KeysRequest) -> list[int]:
+        if request.key_len is None:  # keys of several lengths: split when decoded
+            return super().touch_keys(request)
+        return self._touch_records(request, _lib.rk_index_touch_key_records)
 
     def touch_request(self, request: GetRequest) -> list[int]:
         if request.key_len is None:  # keys of several lengths: split when decoded
             return super().touch_request(request)
-        blocks = _blocks_out(request.count)
-        _lib.rk_index_touch_records(
-            self._ix, self._records(request), request.count, request.key_len,
-            _ffi.from_buffer("int64_t[]", blocks),
-        )
-        return blocks.tolist()
+        return self._touch_records(request, _lib.rk_index_touch_records)
 
     def pin_request(
         self, request: GetRequest, refs: array[int], base: int, block_size: int

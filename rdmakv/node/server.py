@@ -59,6 +59,7 @@ from rdmakv.protocol import (
     decode_commit,
     decode_hello,
     decode_keys,
+    decode_keys_request,
     decode_u64_list,
     encode_extent_table,
     encode_flags,
@@ -639,8 +640,7 @@ class KVNode:
         s.reply(req, encode_flags(self.store.delete(keys)))
 
     def _exists(self, s: NodeSession, req: Header, payload: bytearray) -> None:
-        keys = decode_keys(payload, "EXISTS")
-        s.reply(req, encode_flags(self.store.exists(keys)))
+        s.reply(req, encode_flags(self.store.exists(decode_keys_request(payload, "EXISTS"))))
 
     def _stats(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         if payload:

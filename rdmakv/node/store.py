@@ -54,6 +54,7 @@ from rdmakv.protocol import (
     AllocStatus,
     Extent,
     GetRequest,
+    KeysRequest,
     LimitExceeded,
     LookupResult,
     encode_get_answer,
@@ -416,13 +417,17 @@ class KVStore:
             self.counters.deletes += len(gone)
         return [b != NO_BLOCK for b in blocks]
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+    def exists(self, keys: Sequence[bytes] | KeysRequest) -> list[bool]:
         """Per key: committed. A present key becomes most recently used: an engine
         asks ``exists`` right before it fetches what was found (vLLM's scheduler
         counts hit tokens, its worker loads them a step later), so those blocks
-        must not be the next eviction victims."""
+        must not be the next eviction victims. A decoded EXISTS request is looked
+        up where its keys lie (:meth:`IndexBase.touch_keys`)."""
+        index = self._index
         with self._lock:
-            return [block != NO_BLOCK for block in self._index.touch_all(keys)]
+            blocks = (index.touch_keys(keys) if isinstance(keys, KeysRequest)
+                      else index.touch_all(keys))
+        return [block != NO_BLOCK for block in blocks]
 
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
