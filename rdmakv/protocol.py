@@ -616,9 +616,12 @@ class _KeyedRequest:
 
     def _split_uniform(self, trailer: str, what: str) -> list[tuple[Any, ...]]:
         """The records as (key, *trailer fields) tuples (struct codes ``trailer``)."""
+        return list(self._iter_records(trailer, what))
+
+    def _iter_records(self, trailer: str, what: str) -> Iterator[tuple[Any, ...]]:
         if self.key_len is None:  # the decoder splits these itself
             raise ProtocolError(f"{what} request of keys of several lengths, never split")
-        return list(_iter_uniform(self._payload, self.key_len, trailer))
+        return _iter_uniform(self._payload, self.key_len, trailer)
 
 
 class AllocRequest(_KeyedRequest):
@@ -771,8 +774,8 @@ class KeysRequest(_KeyedRequest):
 
     @property
     def keys(self) -> list[bytes]:
-        if self._keys is None:
-            self._keys = list(map(_FIRST, self._split_uniform("", "keys")))
+        if self._keys is None:  # straight from the records, no list of tuples between
+            self._keys = list(map(_FIRST, self._iter_records("", "keys")))
         return self._keys
 
 
