@@ -47,9 +47,9 @@
  * batch or in a noisy moment does not stay for good (a bench whose 16 KiB
  * puts, where the two differ little, came first once kept 128 KiB for its
  * 256 KiB and 1 MiB puts too). The other size then moves about 2% of the
- * windows. A send that does not
- * hash, and a receive (which hashes the bytes it has just written, still in
- * cache), keep RK_TCP_WINDOW: unhashed, 128 KiB windows were slower. */
+ * windows. A send that does not hash, and a receive (which hashes the bytes
+ * it has just written, still in cache), keep RK_TCP_WINDOW: unhashed, 128 KiB
+ * windows were slower. */
 #define RK_TCP_HASHED_WINDOW_SMALL 131072
 #define RK_TCP_HASHED_WINDOW_LARGE 524288
 #define RK_TCP_WINDOW_PROBES 24
