@@ -68,6 +68,7 @@ from rdmakv.protocol import (
     MAX_PAYLOAD,
     PROTOCOL_VERSION,
     AllocStatus,
+    BatchEncoder,
     Channel,
     NodeInfo,
     Op,
@@ -77,7 +78,6 @@ from rdmakv.protocol import (
     decode_json,
     decode_lookup_table,
     decode_node_info,
-    encode_alloc,
     encode_commit,
     encode_hello,
     encode_keys,
@@ -376,6 +376,7 @@ class KVClient:
         offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
         lengths = np.asarray(sizes, dtype=np.uint64)
         subs = self._sub_batches(len(keys))
+        encoder = BatchEncoder(keys, digests, sizes)
         out = [False] * len(keys)
         allocs: deque[tuple[int, int, Reply]] = deque()
         writing: deque[_PutStage] = deque()
@@ -386,7 +387,7 @@ class KVClient:
             nonlocal nxt
             s, e = subs[nxt]
             nxt += 1
-            payload = encode_alloc(keys[s:e], sizes[s:e], digests[s:e])
+            payload = encoder.alloc(s, e)
             allocs.append((s, e, ch.submit(Op.ALLOC, payload, "ALLOC")))
 
         def checksums(fut: IoFuture, idx: list[int]) -> list[int]:
@@ -550,6 +551,7 @@ class KVClient:
         arena = slab.buffer
         offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
         subs = self._sub_batches(len(keys))
+        encoder = BatchEncoder(keys)
         out: list[int | None] = [None] * len(keys)
         lookups: deque[tuple[int, int, Reply]] = deque()
         reading: deque[tuple[IoFuture, list[tuple[int, int, int]], list[int]]] = deque()
@@ -561,7 +563,7 @@ class KVClient:
             nonlocal nxt
             s, e = subs[nxt]
             nxt += 1
-            payload = encode_keys(keys[s:e])
+            payload = encoder.keys(s, e)
             while reading and len(payload) > REQUEST_BYTES_AHEAD:  # see Transport.read
                 finish(*reading.popleft())
             lookups.append((s, e, ch.submit(Op.LOOKUP, payload, "LOOKUP", flags=LOOKUP_FLAG_LEASE)))
@@ -725,8 +727,9 @@ def check_put(
     same_len(keys, handles=handles, nbytes=sizes, digests=digests)
     check_keys(keys)
     slab.check_handles(handles)
-    if sizes and not (min(sizes) > 0 and max(sizes) <= slab.block_size):
-        bad = next(n for n in sizes if not (0 < n <= slab.block_size))
+    distinct = (nbytes,) if isinstance(nbytes, int) else sizes  # one check for one size
+    if sizes and not (min(distinct) > 0 and max(distinct) <= slab.block_size):
+        bad = next(n for n in distinct if not (0 < n <= slab.block_size))
         raise ConfigError(f"nbytes {bad} outside (0, slab block size {slab.block_size}]")
     check_digests(digests)
     return sizes

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from rdmakv.protocol import (
     HEADER,
     LOOKUP_FLAG_LEASE,
     MAX_KEYS_PER_REQUEST,
+    BatchEncoder,
     Op,
     decode_lookup_results,
     encode_keys,
@@ -563,20 +563,20 @@ def test_a_put_that_fails_between_sub_batches_leaves_the_connection_in_sync(
         src = slab.alloc_many(n)
         digests = fill(slab, src, seed=12)
         keys = keys_for("fail", n)
-        real = tcp.encode_alloc
+        real = BatchEncoder.alloc
         calls = [0]
 
-        def failing(*args: Any) -> bytes:
+        def failing(self: BatchEncoder, start: int, end: int) -> bytes:
             calls[0] += 1
             if calls[0] == 3:
                 raise ValueError("injected: cannot lay out this sub-batch")
-            return real(*args)
+            return real(self, start, end)
 
-        monkeypatch.setattr(tcp, "encode_alloc", failing)
+        monkeypatch.setattr(BatchEncoder, "alloc", failing)
         with KVClient(*node.address, slab, timeout=5.0) as c:
             with pytest.raises(ValueError, match="injected"):
                 c.put(keys, src, BLOCK, digests)
-            monkeypatch.setattr(tcp, "encode_alloc", real)
+            monkeypatch.setattr(BatchEncoder, "alloc", real)
             done = calls[0]
             stored = c.exists(keys)
             sent = sum(plan[:2])  # the two sub-batches queued before the failure

@@ -6,6 +6,7 @@ import contextlib
 import socket
 import struct
 import threading
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from rdmakv.protocol import (
     U32,
     AllocResult,
     AllocStatus,
+    BatchEncoder,
     Channel,
     Extent,
     FrameTooLarge,
@@ -53,6 +55,7 @@ from rdmakv.protocol import (
     decode_lookup_results,
     decode_lookup_table,
     decode_node_info,
+    decode_put_answer,
     decode_u64_list,
     encode_alloc,
     encode_commit,
@@ -66,6 +69,7 @@ from rdmakv.protocol import (
     encode_keys,
     encode_lookup_results,
     encode_node_info,
+    encode_put_answer,
     encode_u64_list,
     raise_for_status,
     recv_views,
@@ -372,6 +376,75 @@ def test_alloc_of_uniform_keys_encodes_the_bytes_of_the_per_key_encoder(
         U16.pack(klen) + k + ALLOC_ITEM.pack(s, d) for k, s, d in zip(keys, per_key, digests,
                                                                       strict=True))
     assert decode_alloc(fast) == list(zip(keys, per_key, digests, strict=True))
+
+
+@st.composite
+def _batch_st(draw: st.DrawFn) -> tuple[list[bytes], list[bytes], list[int], list[int]]:
+    """One call's keys, digests and sizes, as an engine (one key length, one
+    size) or odder callers (several lengths, a bytearray, several sizes) pass
+    them, and the sub-batch cut points."""
+    n = draw(st.integers(1, 40))
+    klen = draw(st.integers(1, 64))
+    key = st.one_of(st.just(klen), st.integers(1, 64)) if draw(st.booleans()) else st.just(klen)
+    keys: list[bytes] = [draw(st.binary(min_size=m, max_size=m)) for m in
+                         (draw(key) for _ in range(n))]
+    if draw(st.booleans()):
+        i = draw(st.integers(0, n - 1))
+        keys[i] = bytearray(keys[i])  # type: ignore[call-overload]
+    digests = [draw(digest_st) for _ in range(n)]
+    one = draw(st.integers(0, 2**32 - 1))
+    sizes = draw(st.one_of(st.just([one] * n),
+                           st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n)))
+    cuts = sorted(set(draw(st.lists(st.integers(0, n), max_size=4))) | {0, n})
+    return keys, digests, sizes, cuts
+
+
+@given(_batch_st())
+def test_batch_encoder_encodes_each_sub_batch_as_the_per_request_encoders_do(
+    batch: tuple[list[bytes], list[bytes], list[int], list[int]],
+) -> None:
+    keys, digests, sizes, cuts = batch
+    put = BatchEncoder(keys, digests, sizes)
+    get = BatchEncoder(keys, digests)
+    bare = BatchEncoder(keys)
+    for s, e in pairwise(cuts):
+        assert put.alloc(s, e) == encode_alloc(keys[s:e], sizes[s:e], digests[s:e])
+        assert put.keys(s, e) == bare.keys(s, e) == encode_keys(keys[s:e])
+        assert get.get(s, e) == encode_get(keys[s:e], digests[s:e])
+        assert decode_alloc(put.alloc(s, e)) == list(
+            zip(map(bytes, keys[s:e]), sizes[s:e], digests[s:e], strict=True))
+
+
+def test_batch_encoder_refuses_what_the_per_request_encoders_refuse() -> None:
+    digests = [bytes(DIGEST_LEN)] * 2
+    with pytest.raises(ProtocolError, match="key length 0"):
+        BatchEncoder([b"k1", b""], digests, [1, 1]).alloc(0, 2)
+    with pytest.raises(ProtocolError, match="digest must be 16 bytes"):
+        BatchEncoder([b"k1", b"k2"], [bytes(DIGEST_LEN), b"short"]).get(0, 2)
+    for sizes in ([2**32, 1], [-1, 1], [1.5, 1]):
+        with pytest.raises((struct.error, TypeError)):
+            BatchEncoder([b"k1", b"k2"], digests, sizes).alloc(0, 2)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="needs the keys' digests and sizes"):
+        BatchEncoder([b"k1"], digests[:1]).alloc(0, 1)
+    with pytest.raises(ProtocolError, match="needs the keys' digests"):
+        BatchEncoder([b"k1"]).get(0, 1)
+    # a key that is no bytes at all: the per-key path names it
+    with pytest.raises(ProtocolError):
+        BatchEncoder([b"k1", "k2"]).keys(0, 2)  # type: ignore[list-item]
+    assert BatchEncoder([]).keys(0, 0) == encode_keys([])
+
+
+@given(st.one_of(
+    st.lists(st.sampled_from(AllocStatus), max_size=40),
+    st.builds(lambda st_, n: [st_] * n, st.sampled_from(AllocStatus), st.integers(1, 40)),
+))
+def test_put_answer_roundtrip(statuses: list[AllocStatus]) -> None:
+    """Mixed statuses and one status for all (the decoder's shortcut) alike."""
+    payload = encode_put_answer(statuses)
+    assert decode_put_answer(payload, len(statuses)) == statuses
+    if statuses:
+        with pytest.raises(ProtocolError, match="unknown status 238"):
+            decode_put_answer(U32.pack(len(statuses)) + b"\xee" * len(statuses), len(statuses))
 
 
 def test_alloc_refuses_what_does_not_fit_its_fields_on_every_path() -> None:

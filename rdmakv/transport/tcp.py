@@ -76,6 +76,7 @@ from rdmakv.protocol import (
     U64,
     AllocRequest,
     AllocStatus,
+    BatchEncoder,
     Channel,
     Header,
     LimitExceeded,
@@ -90,10 +91,8 @@ from rdmakv.protocol import (
     decode_get_answer_arrays,
     decode_get_request,
     decode_put_answer,
-    encode_alloc,
     encode_commit,
     encode_data_ops,
-    encode_get,
     encode_keys,
     encode_put_answer,
     value_checksum,
@@ -619,6 +618,7 @@ class TcpTransport(Transport):
         refused: list[RemoteError] = []
         ahead: list[tuple[Reply, int]] = []  # sent, answer not yet read; request bytes
         ch = self._ch
+        encoder = BatchEncoder(keys, digests)
 
         def collect() -> None:
             reply, _ = ahead.pop(0)
@@ -633,7 +633,7 @@ class TcpTransport(Transport):
             for start, end in batches:
                 for s in range(start, end, per_answer):
                     e = min(end, s + per_answer)
-                    payload = encode_get(keys[s:e], digests[s:e])
+                    payload = encoder.get(s, e)
                     while ahead and sum(n for _, n in ahead) + len(payload) > REQUEST_BYTES_AHEAD:
                         collect()
                     receiver = _GetReceiver(ch, slab, keys, handle_table, s, e, out, corrupt)
@@ -677,6 +677,7 @@ class TcpTransport(Transport):
         due: list[_PutStage] = []  # sent (or in `frames`), answers not yet read
         ch = self._ch
         frames: _PutFrames | None = None
+        encoder = BatchEncoder(keys, digests, sizes)
         if _PutFrames.usable():  # every value's (address, length), laid out once
             frames = _PutFrames(_iov_at(slab.base_addr, _u64(handles) * np.uint64(bs),
                                         _u64(sizes)))
@@ -689,11 +690,11 @@ class TcpTransport(Transport):
                         if frames is not None:  # before any wait (Channel.enqueue);
                             frames.send(ch.sock)  # a no-op once nothing is queued
                         due.pop(0).settle(ch, keys, out, refused)
-                    ks, ns = keys[s:e], sizes[s:e]
-                    payload = encode_alloc(ks, ns, digests[s:e])
+                    ns = sizes[s:e]
+                    payload = encoder.alloc(s, e)
                     if frames is not None:
                         put, put_hdr = ch.enqueue(Op.PUT, len(payload), "PUT", bulk_len=sum(ns))
-                        named = encode_keys(ks)  # COMMIT's payload up to its checksums
+                        named = encoder.keys(s, e)  # COMMIT's payload up to its checksums
                         commit, commit_hdr = ch.enqueue(
                             Op.COMMIT, len(named) + U64.size * (e - s), "COMMIT",
                             flags=COMMIT_FLAG_REQUIRE_WRITTEN,
@@ -705,7 +706,7 @@ class TcpTransport(Transport):
                                                                         strict=True)]
                         put = ch.submit(Op.PUT, payload, "PUT", bulk=views, bulk_len=sum(ns))
                         sums = [value_checksum(v) for v in views]
-                        commit = ch.submit(Op.COMMIT, encode_commit(ks, sums), "COMMIT",
+                        commit = ch.submit(Op.COMMIT, encode_commit(keys[s:e], sums), "COMMIT",
                                            flags=COMMIT_FLAG_REQUIRE_WRITTEN)
                     due.append(_PutStage(s, e, put, commit))
             if frames is not None:
