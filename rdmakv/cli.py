@@ -27,10 +27,11 @@ import os
 import signal
 import socket
 import sys
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel
 
@@ -54,6 +55,9 @@ from rdmakv.errors import (
 )
 from rdmakv.l1.offload_policies import OFFLOAD_MODES
 from rdmakv.logformat import LOG_FORMATS, JsonFormatter, configure_logging
+
+if TYPE_CHECKING:
+    from rdmakv.node import KVNode
 
 log = logging.getLogger("rdmakv.cli")
 
@@ -336,6 +340,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    if args.exit_on_stdin_close:
+        _stop_when_stdin_closes(node)
     # The one line on stdout: tests and scripts wait for it.
     metrics = "" if node.metrics_server is None else f" metrics={node.metrics_server.url}"
     print(
@@ -350,6 +356,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     gc.freeze()
     node.serve_forever()
     return 0
+
+
+def _stop_when_stdin_closes(node: KVNode) -> None:
+    """Stop ``node`` (as SIGTERM does) once stdin reaches end of file.
+
+    Why: a node that a bench, a test or a supervisor script starts should not
+    outlive it. When that process dies without stopping the node (SIGKILL, a
+    crash), the kernel closes its end of the pipe on the node's stdin, and
+    this thread's read returns. Unlike a parent-death signal (which fires when
+    the forking *thread* exits) or polling the parent pid, nothing is missed
+    and nothing is woken until then. With stdin not a pipe (``/dev/null``)
+    the node would stop at once: :class:`~rdmakv.node.process.LocalNodeProcess`
+    passes a pipe."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while os.read(sys.stdin.fileno(), 4096):
+                pass  # nothing is ever sent: only the end of file matters
+        logging.getLogger("rdmakv.node").info(
+            "stdin closed (--exit-on-stdin-close: whoever started this node is gone): "
+            "shutting down"
+        )
+        node.stop()
+
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
 
 
 def _is_loopback(host: str) -> bool:
@@ -502,6 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--lock",
         action=argparse.BooleanOptionalAction,
         help="mlock the pool (default; --no-lock: do not)",
+    )
+    p.add_argument(
+        "--exit-on-stdin-close",
+        action="store_true",
+        help="stop (as on SIGTERM) when stdin reaches end of file: a script that starts the "
+        "node with a pipe on its stdin takes it down by exiting, even when killed",
     )
     p.add_argument(
         "--metrics-host",

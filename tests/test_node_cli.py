@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -369,3 +370,44 @@ def test_demo_reads_the_client_section(node_factory: Any, tmp_path: Path) -> Non
     assert out.returncode == 0, out.stderr
     assert "offload (all)" in out.stdout and " 0 wrong blocks" in out.stdout
     assert "rdmakv node ready" not in out.stdout  # no local node: the configured one
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (a container's init may not reap)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.timeout(120)
+def test_a_node_started_by_a_killed_process_stops_with_it() -> None:
+    """LocalNodeProcess's node ends when the process that started it is
+    SIGKILLed without closing it (the pipe on the node's stdin closes): a
+    crashed bench or test leaves no `rdmakv serve` behind."""
+    script = (
+        "import sys, time\n"
+        "from rdmakv.node.process import LocalNodeProcess\n"
+        "n = LocalNodeProcess({'pool-size': '4MiB', 'block-size': '64KiB'}, "
+        "extra_args=['--no-lock'])\n"
+        "print(n.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert starter.stdout is not None
+        node_pid = int(starter.stdout.readline())
+        assert not _exited(node_pid)
+        starter.kill()
+        starter.wait(30)
+        deadline = time.monotonic() + 60
+        while not _exited(node_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _exited(node_pid), f"node {node_pid} outlived the process that started it"
+    finally:
+        starter.kill()
+        with contextlib.suppress(ProcessLookupError):
+            if not _exited(node_pid):
+                os.kill(node_pid, signal.SIGKILL)

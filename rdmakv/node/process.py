@@ -3,8 +3,10 @@
 Used by ``rdmakv demo`` and the test fixtures. The node is started with
 ``--port 0`` unless a port is given: it binds a free port and reports it on its
 one stdout line (``rdmakv node ready on HOST:PORT ...``), which is parsed here,
-so concurrent nodes never race for ports. The child is killed when the object
-is closed, or when this process exits (the child's stdin is our pipe).
+so concurrent nodes never race for ports. The child is stopped when the object
+is closed, and also when this process exits without closing it (killed,
+crashed): the child's stdin is a pipe from this process and it runs with
+``--exit-on-stdin-close``, so the end of that pipe stops it.
 """
 
 from __future__ import annotations
@@ -62,14 +64,14 @@ class LocalNodeProcess:
         args += ["--port", str(self.port)]
         for name, value in self.options.items():
             args += ["--" + name.replace("_", "-"), str(value)]
-        return args + self.extra_args
+        return [*args, "--exit-on-stdin-close", *self.extra_args]
 
     def start(self) -> None:
         err = self.stderr_path.open("ab") if self.stderr_path is not None else None
         try:
             self.proc = subprocess.Popen(
                 self.argv(),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,  # never written: its end of file stops the node
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,
@@ -118,6 +120,14 @@ class LocalNodeProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        """Our ends of a node's stdin and stdout, once it has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()
 
     def terminate(self) -> int:
         """SIGTERM (clean shutdown) and wait; returns the exit code."""
@@ -156,8 +166,7 @@ class LocalNodeProcess:
                 self.terminate()
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self._close_pipes()
 
     def __enter__(self) -> LocalNodeProcess:
         return self
