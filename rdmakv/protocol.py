@@ -971,13 +971,30 @@ def encode_commit(keys: Sequence[bytes], checksums: Sequence[int]) -> bytes:
     return encode_keys(keys) + struct.pack(f"<{len(keys)}Q", *checksums)
 
 
-def decode_commit(payload: Buffer) -> tuple[list[bytes], list[int]]:
-    """(keys, checksums) of a COMMIT payload; the count is checked before the split."""
+class CommitRequest(NamedTuple):
+    """A COMMIT request, decoded as far as a node needs: its keys as a
+    :class:`KeysRequest` (records where they lie, when of one length) and
+    their checksums as little-endian ``uint64`` over the payload, in key order."""
+
+    keys: KeysRequest
+    checksums: npt.NDArray[np.uint64]
+
+
+def decode_commit_request(payload: Buffer) -> CommitRequest:
+    """A COMMIT payload, checked whole (the count before the split, the keys'
+    bounds and lengths, no trailing bytes), without a Python object per key
+    when the keys share one length."""
     buf = bytes(payload)
     n = Reader(buf, "COMMIT").count(MAX_KEYS_PER_REQUEST, U16.size + 1 + U64.size, "keys")
     split = len(buf) - n * U64.size
-    keys = decode_keys(buf[:split], "COMMIT")
-    return keys, list(struct.unpack_from(f"<{n}Q", buf, split))
+    keys = decode_keys_request(buf[:split], "COMMIT")
+    return CommitRequest(keys, np.frombuffer(buf, dtype="<u8", count=n, offset=split))
+
+
+def decode_commit(payload: Buffer) -> tuple[list[bytes], list[int]]:
+    """(keys, checksums) of a COMMIT payload (see :func:`decode_commit_request`)."""
+    request = decode_commit_request(payload)
+    return request.keys.keys, request.checksums.tolist()
 
 
 def encode_extents(results: Sequence[AllocResult]) -> bytes:

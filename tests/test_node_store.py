@@ -25,10 +25,12 @@ from rdmakv.protocol import (
     AllocStatus,
     GetRequest,
     decode_alloc_request,
+    decode_commit_request,
     decode_get_answer,
     decode_get_request,
     decode_keys_request,
     encode_alloc,
+    encode_commit,
     encode_get,
     encode_keys,
 )
@@ -126,6 +128,33 @@ def test_touch_all_finds_each_key_and_makes_hits_recent_in_request_order(
     assert idx.touch_all([]) == []
     assert idx.present([b"c", b"zz", b""]) == [True, False, False]
     assert _lru_keys(idx) == [b"c", b"a", b"b"]  # present() touches nothing
+
+
+@pytest.mark.parametrize("kind", INDEXES)
+@pytest.mark.parametrize("keys", [[b"k1", b"k2", b"zz", b"k1"], [b"k1", b"long-k2", b"z"]],
+                         ids=["one-length", "several-lengths"])
+def test_commit_of_a_decoded_request_is_commit_of_its_keys(
+    kind: type[IndexBase], keys: list[bytes]
+) -> None:
+    """COMMIT as the node decodes it (keys of one length cut out of the
+    records, checksums an array over the payload) commits what the same keys
+    and checksums as lists would, on a fresh index each."""
+    answers = []
+    for decoded in (False, True):
+        idx = kind(8)
+        pending = sorted(set(keys) - {b"zz", b"z"})  # the others were never reserved
+        idx.reserve(1, _wire([(k, 10 + i, D) for i, k in enumerate(pending)]), BLOCK,
+                    list(range(len(pending))), _refs(8))
+        sums = [2**64 - 1 - i for i in range(len(keys))]
+        request = decode_commit_request(encode_commit(keys, sums))
+        assert (request.keys.key_len is not None) == (len(set(map(len, keys))) == 1)
+        done = idx.commit(1, *request) if decoded else idx.commit(1, keys, sums)
+        answers.append((done, idx.checksums([b for b in done.blocks if b != NO_BLOCK]),
+                        _lru_keys(idx)))
+    assert answers[0] == answers[1]
+    assert answers[0][0].committed == len(set(keys) - {b"zz", b"z"})
+    with pytest.raises(ValueError, match="commit of 2 keys with 1 checksums"):
+        kind(8).commit(1, decode_keys_request(encode_keys([b"a", b"b"]), "COMMIT"), [1])
 
 
 @pytest.mark.parametrize("kind", INDEXES)
@@ -276,7 +305,10 @@ def test_the_native_index_answers_like_the_python_one(
             got = py.reserve(owner, items, BLOCK, spares, refs)
             assert nat.reserve(owner, items, BLOCK, spares, refs) == got
             del free[: got.spares_used]
-            if op == "c":
+            if op == "c" and owner == 2:  # a COMMIT as the node decodes it (records, or split)
+                request = decode_commit_request(encode_commit(keys, [len(k) * 7 for k in keys]))
+                assert nat.commit(owner, *request) == py.commit(owner, *request)
+            elif op == "c":
                 sums = [len(k) * 7 for k in keys]
                 assert nat.commit(owner, keys, sums) == py.commit(owner, keys, sums)
         elif op == "C":  # commit only what the node received in full

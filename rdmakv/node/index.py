@@ -44,6 +44,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from rdmakv.protocol import MAX_KEY_LEN, AllocRequest, AllocStatus, GetRequest, KeysRequest
 
 NO_BLOCK = -1
@@ -135,18 +138,19 @@ class IndexBase(ABC):
     def commit(
         self,
         owner: int,
-        keys: Sequence[bytes],
-        checksums: Sequence[int],
+        keys: Sequence[bytes] | KeysRequest,
+        checksums: Sequence[int] | npt.NDArray[np.uint64],
         *,
         require_written: bool = False,
     ) -> Committed:
-        """Commit ``owner``'s pending ``keys``, each with its writer's
-        checksum: each becomes the most recently used, in order. Any other key
-        is left alone (:data:`NO_BLOCK`): not pending, another owner's, named
-        earlier in the batch, or, with ``require_written``, not marked
-        written (its bytes may be stale)."""
-        if len(checksums) != len(keys):
-            raise ValueError(f"commit of {len(keys)} keys with {len(checksums)} checksums")
+        """Commit ``owner``'s pending ``keys`` (a list, or a COMMIT's decoded
+        keys), each with its writer's checksum: each becomes the most recently
+        used, in order. Any other key is left alone (:data:`NO_BLOCK`): not
+        pending, another owner's, named earlier in the batch, or, with
+        ``require_written``, not marked written (its bytes may be stale)."""
+        count = keys.count if isinstance(keys, KeysRequest) else len(keys)
+        if len(checksums) != count:
+            raise ValueError(f"commit of {count} keys with {len(checksums)} checksums")
         blocks, nbytes, one_sided = self._commit(owner, keys, checksums, require_written)
         self.committed_bytes += nbytes
         return Committed(blocks, len(blocks) - blocks.count(NO_BLOCK), one_sided)
@@ -255,7 +259,11 @@ class IndexBase(ABC):
 
     @abstractmethod
     def _commit(
-        self, owner: int, keys: Sequence[bytes], checksums: Sequence[int], require_written: bool
+        self,
+        owner: int,
+        keys: Sequence[bytes] | KeysRequest,
+        checksums: Sequence[int] | npt.NDArray[np.uint64],
+        require_written: bool,
     ) -> tuple[list[int], int, int]:
         """:meth:`commit` (lengths checked): per key its block or
         :data:`NO_BLOCK`, the bytes committed, and those never marked written."""
@@ -373,8 +381,16 @@ class Index(IndexBase):
         return Reserved(statuses, blocks, used, evicted), evicted_bytes
 
     def _commit(
-        self, owner: int, keys: Sequence[bytes], checksums: Sequence[int], require_written: bool
+        self,
+        owner: int,
+        keys: Sequence[bytes] | KeysRequest,
+        checksums: Sequence[int] | npt.NDArray[np.uint64],
+        require_written: bool,
     ) -> tuple[list[int], int, int]:
+        if isinstance(keys, KeysRequest):
+            keys = keys.keys
+        if isinstance(checksums, np.ndarray):
+            checksums = checksums.tolist()
         pending, lengths, sums, lru = self._pending, self._lengths, self._checksums, self._lru
         out: list[int] = []
         nbytes = one_sided = 0

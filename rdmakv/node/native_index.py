@@ -22,6 +22,7 @@ index even where this one is built (for comparison, and to test that one).
 
 from __future__ import annotations
 
+import functools
 import secrets
 from array import array
 from collections.abc import Iterator, Sequence
@@ -85,10 +86,25 @@ def enabled() -> bool:
     return _lib is not None and not native_core.switched_off(ENV_NATIVE)
 
 
-def _keys(keys: Sequence[bytes]) -> tuple[Any, Any]:
-    """The keys as a call takes them: their bytes back to back, and their lengths."""
+def _keys(keys: Sequence[bytes] | KeysRequest) -> tuple[Any, Any]:
+    """The keys as a call takes them: their bytes back to back, and their
+    lengths. A decoded request's keys of one length are cut out of its
+    records in two numpy passes, with no Python object per key."""
+    if isinstance(keys, KeysRequest):
+        if keys.key_len is None:
+            return _keys(keys.keys)
+        records = np.frombuffer(keys.records, dtype=_key_record_dtype(keys.key_len),
+                                count=keys.count)
+        return (_ffi.from_buffer(records["key"].tobytes()),
+                _ffi.from_buffer("uint32_t[]", np.full(keys.count, keys.key_len, np.uint32)))
     lengths = array("I", map(len, keys))
     return _ffi.from_buffer(b"".join(keys)), _ffi.from_buffer("uint32_t[]", lengths)
+
+
+@functools.lru_cache(maxsize=16)
+def _key_record_dtype(key_len: int) -> np.dtype[np.void]:
+    """A keys-only request's record (u16 key length, the key), as numpy lays it out."""
+    return np.dtype([("klen", "<u2"), ("key", f"V{key_len}")])
 
 
 def _blocks_out(n: int) -> array[int]:
@@ -229,10 +245,15 @@ class NativeIndex(IndexBase):
         return Reserved(statuses, blocks, used, int(evicted[0])), int(evicted[1])
 
     def _commit(
-        self, owner: int, keys: Sequence[bytes], checksums: Sequence[int], require_written: bool
+        self,
+        owner: int,
+        keys: Sequence[bytes] | KeysRequest,
+        checksums: Sequence[int] | npt.NDArray[np.uint64],
+        require_written: bool,
     ) -> tuple[list[int], int, int]:
-        n = len(keys)
-        sums = array("Q", checksums)
+        n = len(checksums)  # == the keys' count (checked by commit)
+        sums = (np.ascontiguousarray(checksums, dtype=np.uint64)
+                if isinstance(checksums, np.ndarray) else array("Q", checksums))
         blocks = _blocks_out(n)
         totals = _ffi.new("uint64_t[2]")
         committed = _lib.rk_index_commit(

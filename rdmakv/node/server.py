@@ -56,7 +56,7 @@ from rdmakv.protocol import (
     Op,
     Status,
     decode_alloc_request,
-    decode_commit,
+    decode_commit_request,
     decode_hello,
     decode_keys,
     decode_keys_request,
@@ -614,9 +614,10 @@ class KVNode:
         s.reply(req, encode_extent_table(self.store.alloc_table(s.session_id, request)))
 
     def _commit(self, s: NodeSession, req: Header, payload: bytearray) -> None:
-        keys, checksums = decode_commit(payload)
+        request = decode_commit_request(payload)
         strict = bool(req.flags & COMMIT_FLAG_REQUIRE_WRITTEN)
-        done = self.store.commit(s.session_id, keys, checksums, require_written=strict)
+        done = self.store.commit(s.session_id, request.keys, request.checksums,
+                                 require_written=strict)
         s.reply(req, encode_flags(done))
 
     def _abort(self, s: NodeSession, req: Header, payload: bytearray) -> None:

@@ -285,8 +285,8 @@ class KVStore:
     def commit(
         self,
         session: int,
-        keys: Sequence[bytes],
-        checksums: Sequence[int],
+        keys: Sequence[bytes] | KeysRequest,
+        checksums: Sequence[int] | npt.NDArray[np.uint64],
         *,
         require_written: bool = False,
     ) -> list[bool]:
