@@ -539,43 +539,17 @@ def _keyed_items_dtype(klen: int, sized: bool, digest: bool = True) -> np.dtype[
     return np.dtype([("klen", "<u2"), ("key", f"V{klen}"), *size, *tail])
 
 
-def _uniform_keyed_items(
-    keys: Sequence[bytes], digests: Sequence[bytes], sized: bool
-) -> npt.NDArray[np.void] | None:
-    """Items of keys each followed by its digest (``sized``: with the size
-    field between them, left for the caller to fill), laid out in a few C-level
-    passes when every key is ``bytes`` of one valid length and every digest
-    ``bytes`` of DIGEST_LEN (an engine's batches); None sends the caller to its
-    per-key encoder, which also names what is wrong."""
-    klen = _one_key_len(keys)
-    if klen is None or not _uniform_digests(digests, len(keys)):
-        return None
-    items = np.empty(len(keys), dtype=_keyed_items_dtype(klen, sized))
-    items["klen"] = klen
-    items["key"] = np.frombuffer(b"".join(keys), dtype=items.dtype["key"])
-    items["digest"] = np.frombuffer(b"".join(digests), dtype=items.dtype["digest"])
-    return items
-
-
-def _encode_uniform_alloc(
-    keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]
-) -> bytes | None:
-    """ALLOC's payload without per-key Python (see :func:`_uniform_keyed_items`),
-    when also every size fits its field."""
-    distinct = _distinct_sizes(sizes, len(keys))
-    if distinct is None:
-        return None
-    items = _uniform_keyed_items(keys, digests, sized=True)
-    if items is None:
-        return None
-    _fill_sizes(items, sizes, distinct)
-    return U32.pack(len(keys)) + items.tobytes()
-
-
 def encode_alloc(keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]) -> bytes:
-    uniform = _encode_uniform_alloc(keys, sizes, digests)
-    if uniform is not None:
-        return uniform
+    """ALLOC's (and PUT's) payload: each key followed by its value's size and digest.
+    An engine's batch (keys of one length) is laid out in a few C-level passes
+    (:class:`BatchEncoder`), anything else per key."""
+    return BatchEncoder(keys, digests, sizes).alloc(0, len(keys))
+
+
+def _encode_alloc_per_key(
+    keys: Sequence[bytes], sizes: Sequence[int], digests: Sequence[bytes]
+) -> bytes:
+    """:func:`encode_alloc` one key at a time, naming a bad key or digest."""
     parts = [U32.pack(len(keys))]
     pack_len, pack_item = U16.pack, ALLOC_ITEM.pack
     for k, size, d in zip(keys, sizes, digests, strict=True):
@@ -608,8 +582,9 @@ class BatchEncoder:
     on first use) only when every key is ``bytes`` of one length in
     ``1..MAX_KEY_LEN``, every digest ``DIGEST_LEN`` bytes and every size an
     int that fits its field (an engine's batches). Otherwise each payload
-    comes from the per-request encoder, which also names a bad item. The
-    caller must not change ``keys``, ``digests`` or ``sizes`` meanwhile.
+    comes from the per-key encoder, which also names a bad item. The caller
+    must not change ``keys``, ``digests`` or ``sizes`` meanwhile.
+    :func:`encode_alloc` and :func:`encode_get` are this for one whole batch.
     """
 
     __slots__ = (
@@ -683,8 +658,8 @@ class BatchEncoder:
             return self._records("alloc", start, end)
         if self._digests is None or self._sizes is None:
             raise ProtocolError("an ALLOC payload needs the keys' digests and sizes")
-        return encode_alloc(self._keys[start:end], self._sizes[start:end],
-                            self._digests[start:end])
+        return _encode_alloc_per_key(self._keys[start:end], self._sizes[start:end],
+                                     self._digests[start:end])
 
     def get(self, start: int, end: int) -> bytes:
         """GET's payload: needs ``digests``."""
@@ -692,7 +667,7 @@ class BatchEncoder:
             return self._records("get", start, end)
         if self._digests is None:
             raise ProtocolError("a GET payload needs the keys' digests")
-        return encode_get(self._keys[start:end], self._digests[start:end])
+        return _encode_get_per_key(self._keys[start:end], self._digests[start:end])
 
     def keys(self, start: int, end: int) -> bytes:
         """The payload of COMMIT (up to its checksums), LOOKUP, DELETE, EXISTS."""
@@ -814,10 +789,13 @@ def decode_alloc(payload: Buffer, what: str = "ALLOC") -> list[tuple[bytes, int,
 
 
 def encode_get(keys: Sequence[bytes], digests: Sequence[bytes]) -> bytes:
-    """GET's payload: each key followed by the digest it must be stored with."""
-    uniform = _uniform_keyed_items(keys, digests, sized=False)
-    if uniform is not None:
-        return U32.pack(len(keys)) + uniform.tobytes()
+    """GET's payload: each key followed by the digest it must be stored with
+    (laid out as :func:`encode_alloc` lays its items out)."""
+    return BatchEncoder(keys, digests).get(0, len(keys))
+
+
+def _encode_get_per_key(keys: Sequence[bytes], digests: Sequence[bytes]) -> bytes:
+    """:func:`encode_get` one key at a time, naming a bad key or digest."""
     parts = [U32.pack(len(keys))]
     pack_len = U16.pack
     for k, d in zip(keys, digests, strict=True):
@@ -905,6 +883,15 @@ class KeysRequest(_KeyedRequest):
         if self._keys is None:  # straight from the records, no list of tuples between
             self._keys = list(map(_FIRST, self._iter_records("", "keys")))
         return self._keys
+
+    def key_bytes(self) -> bytes:
+        """Keys of one length back to back, cut out of the records (two numpy
+        passes, no object per key): what the native index takes."""
+        if self.key_len is None:
+            raise ProtocolError("keys request of keys of several lengths, never joined")
+        records = np.frombuffer(self.records, count=self.count,
+                                dtype=_keyed_items_dtype(self.key_len, False, False))
+        return records["key"].tobytes()
 
 
 def decode_keys_request(payload: Buffer, what: str) -> KeysRequest:

@@ -447,6 +447,19 @@ def test_put_answer_roundtrip(statuses: list[AllocStatus]) -> None:
             decode_put_answer(U32.pack(len(statuses)) + b"\xee" * len(statuses), len(statuses))
 
 
+@given(klen=st.integers(1, 64), n=st.integers(0, 40), data=st.data())
+def test_key_bytes_of_a_decoded_keys_request_are_its_keys_joined(
+    klen: int, n: int, data: st.DataObject
+) -> None:
+    keys = [data.draw(st.binary(min_size=klen, max_size=klen)) for _ in range(n)]
+    request = decode_keys_request(encode_keys(keys), "COMMIT")
+    if n:
+        assert request.key_bytes() == b"".join(keys)
+    several = decode_keys_request(encode_keys([b"a", b"bc"]), "COMMIT")
+    with pytest.raises(ProtocolError, match="several lengths"):
+        several.key_bytes()
+
+
 def test_alloc_refuses_what_does_not_fit_its_fields_on_every_path() -> None:
     keys, digests = [b"k1", b"k2"], [bytes(DIGEST_LEN)] * 2
     for sizes in ([2**32, 1], [-1, 1], [1.5, 1]):

@@ -22,7 +22,6 @@ index even where this one is built (for comparison, and to test that one).
 
 from __future__ import annotations
 
-import functools
 import secrets
 from array import array
 from collections.abc import Iterator, Sequence
@@ -88,23 +87,15 @@ def enabled() -> bool:
 
 def _keys(keys: Sequence[bytes] | KeysRequest) -> tuple[Any, Any]:
     """The keys as a call takes them: their bytes back to back, and their
-    lengths. A decoded request's keys of one length are cut out of its
-    records in two numpy passes, with no Python object per key."""
+    lengths. A decoded request's keys of one length come straight from its
+    records (:meth:`KeysRequest.key_bytes`), with no Python object per key."""
     if isinstance(keys, KeysRequest):
         if keys.key_len is None:
             return _keys(keys.keys)
-        records = np.frombuffer(keys.records, dtype=_key_record_dtype(keys.key_len),
-                                count=keys.count)
-        return (_ffi.from_buffer(records["key"].tobytes()),
+        return (_ffi.from_buffer(keys.key_bytes()),
                 _ffi.from_buffer("uint32_t[]", np.full(keys.count, keys.key_len, np.uint32)))
     lengths = array("I", map(len, keys))
     return _ffi.from_buffer(b"".join(keys)), _ffi.from_buffer("uint32_t[]", lengths)
-
-
-@functools.lru_cache(maxsize=16)
-def _key_record_dtype(key_len: int) -> np.dtype[np.void]:
-    """A keys-only request's record (u16 key length, the key), as numpy lays it out."""
-    return np.dtype([("klen", "<u2"), ("key", f"V{key_len}")])
 
 
 def _blocks_out(n: int) -> array[int]:
