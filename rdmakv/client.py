@@ -41,7 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -318,16 +318,17 @@ class KVClient:
         another client is writing right now, or no space, gives False.
         """
         slab = self._need_slab()
-        sizes = check_put(slab, keys, handles, nbytes, digests)
+        sizes, encoder = check_put(slab, keys, handles, nbytes, digests)
 
         def run() -> list[bool]:
             ch, tp = self._conn()
             try:
                 if not tp.stores_by_key:
-                    return self._put_pipelined(ch, tp, keys, handles, sizes, digests)
+                    return self._put_pipelined(ch, tp, keys, handles, sizes, encoder)
                 # a PUT carries its values: no round trip to hide behind a ramp
                 done = tp.store(keys, handles, sizes, digests,
-                                self._sub_batches(len(keys), ramp=False), self.timeout)
+                                self._sub_batches(len(keys), ramp=False), self.timeout,
+                                encoder=encoder)
                 if done.refused is not None:
                     raise done.refused
                 return done.ok
@@ -358,7 +359,7 @@ class KVClient:
         keys: Sequence[bytes],
         handles: Sequence[int],
         sizes: Sequence[int],
-        digests: Sequence[bytes],
+        encoder: BatchEncoder,
     ) -> list[bool]:
         """ALLOC sub-batches ahead, write each as its extents arrive, then COMMIT.
 
@@ -376,7 +377,6 @@ class KVClient:
         offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
         lengths = np.asarray(sizes, dtype=np.uint64)
         subs = self._sub_batches(len(keys))
-        encoder = BatchEncoder(keys, digests, sizes)
         out = [False] * len(keys)
         allocs: deque[tuple[int, int, Reply]] = deque()
         writing: deque[_PutStage] = deque()
@@ -505,16 +505,16 @@ class KVClient:
     ) -> list[int | None]:
         """Like :meth:`get` but returns the value length per hit (None per miss)."""
         slab = self._need_slab()
-        check_get(slab, keys, handles, digests)
+        encoder = check_get(slab, keys, handles, digests)
 
         def run() -> list[int | None]:
             ch, tp = self._conn()
             try:
                 if not tp.fetches_by_key:
-                    return self._get_pipelined(ch, tp, keys, handles, digests)
+                    return self._get_pipelined(ch, tp, keys, handles, digests, encoder)
                 # a GET's answer carries the values: no ramp either (see sub_batch_sizes)
                 got = tp.fetch(keys, handles, digests, self._sub_batches(len(keys), ramp=False),
-                               self.timeout)
+                               self.timeout, encoder=encoder)
                 if got.corrupt:
                     self._drop_corrupt(ch, got.corrupt)
                 if got.refused is not None:
@@ -537,6 +537,7 @@ class KVClient:
         keys: Sequence[bytes],
         handles: Sequence[int],
         digests: Sequence[bytes],
+        encoder: BatchEncoder,
     ) -> list[int | None]:
         """LOOKUP (leased) sub-batches ahead; read each one's hits; release its leases.
 
@@ -551,7 +552,6 @@ class KVClient:
         arena = slab.buffer
         offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
         subs = self._sub_batches(len(keys))
-        encoder = BatchEncoder(keys)
         out: list[int | None] = [None] * len(keys)
         lookups: deque[tuple[int, int, Reply]] = deque()
         reading: deque[tuple[IoFuture, list[tuple[int, int, int]], list[int]]] = deque()
@@ -714,35 +714,61 @@ def _sane_node_info(info: NodeInfo) -> NodeInfo:
     )
 
 
+class CheckedPut(NamedTuple):
+    """A put's arguments once :func:`check_put` passed them."""
+
+    sizes: list[int]
+    """The value length per key."""
+    encoder: BatchEncoder
+    """The call's request records (its checks were made on the way): the
+    transport lays its sub-batches out from it, not from the lists again."""
+
+
 def check_put(
     slab: Slab,
     keys: Sequence[bytes],
     handles: Sequence[int],
     nbytes: int | Sequence[int],
     digests: Sequence[bytes],
-) -> list[int]:
+) -> CheckedPut:
     """The checks of a put's arguments every :class:`NodeClient` makes before
-    sending anything; the value length per key."""
+    sending anything."""
     sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
     same_len(keys, handles=handles, nbytes=sizes, digests=digests)
-    check_keys(keys)
+    encoder = _checked_encoder(keys, digests, sizes)
     slab.check_handles(handles)
     distinct = (nbytes,) if isinstance(nbytes, int) else sizes  # one check for one size
     if sizes and not (min(distinct) > 0 and max(distinct) <= slab.block_size):
         bad = next(n for n in distinct if not (0 < n <= slab.block_size))
         raise ConfigError(f"nbytes {bad} outside (0, slab block size {slab.block_size}]")
-    check_digests(digests)
-    return sizes
+    return CheckedPut(sizes, encoder)
 
 
 def check_get(
     slab: Slab, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
-) -> None:
-    """The checks of a get's arguments every :class:`NodeClient` makes first."""
+) -> BatchEncoder:
+    """The checks of a get's arguments every :class:`NodeClient` makes first;
+    the call's request records, laid out on the way (see :class:`CheckedPut`)."""
     same_len(keys, handles=handles, digests=digests)
-    check_keys(keys)
+    encoder = _checked_encoder(keys, digests)
     slab.check_handles(handles)
-    check_digests(digests)
+    return encoder
+
+
+def _checked_encoder(
+    keys: Sequence[bytes], digests: Sequence[bytes], sizes: Sequence[int] | None = None
+) -> BatchEncoder:
+    """The batch's encoder, once its keys and digests are known to be valid.
+    An engine's batch (one key length, ``bytes`` throughout) is checked by the
+    encoder's own C-level passes (:attr:`BatchEncoder.uniform`); only another
+    one is checked key by key, which names a bad key or digest. The sizes are
+    checked by the caller: a uniform encoder only vouches for them fitting
+    their field, not for the slab's block size."""
+    encoder = BatchEncoder(keys, digests, sizes)
+    if not encoder.uniform:
+        check_keys(keys)
+        check_digests(digests)
+    return encoder
 
 
 def same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:

@@ -581,9 +581,11 @@ class BatchEncoder:
     Invariants: the records are laid out (once, for the whole call, per kind
     on first use) only when every key is ``bytes`` of one length in
     ``1..MAX_KEY_LEN``, every digest ``DIGEST_LEN`` bytes and every size an
-    int that fits its field (an engine's batches). Otherwise each payload
-    comes from the per-key encoder, which also names a bad item. The caller
-    must not change ``keys``, ``digests`` or ``sizes`` meanwhile.
+    int that fits its field (an engine's batches); :attr:`uniform` says so,
+    and a client's argument checks rely on it rather than make the same
+    passes again. Otherwise each payload comes from the per-key encoder,
+    which also names a bad item. The caller must not change ``keys``,
+    ``digests`` or ``sizes`` meanwhile.
     :func:`encode_alloc` and :func:`encode_get` are this for one whole batch.
     """
 
@@ -631,6 +633,12 @@ class BatchEncoder:
             self._digest_blob = b"".join(digests)
         self._key_blob = b"".join(keys)
         self._key_len = klen
+
+    @property
+    def uniform(self) -> bool:
+        """True when the fast path holds: the keys, the digests (if given) and
+        the sizes (if given) are all valid, as the invariants above state."""
+        return self._key_len is not None
 
     def _table(self, kind: str) -> npt.NDArray[np.void]:
         table = self._tables.get(kind)
@@ -687,7 +695,10 @@ def _distinct_sizes(sizes: Sequence[int], n: int) -> set[int] | None:
     int that fits ALLOC's u32 field; else None."""
     if n == 0 or len(sizes) != n:
         return None
-    distinct = set(sizes)
+    try:
+        distinct = set(sizes)
+    except TypeError:  # an unhashable size: the per-key path names it
+        return None
     if set(map(type, distinct)) == {int} and min(distinct) >= 0 and max(distinct) <= 0xFFFFFFFF:
         return distinct
     return None

@@ -121,7 +121,7 @@ class MultiStreamClient:
         digests: Sequence[bytes],
     ) -> list[bool]:
         slab = self._slab()
-        sizes = check_put(slab, keys, handles, nbytes, digests)
+        sizes = check_put(slab, keys, handles, nbytes, digests).sizes
         parts = self._parts(len(keys), max(sizes, default=0), sum(sizes))
         return self._run(parts, lambda c, s, e: c.put(
             keys[s:e], handles[s:e], sizes[s:e], digests[s:e]

@@ -129,6 +129,34 @@ def test_bad_arguments_are_refused_before_anything_is_sent(
             KVClient(*node.address, client_slab, transport="carrier-pigeon")
 
 
+def test_a_batch_off_the_encoders_fast_path_is_checked_key_by_key(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    """check_put/check_get leave an engine batch's key and digest checks to the
+    encoder's passes; any other batch is checked item by item: the bad item
+    is named, and a valid batch of mixed keys is stored and read back."""
+    hs = client_slab.alloc_many(6)
+    digests = fill(client_slab, hs[:3], seed=11)
+    with KVClient(*node.address, client_slab) as c:
+        ok = [b"k1", b"k2", b"k3"]
+        with pytest.raises(ConfigError, match="digest #2"):
+            c.put(ok, hs[:3], BLOCK, [*digests[:2], b"short"])
+        with pytest.raises(ConfigError, match="key #2"):
+            c.put([b"k1", b"k2", "k3"], hs[:3], BLOCK, digests)  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="digest #1"):
+            c.get(ok, hs[3:], [digests[0], "x" * 16, digests[2]])  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="key #1"):
+            c.get([b"k1", b"", b"k3"], hs[3:], digests)
+        assert c.stats()["allocs"] == 0
+        mixed = [b"a", bytearray(b"bb"), b"ccc"]  # valid, but neither one length nor all bytes
+        assert c.put(mixed, hs[:3], BLOCK, digests) == [True] * 3
+        for h in hs[3:]:
+            client_slab.numpy(h)[:] = 0
+        assert c.get(mixed, hs[3:], digests) == [True] * 3
+        for src, dst in zip(hs[:3], hs[3:], strict=True):
+            assert (client_slab.numpy(src) == client_slab.numpy(dst)).all()
+
+
 def test_value_larger_than_node_block_is_refused(
     node_factory: Callable[..., NodeProcess], client_slab: Slab
 ) -> None:
@@ -404,7 +432,8 @@ def test_refused_write_publishes_nothing_and_frees_extents(
         assert c._ch is not None and c._tp is not None
         wrapper = Misaddressing(c._tp)
         with pytest.raises(RemoteError, match="BAD_ADDRESS"):
-            c._put_pipelined(c._ch, wrapper, keys, src, [BLOCK] * 2, digests)
+            c._put_pipelined(c._ch, wrapper, keys, src, [BLOCK] * 2,
+                             BatchEncoder(keys, digests, [BLOCK] * 2))
         st = c.stats()  # same connection, still in sync
         assert st["pending"] == 0 and st["entries"] == 0 and st["blocks_used"] == 0
         assert c.exists(keys) == [False, False]

@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 import pytest
@@ -432,6 +433,30 @@ def test_batch_encoder_refuses_what_the_per_request_encoders_refuse() -> None:
     with pytest.raises(ProtocolError):
         BatchEncoder([b"k1", "k2"]).keys(0, 2)  # type: ignore[list-item]
     assert BatchEncoder([]).keys(0, 0) == encode_keys([])
+
+
+def test_batch_encoder_is_uniform_only_when_every_item_is_valid() -> None:
+    keys, digests, sizes = [b"k1", b"k2"], [bytes(DIGEST_LEN)] * 2, [1, 2]
+    assert BatchEncoder(keys, digests, sizes).uniform
+    assert BatchEncoder(keys, digests).uniform and BatchEncoder(keys).uniform
+    # each breaks what a client's checks would otherwise have to check again
+    off_path: list[tuple[list[Any], list[Any] | None, list[Any] | None]] = [
+        ([b"k1", b"k22"], digests, sizes),  # two key lengths (valid, but no records)
+        ([b"k1", bytearray(b"k2")], digests, sizes),  # a bytearray key (valid)
+        ([b"k1", b""], digests, sizes),
+        ([b"k1", b"x" * (MAX_KEY_LEN + 1)], None, None),
+        ([b"k1", "k2"], None, None),
+        (keys, [bytes(DIGEST_LEN), b"short"], None),
+        (keys, [bytes(DIGEST_LEN), "x" * DIGEST_LEN], None),
+        (keys, digests[:1], None),
+        (keys, digests, [1, -1]),
+        (keys, digests, [1, 2**32]),
+        (keys, digests, [1, 1.5]),
+        (keys, digests, [1, [1]]),  # unhashable: no TypeError here, the per-key path names it
+        ([], None, None),
+    ]
+    for k, d, n in off_path:
+        assert not BatchEncoder(k, d, n).uniform, (k, d, n)
 
 
 @given(st.one_of(

@@ -533,7 +533,7 @@ class ClusterClient:
         """
         view = self._maintain()
         slab = self._need_slab()
-        sizes = check_put(slab, keys, handles, nbytes, digests)
+        sizes = check_put(slab, keys, handles, nbytes, digests).sizes
         if not keys:
             return []
 

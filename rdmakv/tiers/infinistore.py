@@ -217,7 +217,7 @@ class InfiniStoreTier:
     ) -> list[bool]:
         """Store whole slab blocks ``handles`` under ``keys``; True where stored."""
         slab = self._need_slab()
-        sizes = check_put(slab, keys, handles, nbytes, digests)
+        sizes = check_put(slab, keys, handles, nbytes, digests).sizes
         whole = [i for i, n in enumerate(sizes) if n == slab.block_size]
         out = [False] * len(keys)
         with self._lock:

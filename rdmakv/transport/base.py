@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
-from rdmakv.protocol import AllocRequest, Channel, GetRequest, Header, NodeInfo
+from rdmakv.protocol import AllocRequest, BatchEncoder, Channel, GetRequest, Header, NodeInfo
 from rdmakv.slab import Slab
 
 REQUEST_BYTES_AHEAD = 32 * 1024
@@ -224,10 +224,14 @@ class Transport(ABC):
         digests: Sequence[bytes],
         batches: Sequence[tuple[int, int]],
         timeout: float,
+        *,
+        encoder: BatchEncoder | None = None,
     ) -> Fetched:
         """Values of ``keys`` stored with ``digests`` into slab blocks ``handles``,
         asked for in ``batches`` (``(start, end)`` ranges of the keys), each
-        checked against its checksum before it counts as a hit."""
+        checked against its checksum before it counts as a hit. ``encoder``:
+        the call's :class:`~rdmakv.protocol.BatchEncoder` of these keys and
+        digests, when the caller made one."""
         raise NotImplementedError(f"the {self.name} transport reads by extent: LOOKUP, then read")
 
     stores_by_key: ClassVar[bool] = False
@@ -242,10 +246,14 @@ class Transport(ABC):
         digests: Sequence[bytes],
         batches: Sequence[tuple[int, int]],
         timeout: float,
+        *,
+        encoder: BatchEncoder | None = None,
     ) -> Stored:
         """Put slab blocks ``handles`` (``sizes`` bytes each) under ``keys``, in
         ``batches`` (``(start, end)`` ranges of the keys), each value published
-        with the checksum of the bytes that went out."""
+        with the checksum of the bytes that went out. ``encoder``: the call's
+        :class:`~rdmakv.protocol.BatchEncoder` of these keys, digests and
+        sizes, when the caller made one."""
         raise NotImplementedError(f"the {self.name} transport writes by extent: ALLOC, then write")
 
     @abstractmethod

@@ -599,6 +599,8 @@ class TcpTransport(Transport):
         digests: Sequence[bytes],
         batches: Sequence[tuple[int, int]],
         timeout: float,
+        *,
+        encoder: BatchEncoder | None = None,
     ) -> Fetched:
         """One GET per batch (split so its hits fit one answer's bulk), sent
         ahead while earlier answers are still arriving, but never more than
@@ -618,7 +620,8 @@ class TcpTransport(Transport):
         refused: list[RemoteError] = []
         ahead: list[tuple[Reply, int]] = []  # sent, answer not yet read; request bytes
         ch = self._ch
-        encoder = BatchEncoder(keys, digests)
+        if encoder is None:
+            encoder = BatchEncoder(keys, digests)
 
         def collect() -> None:
             reply, _ = ahead.pop(0)
@@ -655,6 +658,8 @@ class TcpTransport(Transport):
         digests: Sequence[bytes],
         batches: Sequence[tuple[int, int]],
         timeout: float,
+        *,
+        encoder: BatchEncoder | None = None,
     ) -> Stored:
         """One PUT per batch (split so its values fit one request's bulk), the
         values sent straight from the slab and hashed on the way out, then its
@@ -677,7 +682,8 @@ class TcpTransport(Transport):
         due: list[_PutStage] = []  # sent (or in `frames`), answers not yet read
         ch = self._ch
         frames: _PutFrames | None = None
-        encoder = BatchEncoder(keys, digests, sizes)
+        if encoder is None:
+            encoder = BatchEncoder(keys, digests, sizes)
         if _PutFrames.usable():  # every value's (address, length), laid out once
             frames = _PutFrames(_iov_at(slab.base_addr, _u64(handles) * np.uint64(bs),
                                         _u64(sizes)))
