@@ -397,6 +397,18 @@ def test_alloc_statuses(pool: Slab) -> None:
     assert s.alloc(2, [(b"a", 10, D)])[0].status == AllocStatus.EXISTS
 
 
+def test_a_commit_answers_per_key_when_only_some_keys_commit(pool: Slab) -> None:
+    """All committed (the rule) and some not take different paths in commit."""
+    s = KVStore(pool)
+    assert [r.status for r in s.alloc(1, [(b"a", 10, D), (b"c", 10, D)])] == [AllocStatus.OK] * 2
+    assert s.alloc(2, [(b"b", 10, D)])[0].status == AllocStatus.OK
+    assert s.commit(1, [b"a", b"b", b"x", b"c"], [1, 2, 3, 4]) == [True, False, False, True]
+    assert s.exists([b"a", b"b", b"c"]) == [True, False, True]
+    assert s.commit(2, [b"b"], [2]) == [True]
+    assert s.commit(1, [], []) == []
+    assert s.exists([b"b"]) == [True]
+
+
 def test_leased_and_uncommitted_extents_are_never_evicted(pool: Slab) -> None:
     s = KVStore(pool)
     for k in (b"a", b"b", b"c"):

@@ -298,12 +298,15 @@ class KVStore:
         """
         with self._lock:
             done = self._index.commit(session, keys, checksums, require_written=require_written)
+            blocks = done.blocks
+            every = done.committed == len(blocks)  # as a rule: no per-key pass then
             # still under the lock: nobody can see these keys before their
             # write grants are gone
-            self._revoke_writes(session, [b for b in done.blocks if b != NO_BLOCK])
+            self._revoke_writes(session, blocks if every else
+                                [b for b in blocks if b != NO_BLOCK])
             self.counters.commits += done.committed
             self.counters.bytes_committed_one_sided += done.one_sided
-        return list(map(NO_BLOCK.__ne__, done.blocks))
+        return [True] * len(blocks) if every else list(map(NO_BLOCK.__ne__, blocks))
 
     def abort(self, session: int, keys: Sequence[bytes]) -> list[bool]:
         """Free this session's uncommitted extents for ``keys``."""
