@@ -326,9 +326,8 @@ class KVClient:
                 if not tp.stores_by_key:
                     return self._put_pipelined(ch, tp, keys, handles, sizes, encoder)
                 # a PUT carries its values: no round trip to hide behind a ramp
-                done = tp.store(keys, handles, sizes, digests,
-                                self._sub_batches(len(keys), ramp=False), self.timeout,
-                                encoder=encoder)
+                done = tp.store(keys, handles, sizes, encoder,
+                                self._sub_batches(len(keys), ramp=False), self.timeout)
                 if done.refused is not None:
                     raise done.refused
                 return done.ok
@@ -513,8 +512,8 @@ class KVClient:
                 if not tp.fetches_by_key:
                     return self._get_pipelined(ch, tp, keys, handles, digests, encoder)
                 # a GET's answer carries the values: no ramp either (see sub_batch_sizes)
-                got = tp.fetch(keys, handles, digests, self._sub_batches(len(keys), ramp=False),
-                               self.timeout, encoder=encoder)
+                got = tp.fetch(keys, handles, encoder, self._sub_batches(len(keys), ramp=False),
+                               self.timeout)
                 if got.corrupt:
                     self._drop_corrupt(ch, got.corrupt)
                 if got.refused is not None:

@@ -221,17 +221,15 @@ class Transport(ABC):
         self,
         keys: Sequence[bytes],
         handles: Sequence[int],
-        digests: Sequence[bytes],
+        encoder: BatchEncoder,
         batches: Sequence[tuple[int, int]],
         timeout: float,
-        *,
-        encoder: BatchEncoder | None = None,
     ) -> Fetched:
-        """Values of ``keys`` stored with ``digests`` into slab blocks ``handles``,
-        asked for in ``batches`` (``(start, end)`` ranges of the keys), each
-        checked against its checksum before it counts as a hit. ``encoder``:
-        the call's :class:`~rdmakv.protocol.BatchEncoder` of these keys and
-        digests, when the caller made one."""
+        """Values of ``keys`` into slab blocks ``handles``, asked for in
+        ``batches`` (``(start, end)`` ranges of the keys), each checked against
+        its checksum before it counts as a hit. ``encoder``: the call's
+        :class:`~rdmakv.protocol.BatchEncoder` of these keys and the digests
+        they must be stored with (:func:`rdmakv.client.check_get` made it)."""
         raise NotImplementedError(f"the {self.name} transport reads by extent: LOOKUP, then read")
 
     stores_by_key: ClassVar[bool] = False
@@ -243,17 +241,15 @@ class Transport(ABC):
         keys: Sequence[bytes],
         handles: Sequence[int],
         sizes: Sequence[int],
-        digests: Sequence[bytes],
+        encoder: BatchEncoder,
         batches: Sequence[tuple[int, int]],
         timeout: float,
-        *,
-        encoder: BatchEncoder | None = None,
     ) -> Stored:
         """Put slab blocks ``handles`` (``sizes`` bytes each) under ``keys``, in
         ``batches`` (``(start, end)`` ranges of the keys), each value published
         with the checksum of the bytes that went out. ``encoder``: the call's
-        :class:`~rdmakv.protocol.BatchEncoder` of these keys, digests and
-        sizes, when the caller made one."""
+        :class:`~rdmakv.protocol.BatchEncoder` of these keys, their digests and
+        ``sizes`` (:func:`rdmakv.client.check_put` made it)."""
         raise NotImplementedError(f"the {self.name} transport writes by extent: ALLOC, then write")
 
     @abstractmethod

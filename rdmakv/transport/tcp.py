@@ -596,11 +596,9 @@ class TcpTransport(Transport):
         self,
         keys: Sequence[bytes],
         handles: Sequence[int],
-        digests: Sequence[bytes],
+        encoder: BatchEncoder,
         batches: Sequence[tuple[int, int]],
         timeout: float,
-        *,
-        encoder: BatchEncoder | None = None,
     ) -> Fetched:
         """One GET per batch (split so its hits fit one answer's bulk), sent
         ahead while earlier answers are still arriving, but never more than
@@ -620,8 +618,6 @@ class TcpTransport(Transport):
         refused: list[RemoteError] = []
         ahead: list[tuple[Reply, int]] = []  # sent, answer not yet read; request bytes
         ch = self._ch
-        if encoder is None:
-            encoder = BatchEncoder(keys, digests)
 
         def collect() -> None:
             reply, _ = ahead.pop(0)
@@ -655,11 +651,9 @@ class TcpTransport(Transport):
         keys: Sequence[bytes],
         handles: Sequence[int],
         sizes: Sequence[int],
-        digests: Sequence[bytes],
+        encoder: BatchEncoder,
         batches: Sequence[tuple[int, int]],
         timeout: float,
-        *,
-        encoder: BatchEncoder | None = None,
     ) -> Stored:
         """One PUT per batch (split so its values fit one request's bulk), the
         values sent straight from the slab and hashed on the way out, then its
@@ -682,8 +676,6 @@ class TcpTransport(Transport):
         due: list[_PutStage] = []  # sent (or in `frames`), answers not yet read
         ch = self._ch
         frames: _PutFrames | None = None
-        if encoder is None:
-            encoder = BatchEncoder(keys, digests, sizes)
         if _PutFrames.usable():  # every value's (address, length), laid out once
             frames = _PutFrames(_iov_at(slab.base_addr, _u64(handles) * np.uint64(bs),
                                         _u64(sizes)))
