@@ -452,7 +452,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         nodes=nodes,
         token=_read_token(token_file, _setting("--token-file", "client", "token_file")),
         replication=_client_value(args.replication, client, "replication", 1),
-        streams=_client_value(args.streams, client, "streams", 1),
+        streams=_client_value(args.streams, client, "streams", None),
         timeout=_client_value(args.timeout, client, "timeout_s", demo.DemoConfig.timeout),
     )
     try:
@@ -600,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", help="with --nodes: the nodes' shared-secret token")
     p.add_argument("--replication", type=int, help="copies of each block in a cluster (default 1)")
     p.add_argument(
-        "--streams", type=int, help="connections to one node, big batches split (default 1)"
+        "--streams", type=int,
+        help="connections to one node, big batches split (default 2 over RDMA, 1 over TCP)",
     )
     p.add_argument("--timeout", type=_seconds_arg, help="seconds per remote wait (default 5)")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
@@ -623,8 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON object on stdout")
     p.add_argument(
         "--systems",
-        help="comma-separated systems (default tcp: rdmakv,socket_loop,redis,mooncake_te; "
-        "rdma: rdmakv,perftest,infinistore,mooncake_te)",
+        help="comma-separated systems (default tcp: rdmakv,rdmakv_streams2,socket_loop,redis,"
+        "mooncake_te; rdma: rdmakv,rdmakv_streams1,perftest,perftest_q2,infinistore,"
+        "mooncake_te)",
     )
     p.add_argument("--sizes", help="comma-separated block sizes (default 16KiB,64KiB,256KiB,1MiB)")
     p.add_argument("--repeats", type=int, help="best of this many runs (default 3; quick 1)")

@@ -203,13 +203,13 @@ class ClientConfig(_Section):
         default=None, description="`HOST:PORT`, a list `a:7480,b:7480`, or `dns://NAME:PORT`"
     )
     replication: int = Field(default=1, ge=1, description="copies of each block in a cluster")
-    streams: int = Field(
-        default=1,
+    streams: int | None = Field(
+        default=None,
         ge=1,
         le=MAX_STREAMS,
-        description="connections to one node; a batch of >= 64 KiB values (>= 16 KiB when "
-        "every connection is RDMA) and >= 4 MiB is split across them (more bandwidth where "
-        "one stream is CPU-bound)",
+        description="connections to one node (unset: 2 over RDMA, 1 over TCP); a batch of "
+        ">= 64 KiB values (>= 16 KiB over RDMA) and >= 4 MiB is split across them (more "
+        "bandwidth where one stream or queue pair is CPU-bound)",
     )
     transport: Transport = Field(
         default="auto", description="`auto`: RDMA when a usable device exists, else TCP"

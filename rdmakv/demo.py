@@ -71,8 +71,9 @@ class DemoConfig:
     """Running nodes to use (``rdmakv.remote`` address) instead of local ones."""
     token: bytes | None = None
     replication: int = 1
-    streams: int = 1
-    """Connections to one node (a large batch split across them)."""
+    streams: int | None = None
+    """Connections to one node, a large batch split across them (None: 2 over
+    RDMA, 1 over TCP)."""
     timeout: float = 5.0
     """Seconds any remote wait may take."""
 

@@ -209,9 +209,9 @@ class KVCacheManager:
     ``node`` names the remote tier (:mod:`rdmakv.remote`): ``"host:port"`` of a
     KV node, ``"a:7480,b:7480"`` or ``"dns://name:7480"`` for a cluster whose
     members each hold a rendezvous share of the keys (``replication`` copies
-    of each), or None for an L1-only cache. ``streams`` > 1 opens that many
-    connections to one node and splits a large batch across them
-    (:mod:`rdmakv.streams`).
+    of each), or None for an L1-only cache. ``streams`` connections to one
+    node split a large batch across them (:mod:`rdmakv.streams`; None: 2 over
+    RDMA, 1 over TCP).
     ``offload`` picks which computed blocks are sent to the node: a mode name
     (``reuse``, the default: every block unless the request's ``keep`` hint
     says otherwise, or only ``offload_budget`` of the bytes; ``all``, ``cold``,
@@ -236,7 +236,7 @@ class KVCacheManager:
         timeout: float = 5.0,
         lock_slab: bool = True,
         replication: int = 1,
-        streams: int = 1,
+        streams: int | None = None,
     ) -> None:
         if l1_bytes < block_bytes:
             raise ConfigError(f"l1_bytes {l1_bytes} is smaller than one block ({block_bytes})")

@@ -18,12 +18,12 @@ not know which it holds.
 
 from __future__ import annotations
 
-from rdmakv.client import DEFAULT_TIMEOUT, KVClient, NodeClient
+from rdmakv.client import DEFAULT_TIMEOUT, NodeClient
 from rdmakv.cluster import StaticMembership, parse_members, split_node_id
 from rdmakv.cluster.client import DEFAULT_REPLICATION, ClusterClient
 from rdmakv.errors import ConfigError
 from rdmakv.slab import Slab
-from rdmakv.streams import DEFAULT_STREAMS, MultiStreamClient
+from rdmakv.streams import check_streams, open_node
 from rdmakv.tiers import infinistore
 
 REMOTE_FORMS = (
@@ -31,16 +31,18 @@ REMOTE_FORMS = (
 )
 
 
-def check_address(spec: str, *, streams: int = DEFAULT_STREAMS) -> None:
+def check_address(spec: str, *, streams: int | None = None) -> None:
     """ConfigError naming what is wrong with ``spec`` (or with ``streams`` for
-    it), before anything connects."""
+    it), before anything connects. ``streams`` None is the per-transport
+    default, which a cluster or an InfiniStore server ignores."""
+    check_streams(streams)
     if isinstance(spec, str) and spec.startswith(infinistore.SCHEME):
         infinistore.parse_address(spec)
         one_node = False
     else:
         membership = parse_members(spec)
         one_node = isinstance(membership, StaticMembership) and len(membership.resolve()) == 1
-    if streams != DEFAULT_STREAMS and not one_node:
+    if streams not in (None, 1) and not one_node:
         # a cluster already moves each node's share of a batch at once
         raise ConfigError(f"streams > 1 applies to one rdmakv node, not {spec!r}")
 
@@ -53,7 +55,7 @@ def open_remote(
     transport: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
     replication: int = DEFAULT_REPLICATION,
-    streams: int = DEFAULT_STREAMS,
+    streams: int | None = None,
 ) -> NodeClient:
     """Connect to the remote tier ``spec`` names (module docstring) over ``slab``.
 
@@ -62,7 +64,9 @@ def open_remote(
     :class:`ClusterClient`, which starts as long as one member answers; an
     InfiniStore server is an :class:`~rdmakv.tiers.infinistore.InfiniStoreTier`
     (its transport is always RDMA). ``replication`` > 1 needs a cluster;
-    ``streams`` > 1 connections per node (:mod:`rdmakv.streams`) needs one node.
+    ``streams`` > 1 connections per node (:mod:`rdmakv.streams`) needs one node;
+    None (the default) is 2 over RDMA and 1 over TCP for one node, and 1 per
+    node in a cluster.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"remote address must be {REMOTE_FORMS}, got {spec!r}")
@@ -80,12 +84,9 @@ def open_remote(
                 f"got one node {spec!r}"
             )
         host, port = split_node_id(membership.resolve()[0])
-        if streams != DEFAULT_STREAMS:
-            return MultiStreamClient(
-                host, port, slab, streams=streams, token=token, transport=transport,
-                timeout=timeout,
-            )
-        return KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
+        return open_node(
+            host, port, slab, streams=streams, token=token, transport=transport, timeout=timeout
+        )
     return ClusterClient(
         membership,
         slab,

@@ -18,35 +18,49 @@ Invariants:
 * **Only big batches are split**, into contiguous runs of keys, one per
   connection: at least :data:`MIN_SPLIT_BATCH_BYTES` in all, of values of at
   least :data:`MIN_SPLIT_VALUE_BYTES`, or :data:`MIN_SPLIT_VALUE_BYTES_RDMA`
-  when every connection runs RDMA. Over TCP the threads that run each part's
-  per-key Python also move its bytes, and below 64 KiB values two of them
-  contending for the GIL measured slower than one; over RDMA the bytes move
-  without them, each connection on its own queue pair.
+  over RDMA (every connection runs what the first one settled on). Over TCP
+  the threads that run each part's per-key Python also move its bytes, and
+  below 64 KiB values two of them contending for the GIL measured slower than
+  one; over RDMA the bytes move without them, each connection on its own
+  queue pair.
   Everything else (and exists, delete, stats) uses the first connection.
 * **A call returns only when every part has finished**: a part may still be
   moving bytes of the caller's slab. If parts failed, the first failure in key
   order is raised once all are done; the other parts' keys may be stored
   (put) or fetched (get) meanwhile, as when one KVClient fails mid-batch.
 * Thread-safe as KVClient is: each connection serialises its own calls.
+
+**How many by default** (``streams=None``): :data:`STREAMS_RDMA` when the
+first connection runs RDMA, else :data:`STREAMS_TCP`. Two queue pairs per node
+is Mooncake Transfer Engine's default too (``MC_NUM_QP_PER_EP``), tuned on
+production NICs; over TCP a second stream only pays from 64 KiB values and
+costs a node session, so one stays the default there.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
 from typing import Any, TypeVar
 
 from rdmakv.client import DEFAULT_TIMEOUT, KVClient, check_get, check_put
-from rdmakv.errors import ConfigError
+from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.slab import Slab
 
-DEFAULT_STREAMS = 1
+STREAMS_TCP = 1
+"""Connections per node by default over TCP: 1000 x 16 KiB over two put
+3.2-3.4 GB/s against one's 4.1 on this 2-core host (2026-11-25)."""
+STREAMS_RDMA = 2
+"""Connections (queue pairs) per node by default over RDMA: in the soft-RoCE VM
+two moved 1.1-1.8x one's bytes at 16 KiB-1 MiB (2026-11-27, ``rdmakv bench``),
+where one queue pair stays at perftest's single-QP rate."""
 MAX_STREAMS = 16
 """More connections than this per engine process and node only hoard node
 sessions (the node limits connections per address)."""
 MIN_SPLIT_VALUE_BYTES = 64 * 1024
-"""Values this big at least are split over TCP (or mixed transports): 1000 x 16 KiB
+"""Values this big at least are split over TCP: 1000 x 16 KiB
 over two connections put 3.2-3.4 GB/s against one connection's 4.1 (2026-11-25)."""
 MIN_SPLIT_VALUE_BYTES_RDMA = 16 * 1024
 """The floor when every connection runs RDMA: 1000 x 16 KiB over two queue pairs
@@ -56,13 +70,34 @@ MIN_SPLIT_BATCH_BYTES = 4 * 1024 * 1024
 """And the batch at least this big in all."""
 
 _T = TypeVar("_T")
+log = logging.getLogger("rdmakv.streams")
+
+
+def check_streams(streams: object) -> None:
+    """ConfigError unless ``streams`` is None (by transport) or an int in
+    [1, MAX_STREAMS]."""
+    if streams is None:
+        return
+    if isinstance(streams, bool) or not isinstance(streams, int) or not (
+        1 <= streams <= MAX_STREAMS
+    ):
+        raise ConfigError(
+            f"streams must be an integer in [1, {MAX_STREAMS}] or unset (by transport: "
+            f"{STREAMS_RDMA} over RDMA, {STREAMS_TCP} over TCP), got {streams!r}"
+        )
+
+
+def default_streams(transport_name: str | None) -> int:
+    """Connections per node when the caller did not say (module docstring)."""
+    return STREAMS_RDMA if transport_name == "rdma" else STREAMS_TCP
 
 
 class MultiStreamClient:
     """Client of one KV node over ``streams`` connections (see the module docstring).
 
-    ``streams=1`` is exactly one KVClient. The connections share the caller's
-    one slab (an RDMA device registers it once).
+    ``streams=1`` is exactly one KVClient; ``None`` picks by the first
+    connection's transport (:func:`default_streams`). The connections share
+    the caller's one slab (an RDMA device registers it once).
     """
 
     def __init__(
@@ -71,29 +106,45 @@ class MultiStreamClient:
         port: int,
         slab: Slab | None,
         *,
-        streams: int = DEFAULT_STREAMS,
+        streams: int | None = None,
         token: bytes | str | None = None,
         transport: str = "tcp",
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        if isinstance(streams, bool) or not isinstance(streams, int) or not (
-            1 <= streams <= MAX_STREAMS
-        ):
-            raise ConfigError(f"streams must be an integer in [1, {MAX_STREAMS}], got {streams!r}")
+        check_streams(streams)
         self.slab = slab
         self.clients: list[KVClient] = []
+        self._pool: ThreadPoolExecutor | None = None
         try:
-            for _ in range(streams):
-                self.clients.append(
-                    KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
-                )
+            self.clients.append(
+                KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
+            )
+            count = streams if streams is not None else default_streams(
+                self.clients[0].transport_name
+            )
+            # "auto" resolves per connection: the others run what the first
+            # settled on, never a mix of RDMA and a fallback
+            settled = self.clients[0].transport_name or transport
+            for _ in range(count - 1):
+                try:
+                    self.clients.append(KVClient(
+                        host, port, slab, token=token, transport=settled, timeout=timeout
+                    ))
+                except RdmakvError as e:
+                    if streams is not None:
+                        raise  # asked for: as loud as one KVClient
+                    # the default only adds bandwidth: one connection still serves
+                    log.warning(
+                        "rdmakv: connection %d of %d to %s:%d failed (%s); going on with %d",
+                        len(self.clients) + 1, count, host, port, e, len(self.clients),
+                    )
+                    break
         except BaseException:
             self.close()
             raise
-        self._pool = (
-            ThreadPoolExecutor(streams - 1, thread_name_prefix="rdmakv-stream")
-            if streams > 1 else None
-        )
+        count = len(self.clients)
+        if count > 1:
+            self._pool = ThreadPoolExecutor(count - 1, thread_name_prefix="rdmakv-stream")
         self.split_batches = 0
         """Batches moved over several connections at once (the rest used one)."""
 
@@ -208,3 +259,21 @@ class MultiStreamClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_node(
+    host: str,
+    port: int,
+    slab: Slab | None,
+    *,
+    streams: int | None = None,
+    token: bytes | str | None = None,
+    transport: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> KVClient | MultiStreamClient:
+    """A client of one node over ``streams`` connections (None: by transport):
+    the plain KVClient when that comes to one, else a MultiStreamClient."""
+    c = MultiStreamClient(
+        host, port, slab, streams=streams, token=token, transport=transport, timeout=timeout
+    )
+    return c.clients[0] if c.streams == 1 else c

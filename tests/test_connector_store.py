@@ -181,10 +181,14 @@ def test_options_are_validated_by_name() -> None:
     with pytest.raises(ConfigError, match="replication must be an int >= 1"):
         StoreOptions.from_mapping({"node": "a:1,b:2", "replication": 0})
     assert StoreOptions.from_mapping({"node": "h:1", "streams": 4}).streams == 4
+    # unset: by transport, for one node or a cluster alike
+    assert StoreOptions.from_mapping({"node": "h:1"}).streams is None
+    assert StoreOptions.from_mapping({"node": "a:1,b:2"}).streams is None
+    assert StoreOptions.from_mapping({"node": "a:1,b:2", "streams": 1}).streams == 1
     with pytest.raises(ConfigError, match="streams > 1 applies to one rdmakv node"):
         StoreOptions.from_mapping({"node": "a:1,b:2", "streams": 2})
     for bad in (0, 17, "2", True):
-        with pytest.raises(ConfigError, match=r"streams must be an int in \[1, 16\]"):
+        with pytest.raises(ConfigError, match=r"streams must be an integer in \[1, 16\]"):
             StoreOptions.from_mapping({"node": "h:1", "streams": bad})
 
 

@@ -22,7 +22,10 @@ from rdmakv.streams import (
     MIN_SPLIT_BATCH_BYTES,
     MIN_SPLIT_VALUE_BYTES,
     MIN_SPLIT_VALUE_BYTES_RDMA,
+    STREAMS_RDMA,
+    STREAMS_TCP,
     MultiStreamClient,
+    default_streams,
 )
 
 BIG = MIN_SPLIT_BATCH_BYTES // BLOCK + 36  # enough 64 KiB blocks to be split
@@ -87,8 +90,10 @@ def test_over_tcp_a_big_batch_of_small_values_uses_one_connection(
 def test_one_stream_is_one_kvclient(node: NodeProcess, client_slab: Slab) -> None:
     src = client_slab.alloc_many(BIG)
     digests = fill(client_slab, src, seed=5)
-    with MultiStreamClient(*node.address, client_slab) as c:
-        assert c.streams == 1
+    # unset is one connection over TCP (two over RDMA: tests/rdma/test_streams_rdma.py)
+    assert default_streams("tcp") == STREAMS_TCP == 1 and default_streams("rdma") == STREAMS_RDMA
+    with MultiStreamClient(*node.address, client_slab, transport="auto") as c:
+        assert c.streams == 1 and c.transport_name == "tcp"
         assert c.put(keys_for("one", BIG), src, BLOCK, digests) == [True] * BIG
         assert c.split_batches == 0
 
@@ -114,9 +119,11 @@ def test_a_failed_part_fails_the_call_after_the_others_finished(
 
 
 def test_bad_arguments_fail_before_anything_is_sent(node: NodeProcess, client_slab: Slab) -> None:
-    for bad in (0, MAX_STREAMS + 1, 1.5, True):
-        with pytest.raises(ConfigError, match="streams"):
+    for bad in (0, MAX_STREAMS + 1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="streams must be an integer"):
             MultiStreamClient(*node.address, client_slab, streams=bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="streams must be an integer"):
+            open_remote(node.endpoint, client_slab, streams=bad)  # type: ignore[arg-type]
     src = client_slab.alloc_many(BIG)
     with MultiStreamClient(*node.address, client_slab, streams=2) as c:
         with pytest.raises(ConfigError):
@@ -151,7 +158,10 @@ def test_an_unreachable_node_is_as_loud_as_for_one_kvclient(client_slab: Slab) -
 
 
 def test_open_remote_and_the_manager_take_streams_for_one_node(node: NodeProcess) -> None:
-    one = open_remote(node.endpoint, None)
+    one = open_remote(node.endpoint, None)  # unset, over auto -> TCP here: one KVClient
+    assert isinstance(one, KVClient) and one.transport_name == "tcp"
+    one.close()
+    one = open_remote(node.endpoint, None, streams=1, transport="tcp")
     assert isinstance(one, KVClient)
     one.close()
     remote = open_remote(node.endpoint, None, streams=2)

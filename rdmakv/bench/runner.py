@@ -93,7 +93,7 @@ CONC_PROCS = (1, 2, 4)
 QUICK_CONC_PROCS = (1, 2)
 CONC_SYSTEMS = ("rdmakv", "redis", "mooncake_te")
 CONC_TIMEOUT_S = 600.0
-CEILINGS = (CEILING, "perftest")
+CEILINGS = (CEILING, "perftest", "perftest_q2")
 UNPINNED = Placement("unpinned")
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 

@@ -37,7 +37,7 @@ from rdmakv.manager import KVCacheManager
 from rdmakv.metrics.client import ClientMetrics, start_http_server
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.remote import check_address
-from rdmakv.streams import MAX_STREAMS
+from rdmakv.streams import check_streams
 
 log = logging.getLogger("rdmakv.connectors")
 
@@ -73,7 +73,8 @@ class StoreOptions:
     what reached it): ``HOST:PORT`` of an ``rdmakv serve`` node, a
     comma-separated list of them or ``dns://NAME:PORT`` for a cluster
     (:mod:`rdmakv.remote`), with ``replication`` copies of each block, or
-    ``streams`` connections to one node (:mod:`rdmakv.streams`). Sizes
+    ``streams`` connections to one node (:mod:`rdmakv.streams`; unset: 2
+    over RDMA, 1 over TCP; the scheduler side, which moves no KV, one). Sizes
     accept ints or strings like ``"4GiB"``.
 
     Where a value comes from, highest first: the option in the engine's dict;
@@ -95,7 +96,7 @@ class StoreOptions:
     lock_slab: bool = True
     model: str | None = None
     replication: int = 1
-    streams: int = 1
+    streams: int | None = None
     metrics_port: int | None = None
     """Serve this process's rdmakv metrics on ``/metrics`` (worker side; None = off)."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -133,17 +134,16 @@ class StoreOptions:
             values["timeout"] = float(values["timeout"])
             if values["timeout"] <= 0:
                 raise ConfigError(f"timeout must be > 0 seconds, got {values['timeout']}")
-        for name, top in (("replication", None), ("streams", MAX_STREAMS)):
-            r = values.get(name, 1)
-            if isinstance(r, bool) or not isinstance(r, int) or r < 1 or (top and r > top):
-                bound = f"in [1, {top}]" if top else ">= 1"
-                raise ConfigError(f"{name} must be an int {bound}, got {r!r}")
+        r = values.get("replication", 1)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ConfigError(f"replication must be an int >= 1, got {r!r}")
+        check_streams(values.get("streams"))
         port = values.get("metrics_port")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                                  or not 0 <= port <= 65535):
             raise ConfigError(f"metrics_port must be a port in 0..65535 or null, got {port!r}")
         # a malformed address (or streams for a cluster) fails at start-up
-        check_address(values["node"], streams=values.get("streams", 1))
+        check_address(values["node"], streams=values.get("streams"))
         return cls(**values, given=frozenset(values))
 
     def secret(self) -> str | None:
@@ -241,7 +241,8 @@ class GroupStores:
                         timeout=options.timeout,
                         lock_slab=options.lock_slab and not scheduler,
                         replication=options.replication,
-                        streams=options.streams,
+                        # the scheduler side only looks keys up: no second QP
+                        streams=1 if scheduler and options.streams is None else options.streams,
                     )
                 )
             if options.metrics_port is not None and not scheduler:

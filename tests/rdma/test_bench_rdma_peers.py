@@ -77,10 +77,11 @@ def test_perftest_small() -> None:
     assert got["write_gbps"] > 0 and got["read_gbps"] > 0
 
 
-def test_perftest_driver_reports_its_own_time() -> None:
+@pytest.mark.parametrize("qps", [1, 2])
+def test_perftest_driver_reports_its_own_time(qps: int) -> None:
     work = Workload(block_bytes=BLOCK, blocks=64, batch=64)
     (ms, src), (md, dst) = arena(BLOCK * 64), arena(BLOCK * 64)
-    drv = PerftestDriver("rdma")
+    drv = PerftestDriver("rdma", qps=qps)
     try:
         drv.open(work, src, dst)
         drv.put(work.keys("p"))

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from rdmakv.client import KVClient
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.streams import MultiStreamClient
 from rdmakv.transport.rdma import RdmaTransport
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,8 +65,10 @@ def test_qp_error_mid_fetch_gives_misses_or_hits_never_wrong_kv(
         writer.put(tokens, handles)
         assert writer.flush(60)
     with manager(node.endpoint) as reader:  # an empty L1: every block comes from the node
-        client = reader.client
-        assert isinstance(client, KVClient)
+        # two queue pairs by default over RDMA; a 1 MiB fetch is not split, it
+        # runs on the first
+        assert isinstance(reader.client, MultiStreamClient) and reader.client.streams == 2
+        client = reader.client.clients[0]
         tp = client._tp  # fault injection needs the live transport
         assert isinstance(tp, RdmaTransport)
         breaker = threading.Timer(0.001, tp.qp.force_error)

@@ -12,18 +12,22 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from rdmakv import streams
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
 from rdmakv.protocol import AllocStatus, Op, decode_extent_table, encode_alloc
+from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 from rdmakv.streams import (
     MIN_SPLIT_BATCH_BYTES,
     MIN_SPLIT_VALUE_BYTES,
     MIN_SPLIT_VALUE_BYTES_RDMA,
+    STREAMS_RDMA,
     MultiStreamClient,
 )
 from rdmakv.transport import verbs
@@ -181,6 +185,73 @@ def test_multi_stream_client_splits_a_big_batch_over_two_queue_pairs(block: int)
     finally:
         slab.close()
         node.kill()
+
+
+def test_unset_streams_is_two_queue_pairs_over_rdma_and_one_connection_over_tcp() -> None:
+    n = MIN_SPLIT_BATCH_BYTES // BLOCK
+    node = Node(pool=(n + 16) * BLOCK)
+    tcp_node = Node(transport="tcp")
+    slab = Slab(2 * n * BLOCK, BLOCK)
+    try:
+        src, dst = slab.alloc_many(n), slab.alloc_many(n)
+        fill(slab, src)
+        keys = [b"d%d" % i for i in range(n)]
+        c = open_remote(f"127.0.0.1:{node.port}", slab, transport="auto", timeout=CLIENT_TIMEOUT)
+        with c:
+            assert isinstance(c, MultiStreamClient) and c.streams == STREAMS_RDMA == 2
+            assert [k.transport_name for k in c.clients] == ["rdma", "rdma"]
+            assert len({id(rdma_of(k).qp) for k in c.clients}) == 2
+            assert c.put(keys, src, BLOCK, digests(n)) == [True] * n
+            assert c.get(keys, dst, digests(n)) == [True] * n
+            assert c.split_batches == 2
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
+        one = open_remote(f"127.0.0.1:{node.port}", slab, transport="rdma", streams=1,
+                          timeout=CLIENT_TIMEOUT)
+        with one:
+            assert isinstance(one, KVClient) and one.transport_name == "rdma"
+        # auto that lands on TCP (the node offers no RDMA): one connection
+        tcp = open_remote(f"127.0.0.1:{tcp_node.port}", slab, transport="auto",
+                          timeout=CLIENT_TIMEOUT)
+        with tcp:
+            assert isinstance(tcp, KVClient) and tcp.transport_name == "tcp"
+    finally:
+        slab.close()
+        node.kill()
+        tcp_node.kill()
+
+
+def test_unset_streams_goes_on_with_one_queue_pair_when_a_second_fails(
+    node: Node, slab: Slab, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    opened: list[KVClient] = []
+
+    def second_fails(*args: Any, **kwargs: Any) -> KVClient:
+        if opened:  # fault injection: the node's device is out of QPs, say
+            raise RdmaError("injected: ibv_create_qp failed")
+        opened.append(KVClient(*args, **kwargs))
+        return opened[0]
+
+    monkeypatch.setattr(streams, "KVClient", second_fails)
+    src, dst = slab.alloc_many(8), slab.alloc_many(8)
+    fill(slab, src)
+    keys = [b"g%d" % i for i in range(8)]
+    with caplog.at_level(logging.WARNING, logger="rdmakv.streams"):
+        c = streams.MultiStreamClient(
+            "127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT
+        )
+    with c:
+        assert c.streams == 1 and c.clients == opened and c.transport_name == "rdma"
+        assert any("connection 2 of 2" in r.getMessage() for r in caplog.records)
+        assert c.put(keys, src, BLOCK, digests(8)) == [True] * 8
+        assert c.get(keys, dst, digests(8)) == [True] * 8
+        for s, d in zip(src, dst, strict=True):
+            assert bytes(slab.view(d)) == bytes(slab.view(s))
+    opened.clear()
+    with pytest.raises(RdmaError, match="injected"):  # asked for two: as loud as one client
+        streams.MultiStreamClient(
+            "127.0.0.1", node.port, slab, streams=2, transport="rdma", timeout=CLIENT_TIMEOUT
+        )
 
 
 def test_bad_remote_address_is_refused_before_posting(node: Node, slab: Slab) -> None:

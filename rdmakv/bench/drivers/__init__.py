@@ -46,12 +46,14 @@ Factory = Callable[..., Driver]
 # name -> (module, class, extra keyword arguments the class takes).
 _LAZY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "rdmakv": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {}),
+    "rdmakv_streams1": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {"streams": 1}),
     "rdmakv_streams2": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {"streams": 2}),
     "socket_loop": ("rdmakv.bench.drivers.socket_loop", "SocketLoopDriver", {}),
     "redis": ("rdmakv.bench.drivers.redis", "RedisDriver", {}),
     "mooncake_te": ("rdmakv.bench.drivers.mooncake", "MooncakeTEDriver", {}),
     "infinistore": ("rdmakv.bench.drivers.infinistore", "InfiniStoreDriver", {}),
     "perftest": ("rdmakv.bench.drivers.perftest", "PerftestDriver", {}),
+    "perftest_q2": ("rdmakv.bench.drivers.perftest", "PerftestDriver", {"qps": 2}),
 }
 
 _EXTRA: dict[str, Factory] = {}
@@ -59,16 +61,20 @@ _EXTRA: dict[str, Factory] = {}
 
 CEILING = "socket_loop"
 OURS = "rdmakv"
-OURS_VARIANTS = ("rdmakv_streams2",)
-"""rdmakv in another configuration: ``streams=2`` (:mod:`rdmakv.streams`), two
-connections to the node with a big batch split across them. Throughput only:
-latency batches are never split, so there it is ``rdmakv`` itself."""
+OURS_VARIANTS = ("rdmakv_streams1", "rdmakv_streams2")
+"""rdmakv in a configuration other than its default (:mod:`rdmakv.streams`:
+``rdmakv`` is 2 connections over RDMA, 1 over TCP): ``streams=1``, one
+connection (one queue pair, perftest's like), and ``streams=2``, two with a
+big batch split across them. Throughput only: latency batches are never
+split, so there it is ``rdmakv`` itself."""
 FATAL = frozenset({OURS, *OURS_VARIANTS, CEILING})
 """Systems whose failure fails the whole run (they never skip)."""
 
 DEFAULT_SYSTEMS = {
     "tcp": ("rdmakv", "rdmakv_streams2", "socket_loop", "redis", "mooncake_te"),
-    "rdma": ("rdmakv", "rdmakv_streams2", "perftest", "infinistore", "mooncake_te"),
+    "rdma": (
+        "rdmakv", "rdmakv_streams1", "perftest", "perftest_q2", "infinistore", "mooncake_te"
+    ),
 }
 
 

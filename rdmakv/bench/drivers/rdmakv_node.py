@@ -7,9 +7,11 @@ the data: one over a slab laid on the bench's source arena (puts read it in
 place), one over a slab laid on its destination arena (gets land in it in
 place), exactly as an engine lays a slab over its host KV pool. Each
 ``put``/``get`` is ONE client call with every key; the client splits it into
-pipelined sub-batches itself. With ``streams`` > 1 each of the two is a
-:class:`~rdmakv.streams.MultiStreamClient` (that many connections; a big
-batch is split across them), as ``KVCacheManager(streams=...)`` opens it.
+pipelined sub-batches itself. Each of the two is opened as
+``KVCacheManager(streams=...)`` opens its client: with ``streams`` None (the
+default: 2 over RDMA, 1 over TCP) or > 1 a
+:class:`~rdmakv.streams.MultiStreamClient` where that comes to several
+connections (a big batch is split across them).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class RdmakvDriver:
     name = "rdmakv"
 
     def __init__(
-        self, transport: str = "tcp", server: str | None = None, streams: int = 1
+        self, transport: str = "tcp", server: str | None = None, streams: int | None = None
     ) -> None:
         if transport not in ("tcp", "rdma"):
             raise PeerUnavailable(f"rdmakv: unknown transport {transport!r}")
@@ -95,7 +97,7 @@ class RdmakvDriver:
         dst_slab = Slab.over_buffer(dst, work.block_bytes)
         self._slabs = [src_slab, dst_slab]
         try:
-            # the engine's own path: a KVClient, or a MultiStreamClient for streams > 1;
+            # the engine's own path: a KVClient, or a MultiStreamClient for several;
             # each assigned as soon as it exists, so close() closes it if the next fails
             self._put_c = self._open_client(src_slab)
             self._get_c = self._open_client(dst_slab)
