@@ -54,8 +54,8 @@ STREAMS_TCP = 1
 3.2-3.4 GB/s against one's 4.1 on this 2-core host (2026-11-25)."""
 STREAMS_RDMA = 2
 """Connections (queue pairs) per node by default over RDMA: in the soft-RoCE VM
-two moved 1.1-1.8x one's bytes at 16 KiB-1 MiB (2026-11-27, ``rdmakv bench``),
-where one queue pair stays at perftest's single-QP rate."""
+two moved 1.05-1.86x one's bytes at 16 KiB-1 MiB (two ``rdmakv bench`` runs,
+2026-11-27), where one queue pair stays at perftest's single-QP rate."""
 MAX_STREAMS = 16
 """More connections than this per engine process and node only hoard node
 sessions (the node limits connections per address)."""
