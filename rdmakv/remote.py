@@ -5,7 +5,8 @@ Engines and operators name where KV lives with one string, the same in
 ``rdmakv demo --nodes``:
 
 ========================== ==========================================================
-``host:port``              one ``rdmakv serve`` (:class:`~rdmakv.client.KVClient`)
+``host:port``              one ``rdmakv serve`` (:class:`~rdmakv.client.KVClient`; two
+                           connections over RDMA, :mod:`rdmakv.streams`)
 ``a:7480,b:7480``          a cluster of nodes, keys sharded by rendezvous hashing
 ``dns://name:7480``        a cluster whose members are the A records of ``name``
                            (a Kubernetes headless Service), re-resolved periodically
@@ -59,8 +60,10 @@ def open_remote(
 ) -> NodeClient:
     """Connect to the remote tier ``spec`` names (module docstring) over ``slab``.
 
-    One node is a plain :class:`KVClient` (it raises ConnectionLost when the
-    node is unreachable: a wrong address should be loud); several are a
+    One node is a :class:`KVClient`, or a
+    :class:`~rdmakv.streams.MultiStreamClient` over several connections (it
+    raises ConnectionLost when the node is unreachable: a wrong address should
+    be loud); several are a
     :class:`ClusterClient`, which starts as long as one member answers; an
     InfiniStore server is an :class:`~rdmakv.tiers.infinistore.InfiniStoreTier`
     (its transport is always RDMA). ``replication`` > 1 needs a cluster;
