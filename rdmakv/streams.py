@@ -172,6 +172,8 @@ class MultiStreamClient:
         digests: Sequence[bytes],
     ) -> list[bool]:
         slab = self._slab()
+        if not self._may_split(len(keys), slab):
+            return self.clients[0].put(keys, handles, nbytes, digests)  # which checks them
         sizes = check_put(slab, keys, handles, nbytes, digests).sizes
         parts = self._parts(len(keys), max(sizes, default=0), sum(sizes))
         return self._run(parts, lambda c, s, e: c.put(
@@ -187,6 +189,8 @@ class MultiStreamClient:
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
     ) -> list[int | None]:
         slab = self._slab()
+        if not self._may_split(len(keys), slab):
+            return self.clients[0].get_sizes(keys, handles, digests)  # which checks them
         check_get(slab, keys, handles, digests)
         # values are at most a block: what a get may move
         parts = self._parts(len(keys), slab.block_size, slab.block_size * len(keys))
@@ -198,6 +202,16 @@ class MultiStreamClient:
         if self.slab is None:
             raise ConfigError("this client has no slab: data ops need one")
         return self.slab
+
+    def _may_split(self, n: int, slab: Slab) -> bool:
+        """Whether a batch of ``n`` keys could be split at all (values are at
+        most a block). When not, it goes to the first connection as it is: that
+        KVClient checks it, and a check here as well would be the same work
+        twice on every small batch."""
+        return (
+            len(self.clients) > 1 and n > 1 and slab.block_size >= self.min_split_value
+            and n * slab.block_size >= MIN_SPLIT_BATCH_BYTES
+        )
 
     def _parts(self, n: int, value_bytes: int, batch_bytes: int) -> list[tuple[int, int]]:
         """(start, end) of each connection's contiguous run of keys."""

@@ -130,6 +130,16 @@ def test_bad_arguments_fail_before_anything_is_sent(node: NodeProcess, client_sl
             c.put(keys_for("bad", BIG), src[:-1], BLOCK, [bytes(16)] * BIG)
         with pytest.raises(ConfigError):
             c.get(keys_for("bad", BIG), src, [b"short"] * BIG)
+        # a batch too small to split goes to the first connection unchecked
+        # here: that KVClient's checks still refuse it before sending anything
+        small = keys_for("bad-small", 4)
+        with pytest.raises(ConfigError, match="digest"):
+            c.put(small, src[:4], BLOCK, [bytes(16)] * 3 + [b"short"])
+        with pytest.raises(ConfigError, match="nbytes"):
+            c.put(small, src[:4], BLOCK + 1, [bytes(16)] * 4)
+        with pytest.raises(ConfigError, match="digest"):
+            c.get(small, src[:4], [b"short"] * 4)
+        assert c.exists(small) == [False] * 4 and c.split_batches == 0
         assert c.split_batches == 0
         assert c.stats()["allocs"] == 0  # nothing reached the node
     with MultiStreamClient(*node.address, None, streams=2) as ctl, pytest.raises(
