@@ -90,7 +90,7 @@ def test_over_tcp_a_big_batch_of_small_values_uses_one_connection(
 def test_one_stream_is_one_kvclient(node: NodeProcess, client_slab: Slab) -> None:
     src = client_slab.alloc_many(BIG)
     digests = fill(client_slab, src, seed=5)
-    # unset is one connection over TCP (two over RDMA: tests/rdma/test_streams_rdma.py)
+    # unset is one connection over TCP (two over RDMA: tests/rdma/test_node_rdma.py)
     assert default_streams("tcp") == STREAMS_TCP == 1 and default_streams("rdma") == STREAMS_RDMA
     with MultiStreamClient(*node.address, client_slab, transport="auto") as c:
         assert c.streams == 1 and c.transport_name == "tcp"
@@ -139,7 +139,7 @@ def test_bad_arguments_fail_before_anything_is_sent(node: NodeProcess, client_sl
             c.put(small, src[:4], BLOCK + 1, [bytes(16)] * 4)
         with pytest.raises(ConfigError, match="digest"):
             c.get(small, src[:4], [b"short"] * 4)
-        assert c.exists(small) == [False] * 4 and c.split_batches == 0
+        assert c.exists(small) == [False] * 4
         assert c.split_batches == 0
         assert c.stats()["allocs"] == 0  # nothing reached the node
     with MultiStreamClient(*node.address, None, streams=2) as ctl, pytest.raises(
