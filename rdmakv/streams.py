@@ -172,7 +172,7 @@ class MultiStreamClient:
         digests: Sequence[bytes],
     ) -> list[bool]:
         slab = self._slab()
-        if not self._may_split(len(keys), slab):
+        if len(self._block_parts(len(keys), slab)) == 1:  # not even with full blocks
             return self.clients[0].put(keys, handles, nbytes, digests)  # which checks them
         sizes = check_put(slab, keys, handles, nbytes, digests).sizes
         parts = self._parts(len(keys), max(sizes, default=0), sum(sizes))
@@ -189,11 +189,10 @@ class MultiStreamClient:
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
     ) -> list[int | None]:
         slab = self._slab()
-        if not self._may_split(len(keys), slab):
+        parts = self._block_parts(len(keys), slab)
+        if len(parts) == 1:
             return self.clients[0].get_sizes(keys, handles, digests)  # which checks them
         check_get(slab, keys, handles, digests)
-        # values are at most a block: what a get may move
-        parts = self._parts(len(keys), slab.block_size, slab.block_size * len(keys))
         return self._run(parts, lambda c, s, e: c.get_sizes(
             keys[s:e], handles[s:e], digests[s:e]
         ))
@@ -203,15 +202,12 @@ class MultiStreamClient:
             raise ConfigError("this client has no slab: data ops need one")
         return self.slab
 
-    def _may_split(self, n: int, slab: Slab) -> bool:
-        """Whether a batch of ``n`` keys could be split at all (values are at
-        most a block). When not, it goes to the first connection as it is: that
-        KVClient checks it, and a check here as well would be the same work
-        twice on every small batch."""
-        return (
-            len(self.clients) > 1 and n > 1 and slab.block_size >= self.min_split_value
-            and n * slab.block_size >= MIN_SPLIT_BATCH_BYTES
-        )
+    def _block_parts(self, n: int, slab: Slab) -> list[tuple[int, int]]:
+        """:meth:`_parts` of ``n`` values of a block each: a get's (what it may
+        move), and the most a put's could be. A batch that comes to one part
+        goes to the first connection as it is: that KVClient checks it, and a
+        check here as well would be the same work twice on every small batch."""
+        return self._parts(n, slab.block_size, slab.block_size * n)
 
     def _parts(self, n: int, value_bytes: int, batch_bytes: int) -> list[tuple[int, int]]:
         """(start, end) of each connection's contiguous run of keys."""
