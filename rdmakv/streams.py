@@ -142,9 +142,8 @@ class MultiStreamClient:
         except BaseException:
             self.close()
             raise
-        count = len(self.clients)
-        if count > 1:
-            self._pool = ThreadPoolExecutor(count - 1, thread_name_prefix="rdmakv-stream")
+        if self.streams > 1:  # the connections opened, which the default may leave fewer
+            self._pool = ThreadPoolExecutor(self.streams - 1, thread_name_prefix="rdmakv-stream")
         self.split_batches = 0
         """Batches moved over several connections at once (the rest used one)."""
 
