@@ -317,8 +317,18 @@ class KVClient:
         node's block size. A key already present counts as stored; a key
         another client is writing right now, or no space, gives False.
         """
-        slab = self._need_slab()
-        sizes, encoder = check_put(slab, keys, handles, nbytes, digests)
+        return self.put_checked(
+            keys, handles, check_put(self._need_slab(), keys, handles, nbytes, digests)
+        )
+
+    def put_checked(
+        self, keys: Sequence[bytes], handles: Sequence[int], checked: CheckedPut
+    ) -> list[bool]:
+        """:meth:`put` of arguments :func:`check_put` has passed for this
+        client's slab (``checked`` covers exactly ``keys``, as
+        :meth:`CheckedPut.part` gives a run of a larger batch): nothing is
+        checked again. A batch split across connections is checked once."""
+        sizes, encoder = checked
 
         def run() -> list[bool]:
             ch, tp = self._conn()
@@ -503,8 +513,20 @@ class KVClient:
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
     ) -> list[int | None]:
         """Like :meth:`get` but returns the value length per hit (None per miss)."""
-        slab = self._need_slab()
-        encoder = check_get(slab, keys, handles, digests)
+        encoder = check_get(self._need_slab(), keys, handles, digests)
+        return self.get_checked(keys, handles, digests, encoder)
+
+    def get_checked(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        digests: Sequence[bytes],
+        encoder: BatchEncoder,
+    ) -> list[int | None]:
+        """:meth:`get_sizes` of arguments :func:`check_get` has passed for this
+        client's slab, ``encoder`` the one it returned for exactly ``keys``
+        (or its :meth:`~rdmakv.protocol.BatchEncoder.part` for them): nothing
+        is checked again."""
 
         def run() -> list[int | None]:
             ch, tp = self._conn()
@@ -721,6 +743,10 @@ class CheckedPut(NamedTuple):
     encoder: BatchEncoder
     """The call's request records (its checks were made on the way): the
     transport lays its sub-batches out from it, not from the lists again."""
+
+    def part(self, start: int, end: int) -> CheckedPut:
+        """The checked arguments of keys ``[start, end)`` of the put."""
+        return CheckedPut(self.sizes[start:end], self.encoder.part(start, end))
 
 
 def check_put(

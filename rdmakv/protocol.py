@@ -79,6 +79,7 @@ refuses any range not inside an extent it handed to the same connection.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -587,12 +588,16 @@ class BatchEncoder:
     which also names a bad item. The caller must not change ``keys``,
     ``digests`` or ``sizes`` meanwhile.
     :func:`encode_alloc` and :func:`encode_get` are this for one whole batch.
+    :meth:`part` is this for a contiguous run of the keys, laid out with the
+    whole (a batch split across connections is checked and joined once).
     """
 
     __slots__ = (
+        "_base",
         "_digest_blob",
         "_digests",
         "_distinct_sizes",
+        "_end",
         "_key_blob",
         "_key_len",
         "_keys",
@@ -613,7 +618,22 @@ class BatchEncoder:
         self._key_len: int | None = None
         self._key_blob = self._digest_blob = b""
         self._distinct_sizes: set[int] = set()
+        self._base, self._end = 0, len(keys)
+        """This encoder's keys are ``_keys[_base:_end]`` (a :meth:`part`'s, a run of them)."""
         self._lay_out()
+
+    def part(self, start: int, end: int) -> BatchEncoder:
+        """The encoder of keys ``[start, end)`` of this one: its payloads are
+        this one's for the same keys, byte for byte, from the same laid-out
+        records (a part shares them, and lays out a kind not yet used for
+        the whole batch; two parts on two threads may then both lay it out,
+        to the same bytes, and one keeps its table)."""
+        n = self._end - self._base
+        if not 0 <= start <= end <= n:
+            raise ProtocolError(f"part [{start}, {end}) of an encoder of {n} keys")
+        part = copy.copy(self)  # shallow: the keys, blobs and tables dict are shared
+        part._base, part._end = self._base + start, self._base + end
+        return part
 
     def _lay_out(self) -> None:
         """Set ``_key_len`` (and the joined keys and digests) when the fast path holds."""
@@ -662,6 +682,7 @@ class BatchEncoder:
 
     def alloc(self, start: int, end: int) -> bytes:
         """ALLOC's (and PUT's) payload: needs ``digests`` and ``sizes``."""
+        start, end = start + self._base, end + self._base
         if self._key_len is not None and self._sizes is not None and self._digests is not None:
             return self._records("alloc", start, end)
         if self._digests is None or self._sizes is None:
@@ -671,6 +692,7 @@ class BatchEncoder:
 
     def get(self, start: int, end: int) -> bytes:
         """GET's payload: needs ``digests``."""
+        start, end = start + self._base, end + self._base
         if self._key_len is not None and self._digests is not None:
             return self._records("get", start, end)
         if self._digests is None:
@@ -679,6 +701,7 @@ class BatchEncoder:
 
     def keys(self, start: int, end: int) -> bytes:
         """The payload of COMMIT (up to its checksums), LOOKUP, DELETE, EXISTS."""
+        start, end = start + self._base, end + self._base
         if self._key_len is not None:
             return self._records("keys", start, end)
         return encode_keys(self._keys[start:end])

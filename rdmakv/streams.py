@@ -15,6 +15,10 @@ Invariants:
   in the caller's order, a digest mismatch is a miss, every wait bounded by
   ``timeout``, bad arguments raise :class:`~rdmakv.errors.ConfigError` before
   anything is sent.
+* **A batch is checked once**: a small one by the first connection's
+  KVClient, a big one here as a whole (errors name its keys' positions in
+  the whole batch) before its parts go to the connections' ``put_checked`` /
+  ``get_checked``, which check nothing again.
 * **Only big batches are split**, into contiguous runs of keys, one per
   connection: at least :data:`MIN_SPLIT_BATCH_BYTES` in all, of values of at
   least :data:`MIN_SPLIT_VALUE_BYTES`, or :data:`MIN_SPLIT_VALUE_BYTES_RDMA`
@@ -173,10 +177,11 @@ class MultiStreamClient:
         slab = self._slab()
         if len(self._block_parts(len(keys), slab)) == 1:  # not even with full blocks
             return self.clients[0].put(keys, handles, nbytes, digests)  # which checks them
-        sizes = check_put(slab, keys, handles, nbytes, digests).sizes
+        checked = check_put(slab, keys, handles, nbytes, digests)  # once, for every part
+        sizes = checked.sizes
         parts = self._parts(len(keys), max(sizes, default=0), sum(sizes))
-        return self._run(parts, lambda c, s, e: c.put(
-            keys[s:e], handles[s:e], sizes[s:e], digests[s:e]
+        return self._run(parts, lambda c, s, e: c.put_checked(
+            keys[s:e], handles[s:e], checked.part(s, e)
         ))
 
     def get(
@@ -191,9 +196,9 @@ class MultiStreamClient:
         parts = self._block_parts(len(keys), slab)
         if len(parts) == 1:
             return self.clients[0].get_sizes(keys, handles, digests)  # which checks them
-        check_get(slab, keys, handles, digests)
-        return self._run(parts, lambda c, s, e: c.get_sizes(
-            keys[s:e], handles[s:e], digests[s:e]
+        encoder = check_get(slab, keys, handles, digests)  # once, for every part
+        return self._run(parts, lambda c, s, e: c.get_checked(
+            keys[s:e], handles[s:e], digests[s:e], encoder.part(s, e)
         ))
 
     def _slab(self) -> Slab:

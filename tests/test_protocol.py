@@ -416,6 +416,29 @@ def test_batch_encoder_encodes_each_sub_batch_as_the_per_request_encoders_do(
             zip(map(bytes, keys[s:e]), sizes[s:e], digests[s:e], strict=True))
 
 
+@given(_batch_st())
+def test_a_part_of_a_batch_encoder_encodes_as_an_encoder_of_its_keys_does(
+    batch: tuple[list[bytes], list[bytes], list[int], list[int]],
+) -> None:
+    keys, digests, sizes, cuts = batch
+    whole = BatchEncoder(keys, digests, sizes)
+    whole.keys(0, len(keys))  # one kind laid out before the parts, the others by them
+    for s, e in pairwise(cuts):
+        part, own = whole.part(s, e), BatchEncoder(keys[s:e], digests[s:e], sizes[s:e])
+        assert part.uniform == whole.uniform  # a part's keys took the whole's path
+        m = (e - s) // 2
+        for a, b in ((0, e - s), (0, m), (m, e - s)):
+            assert part.alloc(a, b) == own.alloc(a, b)
+            assert part.get(a, b) == own.get(a, b)
+            assert part.keys(a, b) == own.keys(a, b)
+        # a part of a part starts where its parent does
+        assert part.part(m, e - s).alloc(0, e - s - m) == own.alloc(m, e - s)
+        with pytest.raises(ProtocolError, match="part"):
+            part.part(0, e - s + 1)
+    with pytest.raises(ProtocolError, match="part"):
+        whole.part(1, 0)
+
+
 def test_batch_encoder_refuses_what_the_per_request_encoders_refuse() -> None:
     digests = [bytes(DIGEST_LEN)] * 2
     with pytest.raises(ProtocolError, match="key length 0"):

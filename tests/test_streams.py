@@ -11,6 +11,7 @@ import pytest
 from conftest import NodeProcess
 from test_client_kv import BLOCK, fill, keys_for
 
+import rdmakv.client as client_module
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, ConnectionLost, RdmakvError
 from rdmakv.keys import KeyNamespace
@@ -110,12 +111,41 @@ def test_a_failed_part_fails_the_call_after_the_others_finished(
         def failing_put(*args: object) -> list[bool]:
             raise ConnectionLost("injected: the second connection dropped")
 
-        second.put = failing_put  # type: ignore[method-assign]
+        second.put_checked = failing_put  # type: ignore[method-assign]
         with pytest.raises(ConnectionLost, match="injected"):
             c.put(keys, src, BLOCK, digests)
         # the first part ran to its end: its keys are stored, the second's are not
         half = BIG // 2
         assert c.exists(keys) == [True] * half + [False] * (BIG - half)
+
+
+def test_a_split_batch_is_checked_once_as_a_whole(
+    node: NodeProcess, client_slab: Slab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = client_slab.alloc_many(BIG), client_slab.alloc_many(BIG)
+    digests = fill(client_slab, src, seed=8)
+    keys = keys_for("once", BIG)
+    checks: list[tuple[str, int]] = []
+
+    def counting(name: str, real: Callable[..., object]) -> Callable[..., object]:
+        def check(slab: Slab, keys: list[bytes], *args: object) -> object:
+            checks.append((name, len(keys)))
+            return real(slab, keys, *args)
+        return check
+
+    # KVClient.put / get_sizes call the client module's checks; a part must not
+    for name in ("check_put", "check_get"):
+        monkeypatch.setattr(client_module, name, counting(name, getattr(client_module, name)))
+    with MultiStreamClient(*node.address, client_slab, streams=2) as c:
+        assert c.put(keys, src, BLOCK, digests) == [True] * BIG
+        assert c.get(keys, dst, digests) == [True] * BIG
+        assert c.split_batches == 2
+        assert checks == []  # the parts were checked by nobody but the whole
+        small = keys_for("once-small", 4)
+        assert c.put(small, src[:4], BLOCK, digests[:4]) == [True] * 4
+        assert checks == [("check_put", 4)]  # a small batch: by its one KVClient
+    for s, d in zip(src, dst, strict=True):
+        assert bytes(client_slab.view(s, BLOCK)) == bytes(client_slab.view(d, BLOCK))
 
 
 def test_bad_arguments_fail_before_anything_is_sent(node: NodeProcess, client_slab: Slab) -> None:
