@@ -217,6 +217,12 @@ static int hash_to(struct hashing *h, const uint64_t *iov, size_t n, uint64_t ta
     return 0;
 }
 
+void rk_tcp_hash_ranges(const rk_hasher *hasher, const uint64_t *iov, size_t n,
+                        uint64_t *hashes) {
+    for (size_t i = 0; i < n; i++)
+        hashes[i] = hasher->oneshot((const void *)(uintptr_t)iov[2 * i], (size_t)iov[2 * i + 1]);
+}
+
 static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
                int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
     struct iovec win[RK_TCP_IOV_MAX];

@@ -106,6 +106,12 @@ int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, in
                         const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err);
 
+/* hashes[i] = hash(range i) for every range, nothing moved: the loop's hash
+ * for bytes it does not move (an RDMA transport's reads and writes of the
+ * slab). One call hashes a whole batch, with the GIL released, where
+ * Python would make one call per value. */
+void rk_tcp_hash_ranges(const rk_hasher *hasher, const uint64_t *iov, size_t n,
+                        uint64_t *hashes);
 /* The hashed-send window in use: RK_TCP_HASHED_WINDOW_SMALL or _LARGE once
  * measured (or the size set), 0 before the process's first choice. */
 uint64_t rk_tcp_hashed_send_window(void);

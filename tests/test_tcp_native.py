@@ -9,6 +9,7 @@ timeout, ConnectionLost when the peer goes away, signals handled.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -21,6 +22,7 @@ import pytest
 from rdmakv.errors import ConfigError, ConnectionLost
 from rdmakv.protocol import HEADER, Channel, Op, value_checksum
 from rdmakv.transport import tcp
+from rdmakv.transport.checksum import checksum_ranges
 
 pytestmark = [
     pytest.mark.skipif(not tcp.native_available(), reason=tcp.NATIVE_ERROR or "no native core"),
@@ -215,6 +217,23 @@ def test_bulk_read_ahead_with_its_header_lands_in_place_and_the_next_frame_stays
 needs_checksums = pytest.mark.skipif(
     not tcp.native_checksums(), reason="the xxhash module exports no XXH3_64bits to call"
 )
+
+
+@needs_checksums
+def test_checksum_ranges_gives_each_range_value_checksum_in_one_call() -> None:
+    """The native hash of ranges the loop does not move (an RDMA transport's
+    writes and reads): each range's value_checksum, for empty, unaligned,
+    repeated and overlapping ranges and ones past a megabyte."""
+    data = np.frombuffer(bytearray(os.urandom(3 << 20)), dtype=np.uint8)
+    base = data.ctypes.data
+    offsets = [0, 1, 4093, 16384, 16384, 777, 2 << 20, 0, 5]
+    lengths = [16384, 0, 65536, 16384, 16384, 1 << 20, (1 << 20) - 3, 3 << 20, 1]
+    got = checksum_ranges(base, np.array(offsets, dtype=np.uint64),
+                          np.array(lengths, dtype=np.uint64))
+    assert got == [value_checksum(data[o : o + n]) for o, n in zip(offsets, lengths, strict=True)]
+    assert got[3] == got[4] and got[0] != got[3]  # the same bytes twice; other bytes
+    empty = np.zeros(0, dtype=np.uint64)
+    assert checksum_ranges(base, empty, empty) == []
 
 
 @pytest.fixture(params=["small", "large"])

@@ -126,9 +126,11 @@ class IoFuture:
         self._default_timeout = default_timeout
         self.checksums: Sequence[int] | None = None
         """Per op, the :func:`~rdmakv.protocol.value_checksum` of the bytes it
-        moved, when the transport computed it on the way (tcp's native loop
-        hashes each block while it is in cache); valid once the batch
-        completed without error. None: the caller hashes the slab itself."""
+        moved, when the transport computed it (tcp's native loop hashes each
+        block on the way, while it is in cache; rdma hashes a batch's slab
+        bytes in one native call, a write's as it is submitted, a read's once
+        it is done); valid once the batch completed, for every op that did
+        not fail. None: the caller hashes the slab itself."""
 
     @classmethod
     def completed(cls, error: BaseException | None = None) -> IoFuture:

@@ -67,6 +67,7 @@ from rdmakv.transport.base import (
     check_local_ops,
     check_remote_ops,
 )
+from rdmakv.transport.checksum import checksum_ranges
 
 log = logging.getLogger("rdmakv.rdma")
 
@@ -193,6 +194,10 @@ class RdmaFuture(IoFuture):
             else:
                 self._settled = True
                 self._error = self._tp._settle(self._job)
+                if self._job.opcode == verbs.OP_READ and (
+                    self._error is None or isinstance(self._error, RdmaOpsFailed)
+                ):  # the ops that did not fail hold their bytes now
+                    self.checksums = self._tp.checksums(self._job.table)
         if self._error is not None:
             raise self._error
 
@@ -366,7 +371,17 @@ class RdmaTransport(Transport):
             # would wait for the GIL up to a switch interval (5 ms) or more
             # while this thread goes on in Python, with the QP idle.
             job.started.wait(WORKER_HANDOFF_S)
-        return RdmaFuture(self, job)
+        fut = RdmaFuture(self, job)
+        if opcode == verbs.OP_WRITE:  # the writer's checksums, while the device reads
+            fut.checksums = self.checksums(table)
+        return fut
+
+    def checksums(self, table: OpTable) -> list[int] | None:
+        """The value checksum of each op's local bytes (bounds-checked against
+        the slab when submitted), in one native call with the GIL released;
+        None without the native hasher (the caller hashes in Python)."""
+        assert self._slab is not None
+        return checksum_ranges(self._slab.base_addr, table[:, 0], table[:, 2])
 
     def _work(self) -> None:
         while True:

@@ -52,14 +52,11 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import dataclasses
-import importlib
 import os
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -114,6 +111,7 @@ from rdmakv.transport.base import (
     check_local_ops,
     io_ops,
 )
+from rdmakv.transport.checksum import HASHER
 
 READ_PIPELINE_DEPTH = 2
 """READ requests in flight for a batch too large to send at once (see
@@ -159,59 +157,10 @@ def native_available() -> bool:
     return _lib is not None
 
 
-_XXH3 = {  # rk_hasher field -> the xxhash C API names for it, fastest first
-    "oneshot": ("XXH3_64bits_dispatch", "XXH3_64bits"),  # _dispatch: AVX2 when the CPU has it
-    "create_state": ("XXH3_createState",),
-    "free_state": ("XXH3_freeState",),
-    "reset": ("XXH3_64bits_reset",),
-    "update": ("XXH3_64bits_update_dispatch", "XXH3_64bits_update"),
-    "digest": ("XXH3_64bits_digest",),
-}
-
-
-def _find_native_checksum() -> Any:
-    """An ``rk_hasher`` of XXH3-64 for the native loop, or None.
-
-    Its functions are taken from the ``xxhash`` module that
-    :func:`value_checksum` itself calls (its extension exports the C API), so
-    both hash with the same code; one-shot and streamed hashes are checked
-    against :func:`value_checksum` before they are trusted.
-    """
-    if _lib is None:
-        return None
-    try:
-        so = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
-        hasher = _ffi.new("rk_hasher *")
-        for field, names in _XXH3.items():
-            name = next((n for n in names if hasattr(so, n)), None)
-            if name is None:
-                return None
-            addr = ctypes.cast(so[name], ctypes.c_void_p).value
-            setattr(hasher, field, _ffi.cast(_ffi.typeof(getattr(hasher, field)), addr))
-        probe = os.urandom(4099)
-        buf = _ffi.from_buffer(probe)
-        state = hasher.create_state()
-        try:
-            hasher.reset(state)
-            hasher.update(state, buf, 1000)
-            hasher.update(state, buf + 1000, len(probe) - 1000)
-            streamed = hasher.digest(state)
-        finally:
-            hasher.free_state(state)
-        want = value_checksum(probe)
-        return hasher if hasher.oneshot(buf, len(probe)) == want == streamed else None
-    except (AttributeError, ImportError, OSError, TypeError):
-        return None
-
-
-_checksum_fn: Any = _find_native_checksum()
-"""The ``rk_hasher *`` the native loop hashes with (None: no native checksums)."""
-
-
 def native_checksums() -> bool:
     """True when the native loop also computes each block's value checksum as
     it moves (see :func:`send_iov`); False: callers hash the slab themselves."""
-    return use_native and _checksum_fn is not None
+    return use_native and HASHER is not None
 
 
 def hashed_send_window() -> int | None:
@@ -269,13 +218,13 @@ def _native_io(
         def call() -> int:
             return int(fn(fd, ptr, n, skip, _timeout_ms(sock), done, err))
     else:
-        assert _checksum_fn is not None and len(checksums) == n
+        assert HASHER is not None and len(checksums) == n
         hfn = _lib.rk_tcp_sendv_hashed if sending else _lib.rk_tcp_recvv_hashed
         out = _ffi.cast("uint64_t *", _ffi.from_buffer(checksums, require_writable=True))
         hashed = _ffi.new("uint64_t *")
 
         def call() -> int:
-            return int(hfn(fd, ptr, n, skip, _timeout_ms(sock), _checksum_fn, out, hashed,
+            return int(hfn(fd, ptr, n, skip, _timeout_ms(sock), HASHER, out, hashed,
                            done, err))
     while True:
         rc = call()

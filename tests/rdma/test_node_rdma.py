@@ -121,6 +121,30 @@ def test_batched_put_get_bytes_verified(node: Node, slab: Slab) -> None:
         assert bytes(slab.view(dst[0])) == bytes([7]) * BLOCK
 
 
+def test_values_put_over_one_transport_read_back_over_the_other(node: Node, slab: Slab) -> None:
+    """The RDMA transport hashes each op's slab bytes in one native call (the
+    writer's checksums as a write is submitted, the reader's once a read is
+    done). Were those hashes of other bytes than the values', a put over
+    RDMA read back over TCP (whose loop hashes the bytes that arrive), or
+    the other way round, would be a checksum mismatch: a miss."""
+    n = NBLOCKS // 2
+    src, dst = slab.alloc_many(2 * n), slab.alloc_many(2 * n)
+    fill(slab, src)
+    sizes = [BLOCK - 7 * i for i in range(2 * n)]  # short values too: lengths matter
+    over_rdma, over_tcp = [b"r%d" % i for i in range(n)], [b"t%d" % i for i in range(n)]
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as r, \
+            KVClient("127.0.0.1", node.port, slab, transport="tcp", timeout=CLIENT_TIMEOUT) as t:
+        assert (r.transport_name, t.transport_name) == ("rdma", "tcp")
+        assert rdma_of(r).checksums(make_op_table([0], [0], [BLOCK], [0])) is not None
+        assert r.put(over_rdma, src[:n], sizes[:n], digests(n)) == [True] * n
+        assert t.put(over_tcp, src[n:], sizes[n:], digests(n, 1)) == [True] * n
+        assert t.get_sizes(over_rdma, dst[:n], digests(n)) == sizes[:n]
+        assert r.get_sizes(over_tcp, dst[n:], digests(n, 1)) == sizes[n:]
+        assert r.checksum_mismatches == t.checksum_mismatches == 0
+    for s_, d, size in zip(src, dst, sizes, strict=True):
+        assert bytes(slab.view(d, size)) == bytes(slab.view(s_, size))
+
+
 def test_slab_registered_once_across_reconnects(node: Node, slab: Slab) -> None:
     h = slab.alloc_many(4)
     fill(slab, h)
