@@ -379,9 +379,12 @@ class RdmaTransport(Transport):
     def checksums(self, table: OpTable) -> list[int] | None:
         """The value checksum of each op's local bytes (bounds-checked against
         the slab when submitted), in one native call with the GIL released;
-        None without the native hasher (the caller hashes in Python)."""
-        assert self._slab is not None
-        return checksum_ranges(self._slab.base_addr, table[:, 0], table[:, 2])
+        None without the native hasher, or once the transport is closed (the
+        caller hashes its slab in Python then)."""
+        slab = self._slab
+        if slab is None:
+            return None
+        return checksum_ranges(slab.base_addr, table[:, 0], table[:, 2])
 
     def _work(self) -> None:
         while True:

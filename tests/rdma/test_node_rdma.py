@@ -20,7 +20,14 @@ import pytest
 from rdmakv import streams
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
-from rdmakv.protocol import AllocStatus, Op, decode_extent_table, encode_alloc
+from rdmakv.protocol import (
+    AllocStatus,
+    Op,
+    decode_extent_table,
+    decode_lookup_table,
+    encode_alloc,
+    encode_keys,
+)
 from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 from rdmakv.streams import (
@@ -143,6 +150,39 @@ def test_values_put_over_one_transport_read_back_over_the_other(node: Node, slab
         assert r.checksum_mismatches == t.checksum_mismatches == 0
     for s_, d, size in zip(src, dst, sizes, strict=True):
         assert bytes(slab.view(d, size)) == bytes(slab.view(s_, size))
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_a_value_corrupted_in_the_pool_is_a_miss_and_dropped(
+    node: Node, slab: Slab, transport: str
+) -> None:
+    """One byte of one stored value flipped in the node's pool (written
+    through /proc/PID/mem, the node being this test's child): the get that
+    reads it checks its bytes against its writer's checksum, gives a miss for
+    that key alone, deletes it on the node, and leaves the others whole."""
+    n = 8
+    src, dst = slab.alloc_many(n), slab.alloc_many(n)
+    fill(slab, src)
+    keys = [b"%s-c%d" % (transport.encode(), i) for i in range(n)]
+    with KVClient("127.0.0.1", node.port, slab, transport=transport,
+                  timeout=CLIENT_TIMEOUT) as c:
+        assert c.transport_name == transport
+        assert c.put(keys, src, BLOCK, digests(n)) == [True] * n
+        where = decode_lookup_table(c._call(Op.LOOKUP, encode_keys(keys[3:4]), "LOOKUP"), 1)
+        assert where["found"][0]
+        addr = int(where["addr"][0]) + 1000
+        with open(f"/proc/{node.proc.pid}/mem", "r+b", buffering=0) as mem:
+            mem.seek(addr)
+            (byte,) = mem.read(1)
+            mem.seek(addr)
+            mem.write(bytes([byte ^ 0x40]))
+        hits = c.get(keys, dst, digests(n))
+        assert hits == [i != 3 for i in range(n)]
+        assert c.checksum_mismatches == 1
+        assert c.exists(keys) == [i != 3 for i in range(n)]  # dropped: the next put stores it
+    for i, (s_, d) in enumerate(zip(src, dst, strict=True)):
+        if i != 3:
+            assert bytes(slab.view(d)) == bytes(slab.view(s_))
 
 
 def test_slab_registered_once_across_reconnects(node: Node, slab: Slab) -> None:
