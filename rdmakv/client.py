@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from rdmakv.errors import (
     AuthError,
@@ -575,7 +576,7 @@ class KVClient:
         subs = self._sub_batches(len(keys))
         out: list[int | None] = [None] * len(keys)
         lookups: deque[tuple[int, int, Reply]] = deque()
-        reading: deque[tuple[IoFuture, list[tuple[int, int, int]], list[int]]] = deque()
+        reading: deque[_ReadStage] = deque()
         corrupt: list[bytes] = []
         refused: RemoteError | None = None
         nxt = 0
@@ -586,31 +587,30 @@ class KVClient:
             nxt += 1
             payload = encoder.keys(s, e)
             while reading and len(payload) > REQUEST_BYTES_AHEAD:  # see Transport.read
-                finish(*reading.popleft())
+                finish(reading.popleft())
             lookups.append((s, e, ch.submit(Op.LOOKUP, payload, "LOOKUP", flags=LOOKUP_FLAG_LEASE)))
 
-        def finish(fut: IoFuture, hits: list[tuple[int, int, int]], leases: list[int]) -> None:
+        def finish(stage: _ReadStage) -> None:
             nonlocal refused
-            failed: set[int] = set()
+            n = len(stage.at)
+            moved = np.ones(n, dtype=bool)
             try:
-                fut.result(self.timeout)
+                stage.fut.result(self.timeout)
             except RemoteError as exc:  # node refused a read; the stream is in sync
                 refused = refused or exc
-                failed = set(range(len(hits)))
+                moved[:] = False
             except OpsFailed as exc:  # the device failed these ops only; the rest moved
                 log.warning("get: %d of %d reads failed; those keys are misses: %s",
-                            len(exc.failed), len(hits), exc)
-                failed = set(exc.failed)
-            sums = fut.checksums  # hashed on the way in, when the transport could
-            for j, (i, length, checksum) in enumerate(hits):
-                if j in failed:
-                    continue
-                off = int(offsets[i])
-                got = value_checksum(arena[off : off + length]) if sums is None else sums[j]
-                if got != checksum:
-                    corrupt.append(keys[i])  # corrupted on the way or in the pool: a miss
-                    continue
-                out[i] = length
+                            len(exc.failed), n, exc)
+                moved[[j for j in exc.failed if 0 <= j < n]] = False
+            if moved.any():
+                ok = moved & (self._read_checksums(stage, offsets, arena) == stage.checksums)
+                for i, length in zip(stage.at[ok].tolist(), stage.lengths[ok].tolist(),
+                                     strict=True):
+                    out[i] = length
+                # corrupted on the way or in the pool: a miss
+                corrupt.extend(keys[i] for i in stage.at[moved & ~ok].tolist())
+            leases = stage.leases
             if leases:  # hits of one LOOKUP share a lease id
                 ch.send_nowait(Op.RELEASE, encode_u64_list(sorted(set(leases))))
 
@@ -631,23 +631,34 @@ class KVClient:
                 at = picked + s  # the keys' positions in the get
                 ops = make_op_table(offsets[at], found["addr"][picked], length[picked],
                                     found["rkey"][picked])
-                hits = list(zip(at.tolist(), length[picked].tolist(),
-                                found["checksum"][picked].tolist(), strict=True))
-                reading.append((tp.read(ops, self.timeout), hits, leases))
+                reading.append(_ReadStage(tp.read(ops, self.timeout), at, length[picked],
+                                          found["checksum"][picked], leases))
                 if nxt < len(subs):
                     submit_lookup()  # the node looks it up while this read moves
                 while len(reading) > READS_IN_FLIGHT:
-                    finish(*reading.popleft())
+                    finish(reading.popleft())
             while reading:
-                finish(*reading.popleft())
+                finish(reading.popleft())
         except BaseException:
-            _drain(fut for fut, _, _ in reading)  # no read may still write the slab
+            _drain(stage.fut for stage in reading)  # no read may still write the slab
             raise
         if corrupt:
             self._drop_corrupt(ch, corrupt)
         if refused is not None:
             raise refused
         return out
+
+    @staticmethod
+    def _read_checksums(
+        stage: _ReadStage, offsets: npt.NDArray[np.uint64], arena: memoryview
+    ) -> npt.NDArray[np.uint64]:
+        """The checksum of each value a read brought in: the transport's when
+        it hashed them, else hashed here from the slab."""
+        if stage.fut.checksums is not None:
+            return np.asarray(stage.fut.checksums, dtype=np.uint64)
+        return np.array([value_checksum(arena[o : o + n]) for o, n in zip(
+            offsets[stage.at].tolist(), stage.lengths.tolist(), strict=True
+        )], dtype=np.uint64)
 
     def _drop_corrupt(self, ch: Channel, keys: list[bytes]) -> None:
         """Values whose bytes did not match their checksum were misses; DELETE them so
@@ -869,6 +880,19 @@ class _PutStage:
     commit_idx: list[int] = dataclasses.field(default_factory=list)
     abort: Reply | None = None
     refused: RemoteError | None = None
+
+
+class _ReadStage(NamedTuple):
+    """One get sub-batch's read of its hits, not yet collected: ``at`` are the
+    hits' positions in the get, ``lengths`` and ``checksums`` what the LOOKUP
+    said each value holds (columns, one row per op of ``fut``), ``leases``
+    the LOOKUP's leases to release once the read is done."""
+
+    fut: IoFuture
+    at: npt.NDArray[np.intp]
+    lengths: npt.NDArray[np.uint32]
+    checksums: npt.NDArray[np.uint64]
+    leases: list[int]
 
 
 def _drain(futures: Iterable[IoFuture]) -> None:
