@@ -400,14 +400,6 @@ class KVClient:
             payload = encoder.alloc(s, e)
             allocs.append((s, e, ch.submit(Op.ALLOC, payload, "ALLOC")))
 
-        def checksums(fut: IoFuture, idx: list[int]) -> list[int]:
-            # The transport's, hashed as each block went out (tcp); else hashed
-            # here while the device reads the blocks (rdma).
-            if fut.checksums is not None:
-                return list(fut.checksums)
-            return [value_checksum(arena[o : o + sizes[i]])
-                    for o, i in zip(offsets[idx].tolist(), idx, strict=True)]
-
         try:
             while nxt < len(subs) and len(allocs) < PIPELINE_WINDOW:
                 submit_alloc()
@@ -434,7 +426,9 @@ class KVClient:
                 ops = make_op_table(offsets[at], ext["addr"][picked], got, ext["rkey"][picked])
                 idx = at.tolist()
                 fut = tp.write(ops, self.timeout)
-                stage = _PutStage(fut, idx, [keys[i] for i in idx], checksums(fut, idx))
+                # the writer's checksums while the device reads the blocks
+                stage = _PutStage(fut, idx, [keys[i] for i in idx],
+                                  _op_checksums(fut, arena, offsets[at], got))
                 if nxt < len(subs):
                     submit_alloc()  # the node allocates it while this write moves
                 if tp.node_verifies_writes:
@@ -604,7 +598,9 @@ class KVClient:
                             len(exc.failed), n, exc)
                 moved[[j for j in exc.failed if 0 <= j < n]] = False
             if moved.any():
-                ok = moved & (self._read_checksums(stage, offsets, arena) == stage.checksums)
+                got = np.asarray(_op_checksums(stage.fut, arena, offsets[stage.at],
+                                               stage.lengths), dtype=np.uint64)
+                ok = moved & (got == stage.checksums)
                 for i, length in zip(stage.at[ok].tolist(), stage.lengths[ok].tolist(),
                                      strict=True):
                     out[i] = length
@@ -647,18 +643,6 @@ class KVClient:
         if refused is not None:
             raise refused
         return out
-
-    @staticmethod
-    def _read_checksums(
-        stage: _ReadStage, offsets: npt.NDArray[np.uint64], arena: memoryview
-    ) -> npt.NDArray[np.uint64]:
-        """The checksum of each value a read brought in: the transport's when
-        it hashed them, else hashed here from the slab."""
-        if stage.fut.checksums is not None:
-            return np.asarray(stage.fut.checksums, dtype=np.uint64)
-        return np.array([value_checksum(arena[o : o + n]) for o, n in zip(
-            offsets[stage.at].tolist(), stage.lengths.tolist(), strict=True
-        )], dtype=np.uint64)
 
     def _drop_corrupt(self, ch: Channel, keys: list[bytes]) -> None:
         """Values whose bytes did not match their checksum were misses; DELETE them so
@@ -875,7 +859,7 @@ class _PutStage:
     fut: IoFuture
     idx: list[int]
     keys: list[bytes]
-    sums: list[int]
+    sums: Sequence[int]
     commit: Reply | None = None
     commit_idx: list[int] = dataclasses.field(default_factory=list)
     abort: Reply | None = None
@@ -893,6 +877,18 @@ class _ReadStage(NamedTuple):
     lengths: npt.NDArray[np.uint32]
     checksums: npt.NDArray[np.uint64]
     leases: list[int]
+
+
+def _op_checksums(
+    fut: IoFuture, arena: memoryview, offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[Any]
+) -> Sequence[int]:
+    """The value checksum of each op's slab bytes (``lengths[i]`` bytes at
+    ``offsets[i]``): the transport's when it hashed them (tcp on the way,
+    rdma in one native call), else hashed here."""
+    if fut.checksums is not None:
+        return fut.checksums
+    return [value_checksum(arena[o : o + n])
+            for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)]
 
 
 def _drain(futures: Iterable[IoFuture]) -> None:

@@ -73,6 +73,16 @@ Ops: TypeAlias = "Sequence[IoOp] | OpTable"
 """What :meth:`Transport.write` and :meth:`Transport.read` take."""
 
 
+def iov_at(base: int, offsets: npt.ArrayLike, lengths: np.ndarray) -> npt.NDArray[np.uint64]:
+    """An iovec table for the native core (its loops and hashes read ``(address,
+    length)`` rows of uint64): row i is ``(base + offsets[i], lengths[i])``."""
+    iov = np.empty((len(lengths), 2), dtype=np.uint64)
+    iov[:, 0] = offsets
+    iov[:, 0] += np.uint64(base)
+    iov[:, 1] = lengths
+    return iov
+
+
 def make_op_table(
     local_offsets: npt.ArrayLike, remote_addrs: npt.ArrayLike, lengths: npt.ArrayLike,
     rkeys: npt.ArrayLike,

@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from rdmakv import native_core
 from rdmakv.protocol import value_checksum
+from rdmakv.transport.base import iov_at
 
 _ffi, _lib, _ = native_core.load("_native_tcp", "native TCP core")
 
@@ -98,10 +99,7 @@ def checksum_ranges(
     if HASHER is None:
         return None
     n = len(lengths)
-    iov = np.empty((n, 2), dtype=np.uint64)
-    iov[:, 0] = offsets
-    iov[:, 0] += np.uint64(base)
-    iov[:, 1] = lengths
+    iov = iov_at(base, offsets, lengths)
     out = np.empty(n, dtype=np.uint64)
     if n:
         _lib.rk_tcp_hash_ranges(

@@ -110,6 +110,7 @@ from rdmakv.transport.base import (
     Transport,
     check_local_ops,
     io_ops,
+    iov_at,
 )
 from rdmakv.transport.checksum import HASHER
 
@@ -289,15 +290,6 @@ def _u64(values: Sequence[int]) -> np.ndarray:
     return np.frombuffer(array.array("Q", values), dtype=np.uint64)
 
 
-def _iov_at(base: int, offsets: npt.ArrayLike, lengths: np.ndarray) -> np.ndarray:
-    """An iovec table for the native loop: row i is ``(base + offsets[i], lengths[i])``."""
-    iov = np.empty((len(lengths), 2), dtype=np.uint64)
-    iov[:, 0] = offsets
-    iov[:, 0] += np.uint64(base)
-    iov[:, 1] = lengths
-    return iov
-
-
 def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, int]:
     """A batch's wire payload (``encode_data_ops`` of its remote ranges), its
     local iovec table (slab ``base`` + offsets) and its byte count, without
@@ -310,7 +302,7 @@ def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, 
     wire = np.empty(n, dtype=_WIRE_OP)
     wire["addr"] = _u64(remote)
     wire["len"] = lens
-    return U32.pack(n) + wire.tobytes(), _iov_at(base, _u64(local), lens), int(lens.sum())
+    return U32.pack(n) + wire.tobytes(), iov_at(base, _u64(local), lens), int(lens.sum())
 
 
 def _address_of(buf: bytes | bytearray | np.ndarray) -> int:
@@ -626,7 +618,7 @@ class TcpTransport(Transport):
         ch = self._ch
         frames: _PutFrames | None = None
         if _PutFrames.usable():  # every value's (address, length), laid out once
-            frames = _PutFrames(_iov_at(slab.base_addr, _u64(handles) * np.uint64(bs),
+            frames = _PutFrames(iov_at(slab.base_addr, _u64(handles) * np.uint64(bs),
                                         _u64(sizes)))
         try:
             ch.set_timeout(timeout)
@@ -809,7 +801,7 @@ class _GetReceiver:
         offsets = self.handles[s + hits] * np.uint64(bs)
         got: npt.NDArray[np.uint64] | None = None
         if use_native:
-            iov = _iov_at(self.slab.base_addr, offsets, sizes)
+            iov = iov_at(self.slab.base_addr, offsets, sizes)
             got = np.empty(len(hits), dtype=np.uint64) if native_checksums() else None
             recv_iov_from(self.ch, iov, total, got)  # the slab is mapped while we run
         else:
