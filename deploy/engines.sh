@@ -44,7 +44,7 @@ RUNTIME_DEPS=(
   partial_json_parser==0.2.1.1.post7 llguidance==1.7.6 orjson==3.13.0 ipython==9.18.1
   einops==0.8.2 dill==0.4.1
   # rdmakv itself and the test runner
-  numpy==2.4.6 "cffi>=1.16" "xxhash>=3.4" "pytest>=8" "pytest-timeout>=2.3"
+  numpy==2.4.6 "cffi>=1.16" "xxhash>=4.1" "pytest>=8" "pytest-timeout>=2.3"
 )
 # Changing anything above invalidates the stamp and refreshes the venv.
 STAMP_TEXT="$TORCH_SPEC|$ENGINES|$NO_DEPS_EXTRAS|${RUNTIME_DEPS[*]}"

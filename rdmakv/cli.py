@@ -624,9 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON object on stdout")
     p.add_argument(
         "--systems",
-        help="comma-separated systems (default tcp: rdmakv,rdmakv_streams2,socket_loop,redis,"
+        help="comma-separated systems (default tcp: rdmakv,rdmakv_streamsN,socket_loop,redis,"
         "mooncake_te; rdma: rdmakv,rdmakv_streams1,perftest,perftest_q2,infinistore,"
-        "mooncake_te)",
+        "mooncake_te; rdmakv_streamsN: the stream count that is not rdmakv's default here, "
+        "streams2 on a host of fewer than 4 CPUs, else streams1)",
     )
     p.add_argument("--sizes", help="comma-separated block sizes (default 16KiB,64KiB,256KiB,1MiB)")
     p.add_argument("--repeats", type=int, help="best of this many runs (default 3; quick 1)")

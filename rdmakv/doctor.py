@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rdmakv.errors import RdmakvError
-from rdmakv.transport import verbs
+from rdmakv.transport import checksum, verbs
 from rdmakv.transport.congestion import probe_congestion
 
 MEMLOCK_RECOMMENDED = 1 << 30
@@ -57,6 +57,9 @@ class Report:
     """The TCP congestion control rdmakv's connections run here (and, when the
     kernel refused the one they ask for, why and the fix). Speed only: not a
     problem for the exit status."""
+    value_checksums: str = ""
+    """How value checksums are computed here (:func:`rdmakv.transport.checksum.describe`),
+    with the fix where that build is slow. Speed only, like ``tcp_congestion``."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -183,6 +186,7 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
     running, refused = probe_congestion()
     report.tcp_congestion = (running or "unknown (no TCP_CONGESTION here)") + (
         f"; {refused}" if refused else "")
+    report.value_checksums = checksum.describe()
     if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
         try:
             sel = verbs.select()
@@ -218,6 +222,7 @@ def render(report: Report) -> str:
     if report.memory_windows:
         lines.append(f"memory windows: {report.memory_windows}")
     lines.append(f"tcp congestion control: {report.tcp_congestion}")
+    lines.append(f"value checksums: {report.value_checksums}")
     if report.ok:
         lines.append("OK: RDMA is usable (transport auto picks rdma)")
     else:

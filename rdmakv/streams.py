@@ -21,12 +21,14 @@ Invariants:
   ``get_checked``, which check nothing again.
 * **Only big batches are split**, into contiguous runs of keys, one per
   connection: at least :data:`MIN_SPLIT_BATCH_BYTES` in all, of values of at
-  least :data:`MIN_SPLIT_VALUE_BYTES`, or :data:`MIN_SPLIT_VALUE_BYTES_RDMA`
-  over RDMA (every connection runs what the first one settled on). Over TCP
-  the threads that run each part's per-key Python also move its bytes, and
-  below 64 KiB values two of them contending for the GIL measured slower than
-  one; over RDMA the bytes move without them, each connection on its own
-  queue pair.
+  least :data:`MIN_SPLIT_VALUE_BYTES` over TCP
+  (:data:`MIN_SPLIT_VALUE_BYTES_MANY_CPUS` on a host of :data:`MANY_CPUS`
+  usable CPUs or more), or :data:`MIN_SPLIT_VALUE_BYTES_RDMA` over RDMA
+  (every connection runs what the first one settled on). Over TCP the threads
+  that run each part's per-key Python also move its bytes: on 2 cores, below
+  64 KiB values two of them contending for the GIL and the cores measured
+  slower than one; on 16 cores two were faster from 16 KiB. Over RDMA the
+  bytes move without them, each connection on its own queue pair.
   Everything else (and exists, delete, stats) uses the first connection.
 * **A call returns only when every part has finished**: a part may still be
   moving bytes of the caller's slab. If parts failed, the first failure in key
@@ -35,15 +37,21 @@ Invariants:
 * Thread-safe as KVClient is: each connection serialises its own calls.
 
 **How many by default** (``streams=None``): :data:`STREAMS_RDMA` when the
-first connection runs RDMA, else :data:`STREAMS_TCP`. Two queue pairs per node
-is Mooncake Transfer Engine's default too (``MC_NUM_QP_PER_EP``), tuned on
-production NICs; over TCP a second stream only pays from 64 KiB values and
-costs a node session, so one stays the default there.
+first connection runs RDMA. Two queue pairs per node is Mooncake Transfer
+Engine's default too (``MC_NUM_QP_PER_EP``), tuned on production NICs. Over
+TCP it depends on the CPUs this process may run on (:func:`usable_cpus`):
+:data:`STREAMS_TCP_MANY_CPUS` from :data:`MANY_CPUS` on, else
+:data:`STREAMS_TCP`. Each stream's bytes are moved by its own client thread
+(and node session thread), so a second one pays only where it has a core of
+its own: on a 2-core host the two ends' threads contend and one stream was
+faster; on a 16-core host two streams moved 1.5-2x one's bytes from 64 KiB
+values. A second stream costs a node session either way.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
@@ -54,8 +62,19 @@ from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.slab import Slab
 
 STREAMS_TCP = 1
-"""Connections per node by default over TCP: 1000 x 16 KiB over two put
-3.2-3.4 GB/s against one's 4.1 on this 2-core host (2026-11-25)."""
+"""Connections per node by default over TCP with fewer than :data:`MANY_CPUS`
+usable CPUs: 1000 x 16 KiB over two put 3.2-3.4 GB/s against one's 4.1 on a
+2-core host (2026-11-25), and from 64 KiB two were 0.9-1.0x one there
+(``rdmakv bench``, 2026-11-27)."""
+STREAMS_TCP_MANY_CPUS = 2
+"""Connections per node by default over TCP with :data:`MANY_CPUS` usable CPUs
+or more. On a 16-core Intel Xeon host (node and bench on the same host,
+2026-11-27, two ``rdmakv bench`` runs) two moved 1.5-2.0x one's bytes at
+64 KiB-1 MiB: put 5.0-6.9 / 5.8-9.4 / 6.1-9.1 GB/s against 3.3-4.4 / 3.1-4.8 /
+3.1-4.8, get likewise (bench/README.md)."""
+MANY_CPUS = 4
+"""Usable CPUs from which TCP gets :data:`STREAMS_TCP_MANY_CPUS` by default:
+two streams' client threads beside the caller's own."""
 STREAMS_RDMA = 2
 """Connections (queue pairs) per node by default over RDMA: in the soft-RoCE VM
 two moved 1.05-1.86x one's bytes at 16 KiB-1 MiB (two ``rdmakv bench`` runs,
@@ -64,8 +83,15 @@ MAX_STREAMS = 16
 """More connections than this per engine process and node only hoard node
 sessions (the node limits connections per address)."""
 MIN_SPLIT_VALUE_BYTES = 64 * 1024
-"""Values this big at least are split over TCP: 1000 x 16 KiB
-over two connections put 3.2-3.4 GB/s against one connection's 4.1 (2026-11-25)."""
+"""Values this big at least are split over TCP with fewer than
+:data:`MANY_CPUS` usable CPUs: 1000 x 16 KiB over two connections put 3.2-3.4
+GB/s against one connection's 4.1 on a 2-core host (2026-11-25)."""
+MIN_SPLIT_VALUE_BYTES_MANY_CPUS = 16 * 1024
+"""The TCP floor with :data:`MANY_CPUS` usable CPUs or more, where each
+connection's thread has a core: on a 16-core Intel Xeon host (2026-11-27, two
+runs of 1000 values, best of 5) two connections moved 1.19-1.27x one's put and
+1.37-1.38x its get at 16 KiB, 1.39-1.70x and 1.34-1.81x at 32 KiB. Smaller
+values were not measured."""
 MIN_SPLIT_VALUE_BYTES_RDMA = 16 * 1024
 """The floor when every connection runs RDMA: 1000 x 16 KiB over two queue pairs
 moved 0.069 / 0.072 GB/s (put / get) in the soft-RoCE VM against one queue
@@ -87,13 +113,27 @@ def check_streams(streams: object) -> None:
     ):
         raise ConfigError(
             f"streams must be an integer in [1, {MAX_STREAMS}] or unset (by transport: "
-            f"{STREAMS_RDMA} over RDMA, {STREAMS_TCP} over TCP), got {streams!r}"
+            f"{STREAMS_RDMA} over RDMA; over TCP {STREAMS_TCP_MANY_CPUS} with {MANY_CPUS} "
+            f"usable CPUs or more, else {STREAMS_TCP}), got {streams!r}"
         )
 
 
-def default_streams(transport_name: str | None) -> int:
-    """Connections per node when the caller did not say (module docstring)."""
-    return STREAMS_RDMA if transport_name == "rdma" else STREAMS_TCP
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_streams(transport_name: str | None, cpus: int | None = None) -> int:
+    """Connections per node when the caller did not say (module docstring);
+    ``cpus``: the usable CPUs (None: :func:`usable_cpus`)."""
+    if transport_name == "rdma":
+        return STREAMS_RDMA
+    if cpus is None:
+        cpus = usable_cpus()
+    return STREAMS_TCP_MANY_CPUS if cpus >= MANY_CPUS else STREAMS_TCP
 
 
 class MultiStreamClient:
@@ -119,12 +159,13 @@ class MultiStreamClient:
         self.slab = slab
         self.clients: list[KVClient] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._cpus = usable_cpus()  # the split floor over TCP (min_split_value)
         try:
             self.clients.append(
                 KVClient(host, port, slab, token=token, transport=transport, timeout=timeout)
             )
             count = streams if streams is not None else default_streams(
-                self.clients[0].transport_name
+                self.clients[0].transport_name, self._cpus
             )
             # "auto" resolves per connection: the others run what the first
             # settled on, never a mix of RDMA and a fallback
@@ -164,6 +205,8 @@ class MultiStreamClient:
         """The value size from which a big batch is split (see the module docstring)."""
         if all(c.transport_name == "rdma" for c in self.clients):
             return MIN_SPLIT_VALUE_BYTES_RDMA
+        if self._cpus >= MANY_CPUS:
+            return MIN_SPLIT_VALUE_BYTES_MANY_CPUS
         return MIN_SPLIT_VALUE_BYTES
 
     # -- data ops: split when big enough ---------------------------------------------------

@@ -17,10 +17,18 @@ import pytest
 
 from rdmakv.bench import runner
 from rdmakv.bench.driver import PeerUnavailable, Workload
-from rdmakv.bench.drivers import make_driver, register, socket_loop, unregister
+from rdmakv.bench.drivers import (
+    OURS_VARIANTS,
+    default_systems,
+    make_driver,
+    register,
+    socket_loop,
+    unregister,
+)
 from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
 from rdmakv.bench.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
 from rdmakv.bench.placement import placements
+from rdmakv.streams import default_streams
 from rdmakv.transport import tcp
 
 QUICK_SIZES = ("16384", "262144")
@@ -292,3 +300,17 @@ def test_echo_peer_times_round_trips_until_closed() -> None:
         proc = echo._proc
     assert all(t > 0 for t in trips)
     assert proc.returncode == 0  # the child saw EOF and left by itself
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_default_systems_hold_rdmakv_and_its_other_stream_count(transport: str) -> None:
+    """rdmakv beside the one variant that is not its default on this host (the
+    other would measure rdmakv twice), the ceilings and every peer."""
+    systems = default_systems(transport)
+    variants = [s for s in systems if s in OURS_VARIANTS]
+    assert systems[0] == "rdmakv" and len(variants) == 1
+    assert variants[0] != f"rdmakv_streams{default_streams(transport)}"
+    assert "mooncake_te" in systems
+    assert ("socket_loop" in systems) == (transport == "tcp")
+    assert ("perftest" in systems) == (transport == "rdma")
+    assert runner.BenchConfig(transport=transport).resolved_systems() == list(systems)

@@ -5,6 +5,8 @@ finished. The one fake wraps a real KVClient to fail one part on purpose."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -12,6 +14,7 @@ from conftest import NodeProcess
 from test_client_kv import BLOCK, fill, keys_for
 
 import rdmakv.client as client_module
+import rdmakv.streams as streams_module
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError, ConnectionLost, RdmakvError
 from rdmakv.keys import KeyNamespace
@@ -19,14 +22,18 @@ from rdmakv.manager import KVCacheManager
 from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 from rdmakv.streams import (
+    MANY_CPUS,
     MAX_STREAMS,
     MIN_SPLIT_BATCH_BYTES,
     MIN_SPLIT_VALUE_BYTES,
+    MIN_SPLIT_VALUE_BYTES_MANY_CPUS,
     MIN_SPLIT_VALUE_BYTES_RDMA,
     STREAMS_RDMA,
     STREAMS_TCP,
+    STREAMS_TCP_MANY_CPUS,
     MultiStreamClient,
     default_streams,
+    usable_cpus,
 )
 
 BIG = MIN_SPLIT_BATCH_BYTES // BLOCK + 36  # enough 64 KiB blocks to be split
@@ -67,13 +74,18 @@ def test_small_batches_use_one_connection(node: NodeProcess, client_slab: Slab) 
     assert [bytes(client_slab.view(h)) for h in dst] == [bytes(client_slab.view(h)) for h in src]
 
 
-def test_over_tcp_a_big_batch_of_small_values_uses_one_connection(
-    node_factory: Callable[..., NodeProcess],
+@pytest.mark.parametrize("cpus", [2, 16])
+def test_over_tcp_small_values_are_split_only_with_many_cpus(
+    node_factory: Callable[..., NodeProcess], monkeypatch: pytest.MonkeyPatch, cpus: int
 ) -> None:
-    # 16 KiB values, > 4 MiB in all: split over RDMA, but not over TCP, where
-    # two threads' per-key Python (and the bytes they move) contend for the GIL
-    value = MIN_SPLIT_VALUE_BYTES_RDMA
-    assert value < MIN_SPLIT_VALUE_BYTES
+    # 16 KiB values, > 4 MiB in all. On 2 cores two threads' per-key Python
+    # (and the bytes they move) contend for the GIL and the cores: one
+    # connection. With a core per connection's thread they are split. The CPU
+    # count is set here: a host has only the cores it has.
+    monkeypatch.setattr(streams_module, "usable_cpus", lambda: cpus)
+    value = MIN_SPLIT_VALUE_BYTES_MANY_CPUS
+    assert MIN_SPLIT_VALUE_BYTES_RDMA <= value < MIN_SPLIT_VALUE_BYTES
+    many = cpus >= MANY_CPUS
     n = MIN_SPLIT_BATCH_BYTES // value + 8
     node = node_factory(block_size=str(value), pool_size=str(2 * n * value))
     with Slab(2 * n * value, value, lock=False) as slab:
@@ -81,22 +93,49 @@ def test_over_tcp_a_big_batch_of_small_values_uses_one_connection(
         digests = fill(slab, src, seed=7)
         keys = keys_for("small-values", n)
         with MultiStreamClient(*node.address, slab, streams=2) as c:
-            assert c.min_split_value == MIN_SPLIT_VALUE_BYTES
+            assert c.min_split_value == (
+                MIN_SPLIT_VALUE_BYTES_MANY_CPUS if many else MIN_SPLIT_VALUE_BYTES
+            )
             assert c.put(keys, src, value, digests) == [True] * n
             assert c.get(keys, dst, digests) == [True] * n
-            assert c.split_batches == 0
+            assert c.split_batches == (2 if many else 0)
         assert [bytes(slab.view(h)) for h in dst] == [bytes(slab.view(h)) for h in src]
 
 
 def test_one_stream_is_one_kvclient(node: NodeProcess, client_slab: Slab) -> None:
     src = client_slab.alloc_many(BIG)
     digests = fill(client_slab, src, seed=5)
-    # unset is one connection over TCP (two over RDMA: tests/rdma/test_node_rdma.py)
-    assert default_streams("tcp") == STREAMS_TCP == 1 and default_streams("rdma") == STREAMS_RDMA
-    with MultiStreamClient(*node.address, client_slab, transport="auto") as c:
+    with MultiStreamClient(*node.address, client_slab, streams=1, transport="auto") as c:
         assert c.streams == 1 and c.transport_name == "tcp"
         assert c.put(keys_for("one", BIG), src, BLOCK, digests) == [True] * BIG
         assert c.split_batches == 0
+
+
+def test_unset_streams_follow_the_transport_and_the_usable_cpus(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    # over TCP two only where each stream's thread has a core (MANY_CPUS);
+    # two over RDMA on any host (tests/rdma/test_node_rdma.py)
+    for cpus in (1, MANY_CPUS - 1):
+        assert default_streams("tcp", cpus) == STREAMS_TCP == 1
+    for cpus in (MANY_CPUS, 64):
+        assert default_streams("tcp", cpus) == STREAMS_TCP_MANY_CPUS == 2
+    assert default_streams("rdma", 1) == default_streams("rdma", 64) == STREAMS_RDMA
+    with MultiStreamClient(*node.address, client_slab, transport="auto") as c:
+        assert c.transport_name == "tcp" and c.streams == default_streams("tcp", usable_cpus())
+
+
+def test_usable_cpus_is_the_affinity_mask() -> None:
+    """A process pinned to one CPU (a container's cpuset, taskset) gets one TCP
+    stream whatever the host has."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from rdmakv.streams import default_streams, usable_cpus; "
+        "print(usable_cpus(), default_streams('tcp'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    assert out == ["1", str(STREAMS_TCP)]
 
 
 def test_a_failed_part_fails_the_call_after_the_others_finished(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import signal
 import socket
 import threading
@@ -19,9 +20,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from rdmakv import doctor
 from rdmakv.errors import ConfigError, ConnectionLost
 from rdmakv.protocol import HEADER, Channel, Op, value_checksum
-from rdmakv.transport import tcp
+from rdmakv.transport import checksum, tcp
 from rdmakv.transport.checksum import checksum_ranges
 
 pytestmark = [
@@ -468,3 +470,29 @@ def test_a_hashed_send_window_out_of_range_is_refused() -> None:
         tcp.set_hashed_send_window(tcp._lib.RK_TCP_WINDOW + 1)
     with pytest.raises(ConfigError, match="hashed send window"):
         tcp.set_hashed_send_window(-1)
+
+
+def test_the_native_hasher_picks_its_vector_unit_at_run_time() -> None:
+    """pyproject asks for xxhash >= 4.1, whose x86 builds dispatch XXH3 to
+    SSE2 / AVX2 / AVX-512 at run time; an older one hashes at a third of the
+    speed, and doctor names the fix."""
+    if platform.machine().lower() in checksum.X86:
+        assert checksum.DISPATCHED
+    text = checksum.describe()
+    assert "native" in text and "pip install" not in text
+    assert f"value checksums: {text}" in doctor.render(doctor.diagnose())
+
+
+def test_describe_names_the_fix_for_a_baseline_xxhash_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an xxhash < 4.1 cannot be installed beside the real one: its one fact,
+    # no dispatching symbol, is set here
+    monkeypatch.setattr(checksum, "HASHER", object())
+    monkeypatch.setattr(checksum, "DISPATCHED", False)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert "pip install -U 'xxhash>=4.1'" in checksum.describe()
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # NEON is its baseline
+    assert "pip install" not in checksum.describe()
+    monkeypatch.setattr(checksum, "HASHER", None)
+    assert "in Python" in checksum.describe()

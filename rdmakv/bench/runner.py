@@ -55,10 +55,10 @@ import numpy as np
 from rdmakv.bench.driver import Arena, Driver, PeerUnavailable, Workload
 from rdmakv.bench.drivers import (
     CEILING,
-    DEFAULT_SYSTEMS,
     FATAL,
     OURS,
     OURS_VARIANTS,
+    default_systems,
     make_driver,
 )
 from rdmakv.bench.placement import Placement, placements
@@ -116,7 +116,7 @@ class BenchConfig:
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
     def resolved_systems(self) -> list[str]:
-        return list(self.systems or DEFAULT_SYSTEMS.get(self.transport, DEFAULT_SYSTEMS["tcp"]))
+        return list(self.systems or default_systems(self.transport))
 
     def resolved_sizes(self) -> list[int]:
         return list(self.sizes or (QUICK_SIZES if self.quick else DEFAULT_SIZES))

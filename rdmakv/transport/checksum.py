@@ -19,6 +19,14 @@ So the native core hashes instead, with the xxhash module's own C functions
 
 Either is None / returns None where the native core or the xxhash C API is
 missing, and the caller then hashes each value in Python.
+
+How fast XXH3 runs is the xxhash build's: from xxhash 4.1 its x86 wheels
+pick SSE2, AVX2 or AVX-512 at run time (``XXH3_64bits_dispatch``); earlier
+wheels are built for baseline x86-64 (SSE2). On a 16-core Intel Xeon host
+(2026-11-27) xxhash 4.0.1 hashed 16 KiB-1 MiB in cache at 17 GB/s and 4.1.0 at
+31-49 GB/s, and a hashed 64 KiB put over TCP moved 1.4x more with 4.1.0
+(bench/README.md). Hence the ``xxhash>=4.1`` requirement, and
+:func:`describe`, which ``rdmakv doctor`` prints.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from __future__ import annotations
 import ctypes
 import importlib
 import os
+import platform
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from rdmakv import native_core
 from rdmakv.protocol import value_checksum
@@ -37,8 +47,12 @@ from rdmakv.transport.base import iov_at
 
 _ffi, _lib, _ = native_core.load("_native_tcp", "native TCP core")
 
+X86 = frozenset({"x86_64", "amd64", "i386", "i686"})
+"""Machines where an xxhash build without run-time dispatch hashes with SSE2
+only (elsewhere the baseline build has the vector unit: NEON on arm64)."""
+_DISPATCH = "XXH3_64bits_dispatch"
 _XXH3 = {  # rk_hasher field -> the xxhash C API names for it, fastest first
-    "oneshot": ("XXH3_64bits_dispatch", "XXH3_64bits"),  # _dispatch: AVX2 when the CPU has it
+    "oneshot": (_DISPATCH, "XXH3_64bits"),  # _dispatch: AVX2 / AVX-512 when the CPU has it
     "create_state": ("XXH3_createState",),
     "free_state": ("XXH3_freeState",),
     "reset": ("XXH3_64bits_reset",),
@@ -47,8 +61,9 @@ _XXH3 = {  # rk_hasher field -> the xxhash C API names for it, fastest first
 }
 
 
-def _find_hasher() -> Any:
-    """An ``rk_hasher`` of XXH3-64 for the native core, or None.
+def _find_hasher() -> tuple[Any, bool]:
+    """An ``rk_hasher`` of XXH3-64 for the native core, or None; and whether
+    its one-shot hash is xxhash's run-time dispatching one.
 
     Its functions are taken from the ``xxhash`` module that
     :func:`value_checksum` itself calls (its extension exports the C API), so
@@ -56,14 +71,14 @@ def _find_hasher() -> Any:
     against :func:`value_checksum` before they are trusted.
     """
     if _lib is None:
-        return None
+        return None, False
     try:
         so = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
         hasher = _ffi.new("rk_hasher *")
         for field, names in _XXH3.items():
             name = next((n for n in names if hasattr(so, n)), None)
             if name is None:
-                return None
+                return None, False
             addr = ctypes.cast(so[name], ctypes.c_void_p).value
             setattr(hasher, field, _ffi.cast(_ffi.typeof(getattr(hasher, field)), addr))
         probe = os.urandom(4099)
@@ -77,13 +92,30 @@ def _find_hasher() -> Any:
         finally:
             hasher.free_state(state)
         want = value_checksum(probe)
-        return hasher if hasher.oneshot(buf, len(probe)) == want == streamed else None
+        if hasher.oneshot(buf, len(probe)) == want == streamed:
+            return hasher, hasattr(so, _DISPATCH)
+        return None, False
     except (AttributeError, ImportError, OSError, TypeError):
-        return None
+        return None, False
 
 
-HASHER: Any = _find_hasher()
-"""The ``rk_hasher *`` the native core hashes with (None: no native checksums)."""
+HASHER: Any
+DISPATCHED: bool
+HASHER, DISPATCHED = _find_hasher()
+"""HASHER: the ``rk_hasher *`` the native core hashes with (None: no native
+checksums); DISPATCHED: whether it picks SSE2 / AVX2 / AVX-512 at run time."""
+
+
+def describe() -> str:
+    """How values are hashed here, and the fix where that is slow (speed only)."""
+    version = getattr(xxhash, "VERSION", "?")
+    if HASHER is None:
+        return (f"XXH3 (xxhash {version}) in Python, one call per value: the native core "
+                "is not built or the xxhash C API was not found")
+    if DISPATCHED or platform.machine().lower() not in X86:
+        return f"XXH3 (xxhash {version}), native, vector unit picked at run time"
+    return (f"XXH3 (xxhash {version}), native, a baseline x86-64 build (SSE2 only, about a "
+            "third of AVX2's speed): pip install -U 'xxhash>=4.1'")
 
 
 def checksum_ranges(

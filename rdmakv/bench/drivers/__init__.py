@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rdmakv.bench.driver import Driver, PeerUnavailable
+from rdmakv.streams import default_streams
 
 Factory = Callable[..., Driver]
 """``factory(transport, server=None) -> Driver``."""
@@ -62,20 +63,27 @@ _EXTRA: dict[str, Factory] = {}
 CEILING = "socket_loop"
 OURS = "rdmakv"
 OURS_VARIANTS = ("rdmakv_streams1", "rdmakv_streams2")
-"""rdmakv in a configuration other than its default (:mod:`rdmakv.streams`:
-``rdmakv`` is 2 connections over RDMA, 1 over TCP): ``streams=1``, one
-connection (one queue pair, perftest's like), and ``streams=2``, two with a
-big batch split across them. Throughput only: latency batches are never
-split, so there it is ``rdmakv`` itself."""
+"""rdmakv in a configuration other than its default (:func:`rdmakv.streams.default_streams`:
+``rdmakv`` is 2 connections over RDMA; over TCP 2 on a host of 4 usable CPUs or
+more, else 1): ``streams=1``, one connection (one queue pair, perftest's
+like), and ``streams=2``, two with a big batch split across them.
+Throughput only: latency batches are never split, so there it is ``rdmakv``
+itself."""
 FATAL = frozenset({OURS, *OURS_VARIANTS, CEILING})
 """Systems whose failure fails the whole run (they never skip)."""
 
-DEFAULT_SYSTEMS = {
-    "tcp": ("rdmakv", "rdmakv_streams2", "socket_loop", "redis", "mooncake_te"),
-    "rdma": (
-        "rdmakv", "rdmakv_streams1", "perftest", "perftest_q2", "infinistore", "mooncake_te"
-    ),
+_DEFAULT_SYSTEMS = {
+    "tcp": ("rdmakv", *OURS_VARIANTS, "socket_loop", "redis", "mooncake_te"),
+    "rdma": ("rdmakv", *OURS_VARIANTS, "perftest", "perftest_q2", "infinistore", "mooncake_te"),
 }
+
+
+def default_systems(transport: str) -> tuple[str, ...]:
+    """The systems a run measures unless told: every peer, the ceilings, and
+    ``rdmakv`` beside the variant that is NOT its default on this host (that
+    one would only measure ``rdmakv`` twice)."""
+    same = f"{OURS}_streams{default_streams(transport)}"
+    return tuple(s for s in _DEFAULT_SYSTEMS.get(transport, _DEFAULT_SYSTEMS["tcp"]) if s != same)
 
 
 def register(name: str, factory: Factory) -> None:
