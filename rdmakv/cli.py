@@ -601,7 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replication", type=int, help="copies of each block in a cluster (default 1)")
     p.add_argument(
         "--streams", type=int,
-        help="connections to one node, big batches split (default 2 over RDMA, 1 over TCP)",
+        help="connections to one node, big batches split (default 2 over RDMA; over TCP 2 "
+        "with 4 usable CPUs or more, else 1)",
     )
     p.add_argument("--timeout", type=_seconds_arg, help="seconds per remote wait (default 5)")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")

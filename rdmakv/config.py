@@ -207,9 +207,10 @@ class ClientConfig(_Section):
         default=None,
         ge=1,
         le=MAX_STREAMS,
-        description="connections to one node (unset: 2 over RDMA, 1 over TCP); a batch of "
-        ">= 64 KiB values (>= 16 KiB over RDMA) and >= 4 MiB is split across them (more "
-        "bandwidth where one stream or queue pair is CPU-bound)",
+        description="connections to one node (unset: 2 over RDMA; over TCP 2 with 4 usable "
+        "CPUs or more, else 1); a batch of >= 4 MiB is split across them when its values are "
+        ">= 16 KiB over RDMA or over TCP with 4 usable CPUs or more, >= 64 KiB over TCP "
+        "otherwise (more bandwidth where one stream or queue pair is CPU-bound)",
     )
     transport: Transport = Field(
         default="auto", description="`auto`: RDMA when a usable device exists, else TCP"

@@ -44,7 +44,7 @@ TCP it depends on the CPUs this process may run on (:func:`usable_cpus`):
 :data:`STREAMS_TCP`. Each stream's bytes are moved by its own client thread
 (and node session thread), so a second one pays only where it has a core of
 its own: on a 2-core host the two ends' threads contend and one stream was
-faster; on a 16-core host two streams moved 1.5-2x one's bytes from 64 KiB
+faster; on a 16-core host two streams moved 1.46-2.11x one's bytes from 64 KiB
 values. A second stream costs a node session either way.
 """
 
@@ -69,7 +69,7 @@ usable CPUs: 1000 x 16 KiB over two put 3.2-3.4 GB/s against one's 4.1 on a
 STREAMS_TCP_MANY_CPUS = 2
 """Connections per node by default over TCP with :data:`MANY_CPUS` usable CPUs
 or more. On a 16-core Intel Xeon host (node and bench on the same host,
-2026-11-27, two ``rdmakv bench`` runs) two moved 1.5-2.0x one's bytes at
+2026-11-27, four ``rdmakv bench`` runs) two moved 1.46-2.11x one's bytes at
 64 KiB-1 MiB: put 5.0-6.9 / 5.8-9.4 / 6.1-9.1 GB/s against 3.3-4.4 / 3.1-4.8 /
 3.1-4.8, get likewise (bench/README.md)."""
 MANY_CPUS = 4
