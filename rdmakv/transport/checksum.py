@@ -114,8 +114,8 @@ def describe() -> str:
                 "is not built or the xxhash C API was not found")
     if DISPATCHED or platform.machine().lower() not in X86:
         return f"XXH3 (xxhash {version}), native, vector unit picked at run time"
-    return (f"XXH3 (xxhash {version}), native, a baseline x86-64 build (SSE2 only, about a "
-            "third of AVX2's speed): pip install -U 'xxhash>=4.1'")
+    return (f"XXH3 (xxhash {version}), native, a baseline x86-64 build (SSE2 only: a third "
+            "to a half of AVX2's speed where measured): pip install -U 'xxhash>=4.1'")
 
 
 def checksum_ranges(
