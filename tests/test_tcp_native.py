@@ -474,8 +474,8 @@ def test_a_hashed_send_window_out_of_range_is_refused() -> None:
 
 def test_the_native_hasher_picks_its_vector_unit_at_run_time() -> None:
     """pyproject asks for xxhash >= 4.1, whose x86 builds dispatch XXH3 to
-    SSE2 / AVX2 / AVX-512 at run time; an older one hashes at a third of the
-    speed, and doctor names the fix."""
+    SSE2 / AVX2 / AVX-512 at run time; an older one hashed at a third to a half
+    of that speed (bench/README.md), and doctor names the fix."""
     if platform.machine().lower() in checksum.X86:
         assert checksum.DISPATCHED
     text = checksum.describe()
