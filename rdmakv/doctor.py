@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rdmakv.errors import RdmakvError
+from rdmakv.streams import default_streams, usable_cpus
 from rdmakv.transport import checksum, verbs
 from rdmakv.transport.congestion import probe_congestion
 
@@ -60,6 +61,9 @@ class Report:
     value_checksums: str = ""
     """How value checksums are computed here (:func:`rdmakv.transport.checksum.describe`),
     with the fix where that build is slow. Speed only, like ``tcp_congestion``."""
+    tcp_streams: str = ""
+    """Connections a client opens to one node over TCP when ``streams`` is
+    unset, and the usable CPUs that decide it (:func:`rdmakv.streams.default_streams`)."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -187,6 +191,8 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
     report.tcp_congestion = (running or "unknown (no TCP_CONGESTION here)") + (
         f"; {refused}" if refused else "")
     report.value_checksums = checksum.describe()
+    cpus = usable_cpus()
+    report.tcp_streams = f"{default_streams('tcp', cpus)} ({cpus} usable CPU{'s' * (cpus != 1)})"
     if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
         try:
             sel = verbs.select()
@@ -223,6 +229,7 @@ def render(report: Report) -> str:
         lines.append(f"memory windows: {report.memory_windows}")
     lines.append(f"tcp congestion control: {report.tcp_congestion}")
     lines.append(f"value checksums: {report.value_checksums}")
+    lines.append(f"tcp connections per node, streams unset: {report.tcp_streams}")
     if report.ok:
         lines.append("OK: RDMA is usable (transport auto picks rdma)")
     else:

@@ -127,15 +127,17 @@ def test_unset_streams_follow_the_transport_and_the_usable_cpus(
 
 def test_usable_cpus_is_the_affinity_mask() -> None:
     """A process pinned to one CPU (a container's cpuset, taskset) gets one TCP
-    stream whatever the host has."""
+    stream whatever the host has, and ``rdmakv doctor`` says so."""
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
         "from rdmakv.streams import default_streams, usable_cpus; "
-        "print(usable_cpus(), default_streams('tcp'))"
+        "from rdmakv import doctor; "
+        "print(usable_cpus(), default_streams('tcp')); print(doctor.render(doctor.diagnose()))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout.split()
-    assert out == ["1", str(STREAMS_TCP)]
+                         check=False, timeout=60).stdout.splitlines()
+    assert out[0].split() == ["1", str(STREAMS_TCP)]
+    assert f"tcp connections per node, streams unset: {STREAMS_TCP} (1 usable CPU)" in out
 
 
 def test_a_failed_part_fails_the_call_after_the_others_finished(
