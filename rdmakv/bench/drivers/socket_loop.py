@@ -11,6 +11,13 @@ connections run (:mod:`rdmakv.transport.congestion`). The runner verifies the by
 that come back, so the loop really moved them out and back. The runner takes
 the best of at least :attr:`SocketLoopDriver.min_repeats` runs.
 
+Puts and gets go over two connections, one each, as rdmakv's driver puts
+through one client and gets through another. On the 2-core VMs a connection
+that carried both directions moved gets at 0.37-0.56x a get-only one's rate:
+medians of 12-14 rounds alternating put and get, 1.1-2.2 GB/s against
+2.3-5.1 at 16 KiB-1 MiB (2026-11-27, two runs, a peer per connection). Runs
+before 2026-11-27 18:30 UTC measured that weaker loop, one connection for both.
+
 There is no lookup: ``exists`` raises PeerUnavailable. :class:`EchoPeer` is
 the one-byte round trip the latency section compares lookups with.
 
@@ -23,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import selectors
 import socket
 import struct
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
 from rdmakv.transport.congestion import apply_congestion
@@ -48,6 +57,8 @@ REAP_TIMEOUT_S = 10.0
 """How long a child told to leave may take before it is killed."""
 _HDR = struct.Struct("!cII")  # command, first block, block count
 ACK = b"k"
+CONNECTIONS = 2
+"""The loop's connections to its peer: puts go over the first, gets over the second."""
 ECHO_WARM_UP = 10
 """Round trips an :class:`EchoPeer` makes before anyone times one."""
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
@@ -120,22 +131,30 @@ def _blocks(mv: memoryview, block: int, count: int) -> list[memoryview]:
 
 
 def _peer_main(port: int, block: int, count: int) -> None:
-    sock = socket.create_connection(("127.0.0.1", port))
-    _tune(sock)
+    """Serve the put and the get connection (:data:`CONNECTIONS`), one command
+    at a time: the bench never runs a put and a get at once."""
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(CONNECTIONS)]
+    for sock in socks:
+        _tune(sock)
     arena = mmap.mmap(-1, block * count, flags=_MAP_FLAGS)
     views = _blocks(memoryview(arena), block, count)
-    while True:
-        try:
-            cmd, first, n = _HDR.unpack(_recv_exact(sock, _HDR.size))
-        except ConnectionError:
-            return
-        if cmd == b"P":
-            recv_views(sock, views[first : first + n])
-            sock.sendall(ACK)
-        elif cmd == b"G":
-            send_views(sock, views[first : first + n])
-        else:
-            return
+    with selectors.DefaultSelector() as sel:
+        for sock in socks:
+            sel.register(sock, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                sock = cast(socket.socket, key.fileobj)
+                try:
+                    cmd, first, n = _HDR.unpack(_recv_exact(sock, _HDR.size))
+                except ConnectionError:
+                    return
+                if cmd == b"P":
+                    recv_views(sock, views[first : first + n])
+                    sock.sendall(ACK)
+                elif cmd == b"G":
+                    send_views(sock, views[first : first + n])
+                else:
+                    return
 
 
 def _echo_main(port: int) -> None:
@@ -148,24 +167,32 @@ def _echo_main(port: int) -> None:
         sock.sendall(b)
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
-    """Start a child that connects back to a fresh listener; return it and the connection."""
+def _spawn(
+    args: list[str], connections: int = 1
+) -> tuple[subprocess.Popen[bytes], list[socket.socket]]:
+    """Start a child that connects back to a fresh listener ``connections``
+    times; return it and the connections, in the order it made them."""
     ls = socket.create_server(("127.0.0.1", 0))
     ls.settimeout(ACCEPT_TIMEOUT_S)
     port = ls.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "rdmakv.bench.drivers.socket_loop", *args[:1], str(port), *args[1:]]
     )
+    conns: list[socket.socket] = []
     try:
-        conn, _ = ls.accept()
+        for _ in range(connections):
+            conns.append(ls.accept()[0])
     except TimeoutError:
+        for c in conns:
+            c.close()
         proc.kill()
         proc.wait()
         raise PeerUnavailable("socket-loop child did not connect") from None
     finally:
         ls.close()
-    conn.settimeout(None)
-    return proc, conn
+    for c in conns:
+        c.settimeout(None)
+    return proc, conns
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
@@ -187,7 +214,7 @@ class EchoPeer:
     (to place it, say)."""
 
     def __init__(self, on_spawned: Callable[[], object] | None = None) -> None:
-        self._proc, self._sock = _spawn(["--echo"])
+        self._proc, (self._sock,) = _spawn(["--echo"])
         try:
             if on_spawned is not None:
                 on_spawned()
@@ -234,7 +261,8 @@ class SocketLoopDriver:
         if transport != "tcp":
             raise PeerUnavailable(f"the socket loop is TCP only (asked for {transport})")
         self._proc: subprocess.Popen[bytes] | None = None
-        self._sock: socket.socket | None = None
+        self._socks: list[socket.socket] = []
+        """The put connection, then the get connection (:data:`CONNECTIONS`)."""
         self._src: list[memoryview] = []
         self._dst: list[memoryview] = []
         self._stored: Sequence[bytes] = ()
@@ -245,23 +273,26 @@ class SocketLoopDriver:
     def open(self, work: Workload, src: Arena, dst: Arena) -> None:
         self._src = _blocks(src.data.cast("B"), work.block_bytes, work.blocks)
         self._dst = _blocks(dst.data.cast("B"), work.block_bytes, work.blocks)
-        self._proc, self._sock = _spawn(["--peer", str(work.block_bytes), str(work.blocks)])
-        _tune(self._sock)
+        self._proc, self._socks = _spawn(
+            ["--peer", str(work.block_bytes), str(work.blocks)], CONNECTIONS
+        )
+        for sock in self._socks:
+            _tune(sock)
 
     def put(self, keys: Sequence[bytes]) -> None:
-        assert self._sock is not None
+        sock = self._socks[0]
         n = len(keys)
-        self._sock.sendall(_HDR.pack(b"P", 0, n))
-        send_views(self._sock, self._src[:n])
-        if _recv_exact(self._sock, 1) != ACK:
+        sock.sendall(_HDR.pack(b"P", 0, n))
+        send_views(sock, self._src[:n])
+        if _recv_exact(sock, 1) != ACK:
             raise ConnectionError("socket-loop peer did not acknowledge")
         self._stored, self._where = keys, None
 
     def get(self, keys: Sequence[bytes]) -> None:
-        assert self._sock is not None
+        sock = self._socks[1]
         runs = self._runs(keys)
-        self._sock.sendall(b"".join(_HDR.pack(b"G", f, n) for f, n in runs))
-        recv_views(self._sock, self._dst[: len(keys)])
+        sock.sendall(b"".join(_HDR.pack(b"G", f, n) for f, n in runs))
+        recv_views(sock, self._dst[: len(keys)])
 
     def _runs(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
         """(first slot, count) per contiguous run of the slots holding ``keys``.
@@ -284,11 +315,12 @@ class SocketLoopDriver:
         raise PeerUnavailable("the socket loop has no lookup")
 
     def close(self) -> None:
-        if self._sock is not None:
+        if self._socks:
             with contextlib.suppress(OSError):
-                self._sock.sendall(_HDR.pack(b"Q", 0, 0))
-            self._sock.close()
-            self._sock = None
+                self._socks[0].sendall(_HDR.pack(b"Q", 0, 0))
+            for sock in self._socks:
+                sock.close()
+            self._socks = []
         if self._proc is not None:
             _reap(self._proc)
             self._proc = None
