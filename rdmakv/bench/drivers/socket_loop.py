@@ -16,7 +16,7 @@ through one client and gets through another. On the 2-core VMs a connection
 that carried both directions moved gets at 0.37-0.56x a get-only one's rate:
 medians of 12-14 rounds alternating put and get, 1.1-2.2 GB/s against
 2.3-5.1 at 16 KiB-1 MiB (2026-11-27, two runs, a peer per connection). Runs
-before 2026-11-27 18:30 UTC measured that weaker loop, one connection for both.
+before 2026-11-27 18:16 UTC measured that weaker loop, one connection for both.
 
 There is no lookup: ``exists`` raises PeerUnavailable. :class:`EchoPeer` is
 the one-byte round trip the latency section compares lookups with.
