@@ -11,12 +11,17 @@ connections run (:mod:`rdmakv.transport.congestion`). The runner verifies the by
 that come back, so the loop really moved them out and back. The runner takes
 the best of at least :attr:`SocketLoopDriver.min_repeats` runs.
 
-Puts and gets go over two connections, one each, as rdmakv's driver puts
-through one client and gets through another. On the 2-core VMs a connection
-that carried both directions moved gets at 0.37-0.56x a get-only one's rate:
-medians of 12-14 rounds alternating put and get, 1.1-2.2 GB/s against
-2.3-5.1 at 16 KiB-1 MiB (2026-11-27, two runs, a peer per connection). Runs
-before 2026-11-27 18:16 UTC measured that weaker loop, one connection for both.
+Puts and gets go over two connections, one each, and the peer serves each
+from its own thread: rdmakv's driver puts through one client and gets through
+another, and its node serves each session from its own thread. On the 2-core
+VMs a peer thread that served both directions moved gets at 0.34-0.56x the
+rate of one that only sent (medians of 12-14 rounds alternating put and get,
+16 KiB-1 MiB, 2026-11-27: 1.1-2.2 GB/s against 2.3-5.1), whether over one
+connection or two; a thread per connection matched a separate peer process
+per direction. Runs before 2026-11-27 18:20 UTC measured that weaker loop,
+one connection and one thread for both directions. (rdmakv itself showed no
+such effect: one client putting and getting over one connection moved as
+much as a put client and a get client, 1000 x 16 KiB and 256 KiB.)
 
 There is no lookup: ``exists`` raises PeerUnavailable. :class:`EchoPeer` is
 the one-byte round trip the latency section compares lookups with.
@@ -30,14 +35,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import selectors
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
 
 from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
 from rdmakv.transport.congestion import apply_congestion
@@ -131,30 +135,33 @@ def _blocks(mv: memoryview, block: int, count: int) -> list[memoryview]:
 
 
 def _peer_main(port: int, block: int, count: int) -> None:
-    """Serve the put and the get connection (:data:`CONNECTIONS`), one command
-    at a time: the bench never runs a put and a get at once."""
+    """Serve the put and the get connection (:data:`CONNECTIONS`), each from
+    its own thread, as a node serves each session from its own."""
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(CONNECTIONS)]
-    for sock in socks:
-        _tune(sock)
     arena = mmap.mmap(-1, block * count, flags=_MAP_FLAGS)
     views = _blocks(memoryview(arena), block, count)
-    with selectors.DefaultSelector() as sel:
-        for sock in socks:
-            sel.register(sock, selectors.EVENT_READ)
-        while True:
-            for key, _ in sel.select():
-                sock = cast(socket.socket, key.fileobj)
-                try:
-                    cmd, first, n = _HDR.unpack(_recv_exact(sock, _HDR.size))
-                except ConnectionError:
-                    return
-                if cmd == b"P":
-                    recv_views(sock, views[first : first + n])
-                    sock.sendall(ACK)
-                elif cmd == b"G":
-                    send_views(sock, views[first : first + n])
-                else:
-                    return
+    threads = [threading.Thread(target=_serve, args=(sock, views)) for sock in socks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _serve(sock: socket.socket, views: list[memoryview]) -> None:
+    """One connection's commands, until it closes or says Q."""
+    _tune(sock)
+    while True:
+        try:
+            cmd, first, n = _HDR.unpack(_recv_exact(sock, _HDR.size))
+        except ConnectionError:
+            return
+        if cmd == b"P":
+            recv_views(sock, views[first : first + n])
+            sock.sendall(ACK)
+        elif cmd == b"G":
+            send_views(sock, views[first : first + n])
+        else:
+            return
 
 
 def _echo_main(port: int) -> None:
