@@ -265,6 +265,31 @@ def test_socket_loop_moves_bytes_out_and_back(block: int, blocks: int, first: in
         drv.close()
 
 
+def test_socket_loop_answers_a_get_while_a_put_waits_for_its_bytes() -> None:
+    """Puts and gets have a connection each, each served by its own peer thread
+    (as a node serves each session): a get is answered while the put thread
+    still waits for a put's blocks. One thread for both would leave the get
+    unanswered until its timeout."""
+    block, blocks = 4096, 8
+    work = Workload(block_bytes=block, blocks=blocks, batch=blocks)
+    src, dst = runner.arena(block * blocks), runner.arena(block * blocks)
+    runner.fill_random(src, seed=5)
+    drv = socket_loop.SocketLoopDriver()
+    try:
+        drv.open(work, src, dst)
+        keys = work.keys("t")
+        drv.put(keys)
+        put_sock, get_sock = drv._socks
+        put_sock.sendall(socket_loop._HDR.pack(b"P", 0, blocks))  # its blocks follow later
+        get_sock.settimeout(30)
+        drv.get(keys)
+        assert runner.wrong_bytes(src, dst) == 0
+        socket_loop.send_views(put_sock, socket_loop._blocks(src.data.cast("B"), block, blocks))
+        assert socket_loop._recv_exact(put_sock, 1) == socket_loop.ACK  # the put completes
+    finally:
+        drv.close()
+
+
 def test_socket_loop_windows_are_capped_in_bytes_and_cover_every_byte() -> None:
     data = bytes(range(256)) * 16384  # 4 MiB
     sizes = [5, WINDOW_BYTES + 7, 4096, 3 * WINDOW_BYTES, 1]
