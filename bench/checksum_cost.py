@@ -17,8 +17,8 @@ Rounds alternate the three (the order rotating each round), so all meet the
 same machine weather; each figure is the best and the median of the rounds.
 ``put_cpu_ms`` is this process's CPU time per put (median; all its threads:
 the hash pass shows there whatever the core count), ``checksum_cpu_ms`` the
-difference between the checked and unchecked puts', and ``unchecked_sends``
-how many native sends ran without hashing. Before timing, one checked put of
+checked put's minus the unchecked put's, and ``unchecked_sends`` how many
+native sends ran without hashing. Before timing, one checked put of
 each system is read back and compared byte for byte (an unchecked put's
 values would fail their checksums on a get: those keys are only deleted).
 
