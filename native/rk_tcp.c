@@ -346,3 +346,49 @@ int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, in
                         uint64_t *done, int *err) {
     return run_hashed(fd, 0, iov, n, skip, timeout_ms, hasher, hashes, hashed, done, err);
 }
+
+/* Wire integers are little-endian whatever the host, and the entries sit at
+ * any alignment in the frame: assembled byte by byte (one load on x86). */
+static uint64_t le_bytes(const uint8_t *p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+int64_t rk_tcp_get_answer_layout(const uint8_t *entries, size_t m, const uint64_t *slots,
+                                 uint64_t base, uint64_t block, uint64_t *iov, uint32_t *hit,
+                                 uint64_t *total, size_t *bad) {
+    size_t k = 0;
+    uint64_t sum = 0;
+    for (size_t j = 0; j < m; j++) {
+        uint64_t len = le_bytes(entries + 4 * j, 4);
+        if (!len) continue;
+        if (len > block) {
+            *bad = j;
+            return -1;
+        }
+        iov[2 * k] = base + slots[j] * block;
+        iov[2 * k + 1] = len;
+        hit[k++] = (uint32_t)j;
+        sum += len;
+    }
+    *total = sum;
+    return (int64_t)k;
+}
+
+size_t rk_tcp_get_answer_check(const uint8_t *entries, size_t m, const uint32_t *hit,
+                               size_t hits, const uint64_t *got, int64_t *sizes) {
+    const uint8_t *sums = entries + 4 * m;
+    size_t matched = 0;
+    for (size_t j = 0; j < m; j++) sizes[j] = RK_TCP_MISSED;
+    for (size_t i = 0; i < hits; i++) {
+        size_t j = hit[i];
+        if (got[i] == le_bytes(sums + 8 * j, 8)) {
+            sizes[j] = (int64_t)le_bytes(entries + 4 * j, 4);
+            matched++;
+        } else {
+            sizes[j] = RK_TCP_CORRUPT;
+        }
+    }
+    return matched;
+}

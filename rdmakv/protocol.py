@@ -960,12 +960,19 @@ def decode_get_answer(payload: Buffer, expected: int) -> tuple[list[int], list[i
     return lengths.tolist(), checksums.tolist()
 
 
+def get_answer_entries(payload: Buffer, expected: int) -> bytes:
+    """A GET answer's entries for ``expected`` keys, its framing checked: the
+    ``expected`` little-endian u32 lengths, then as many u64 checksums (what
+    the native core reads, ``rk_tcp_get_answer_layout``)."""
+    return _per_key_entries(payload, "GET response", GET_ENTRY_BYTES, expected, "entries")
+
+
 def decode_get_answer_arrays(
     payload: Buffer, expected: int
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
     """:func:`decode_get_answer` as two arrays over the answer's bytes: what a
     client reads a batch's hits with, without a Python int per key."""
-    raw = _per_key_entries(payload, "GET response", GET_ENTRY_BYTES, expected, "entries")
+    raw = get_answer_entries(payload, expected)
     lengths = np.frombuffer(raw, dtype="<u4", count=expected)
     return lengths, np.frombuffer(raw, dtype="<u8", count=expected, offset=expected * U32.size)
 

@@ -30,8 +30,10 @@ from rdmakv.protocol import (
     encode_get_answer,
     encode_lookup_results,
     encode_node_info,
+    value_checksum,
 )
 from rdmakv.slab import Slab
+from rdmakv.transport import tcp
 from rdmakv.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -180,6 +182,64 @@ def test_lying_get_answers_are_errors_and_touch_no_other_block(
             c.get([b"a", b"b"], [h, h], [bytes(16)] * 2)
         assert (slab.numpy(other) == 0x33).all()  # nothing landed outside the asked blocks
         assert (slab.numpy(h)[100:] == 0x5A).all()
+
+
+@pytest.mark.parametrize("path", ["native", "native_loop_python_hash", "python"])
+def test_a_get_answer_value_whose_bytes_fail_their_checksum_is_a_miss(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node answers every ``good`` key with its value and checksum, every
+    ``miss`` key as a miss and every ``bad`` key with bytes that are not the
+    ones its checksum names. Each way the client may read an answer (the
+    native core laying it out and checking it, the native loop with Python
+    hashing, Python throughout) returns the good values and misses for the
+    rest, and deletes the bad ones on the node."""
+    if path != "python" and not tcp.native_checksums():
+        pytest.skip(f"native checksums unavailable: {tcp.NATIVE_ERROR or 'no XXH3 C API'}")
+    monkeypatch.setattr(tcp, "use_native", path != "python")
+    if path == "native_loop_python_hash":
+        monkeypatch.setattr(tcp, "HASHER", None)
+    deleted: list[bytes] = []
+
+    def value(key: bytes) -> bytes:
+        return key[-1:] * (64 + key[-1] % 7)  # a length of its own per key
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        if hdr.opcode in (Op.DELETE, Op.EXISTS):
+            named = decode_keys(payload, "keys")
+            if hdr.opcode == Op.DELETE:
+                deleted.extend(named)
+            flags = len(named).to_bytes(4, "little") + b"\x01" * len(named)
+            ch.send(hdr.opcode | RESPONSE_BIT, flags, req_id=hdr.req_id)
+            return True
+        keys, _ = decode_get(payload)
+        hits = [k for k in keys if not k.startswith(b"miss")]
+        lengths = [0 if k.startswith(b"miss") else len(value(k)) for k in keys]
+        sums = [value_checksum(value(k)) if k.startswith(b"good") else
+                value_checksum(b"not " + value(k)) if k.startswith(b"bad") else 0 for k in keys]
+        bulk = b"".join(value(k) for k in hits)
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer(lengths, sums), req_id=hdr.req_id,
+                bulk=[memoryview(bulk)], bulk_len=len(bulk))
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    keys = [b"good1", b"miss2", b"bad3", b"good4", b"bad5"]
+    with Slab(8 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        blocks = slab.alloc_many(len(keys))
+        got = c.get_sizes(keys, blocks, [bytes(16)] * len(keys))
+        assert got == [len(value(b"good1")), None, None, len(value(b"good4")), None]
+        for k, h, n in zip(keys, blocks, got, strict=True):
+            if n is not None:
+                assert bytes(slab.view(h)[:n]) == value(k)
+        assert c.checksum_mismatches == 2
+        # an answer of good values only (every key matched) fills the whole list
+        assert c.get_sizes(keys[::3], blocks[:2], [bytes(16)] * 2) == [
+            len(value(b"good1")), len(value(b"good4"))
+        ]
+        assert c.exists([b"good1"]) == [True]  # answered after the DELETE sent ahead
+    assert sorted(deleted) == [b"bad3", b"bad5"]
 
 
 @pytest.mark.parametrize("lie", [b"\x01\x00\x00\x00\x00", b"\x02\x00\x00\x00\x00\x09"])

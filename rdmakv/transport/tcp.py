@@ -66,6 +66,7 @@ from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvErro
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
     DATA_OP,
+    GET_ENTRY_BYTES,
     HEADER,
     MAX_BULK_BYTES,
     RESPONSE_BIT,
@@ -85,13 +86,13 @@ from rdmakv.protocol import (
     decode_alloc_request,
     decode_data_ops,
     decode_flags,
-    decode_get_answer_arrays,
     decode_get_request,
     decode_put_answer,
     encode_commit,
     encode_data_ops,
     encode_keys,
     encode_put_answer,
+    get_answer_entries,
     value_checksum,
     wrap_socket_errors,
 )
@@ -149,6 +150,10 @@ _RK_TCP_TIMEOUT = 1
 _RK_TCP_CLOSED = 2
 _RK_TCP_ERRNO = 3
 _RK_TCP_EINTR = 4
+_RK_TCP_MISSED = 0  # per key of a GET answer (rk_tcp_get_answer_check; the Python path's too)
+_RK_TCP_CORRUPT = -1
+assert _lib is None or (_lib.RK_TCP_MISSED, _lib.RK_TCP_CORRUPT) == (
+    _RK_TCP_MISSED, _RK_TCP_CORRUPT)
 _WIRE_OP = np.dtype([("addr", "<u8"), ("len", "<u4")])  # DATA_OP as a numpy record
 assert _WIRE_OP.itemsize == DATA_OP.size
 
@@ -767,8 +772,13 @@ class _GetReceiver:
     """Reads one GET answer's values into the slab (a :class:`Reply`'s on_ok):
     hits of keys ``[start, end)`` go to their ``handles`` blocks (a uint64
     array of the whole fetch), and those whose bytes match their checksum are
-    written into ``out`` as their lengths. Per hit, the Python left is the
-    write into ``out``: the answer is read, checked and laid out as arrays."""
+    written into ``out`` as their lengths; the keys of those that do not are
+    added to ``corrupt`` (a miss, never wrong KV).
+
+    With the native core the entries are laid out and the checksums compared
+    in C, one call each side of the receive: the Python left per answer is
+    a few calls, and per hit none when every key of the answer matched (the
+    rule). Without it, numpy does the same per answer."""
 
     def __init__(
         self,
@@ -787,38 +797,84 @@ class _GetReceiver:
 
     def __call__(self, hdr: Header) -> None:
         assert self.reply is not None
-        s, e, bs = self.start, self.end, self.slab.block_size
-        lengths, sums = decode_get_answer_arrays(self.reply.payload, e - s)
-        hits = np.flatnonzero(lengths)
-        sizes = lengths[hits]
-        if len(sizes) and int(sizes.max()) > bs:
-            raise ProtocolError(f"GET response names a value longer than the {bs}-byte blocks")
-        total = int(sizes.sum(dtype=np.uint64))
+        entries = get_answer_entries(self.reply.payload, self.end - self.start)
+        if native_checksums():
+            sizes, matched = self._receive_native(hdr, entries)
+        else:
+            sizes, matched = self._receive(hdr, entries)
+        s, out = self.start, self.out
+        if matched == len(sizes):  # every key a hit whose bytes match: the rule
+            out[s : self.end] = sizes
+            return
+        for j, n in enumerate(sizes, s):
+            if n > 0:
+                out[j] = n
+            elif n == _RK_TCP_CORRUPT:  # corrupted on the way or in the pool
+                self.corrupt.append(self.keys[j])
+
+    def _oversized(self) -> ProtocolError:
+        return ProtocolError(
+            f"GET response names a value longer than the {self.slab.block_size}-byte blocks"
+        )
+
+    def _check_bulk(self, hdr: Header, total: int) -> None:
         if hdr.bulk_len != total:
             raise ProtocolError(
                 f"GET response carries {hdr.bulk_len} bytes, its entries name {total}"
             )
-        offsets = self.handles[s + hits] * np.uint64(bs)
-        got: npt.NDArray[np.uint64] | None = None
+
+    def _receive_native(self, hdr: Header, entries: bytes) -> tuple[list[int], int]:
+        """Per key its length (a match), :data:`_RK_TCP_MISSED` or :data:`_RK_TCP_CORRUPT`;
+        and the number of matches."""
+        m, slab = len(entries) // GET_ENTRY_BYTES, self.slab
+        raw = _ffi.from_buffer(entries)
+        iov = np.empty((m, 2), dtype=np.uint64)
+        hit = np.empty(m, dtype=np.uint32)
+        total, bad = _ffi.new("uint64_t *"), _ffi.new("size_t *")
+        slots = _ffi.from_buffer(self.handles[self.start : self.end])
+        hits = _lib.rk_tcp_get_answer_layout(
+            raw, m, _ffi.cast("uint64_t *", slots), slab.base_addr, slab.block_size,
+            _ffi.cast("uint64_t *", _ffi.from_buffer(iov)),
+            _ffi.cast("uint32_t *", _ffi.from_buffer(hit)), total, bad,
+        )
+        if hits < 0:
+            raise self._oversized()
+        self._check_bulk(hdr, total[0])
+        got = np.empty(hits, dtype=np.uint64)
+        recv_iov_from(self.ch, iov[:hits], total[0], got)  # the slab is mapped while we run
+        sizes = np.empty(m, dtype=np.int64)
+        matched = _lib.rk_tcp_get_answer_check(
+            raw, m, _ffi.cast("uint32_t *", _ffi.from_buffer(hit)), hits,
+            _ffi.cast("uint64_t *", _ffi.from_buffer(got)),
+            _ffi.cast("int64_t *", _ffi.from_buffer(sizes)),
+        )
+        return sizes.tolist(), int(matched)
+
+    def _receive(self, hdr: Header, entries: bytes) -> tuple[list[int], int]:
+        """:meth:`_receive_native` without the native checksums: numpy lays the
+        answer out, the bytes move through the native loop or Python's, and
+        Python hashes them."""
+        m, bs = len(entries) // GET_ENTRY_BYTES, self.slab.block_size
+        lengths = np.frombuffer(entries, dtype="<u4", count=m)
+        sums = np.frombuffer(entries, dtype="<u8", count=m, offset=m * U32.size)
+        hits = np.flatnonzero(lengths)
+        sizes = lengths[hits]
+        if len(sizes) and int(sizes.max()) > bs:
+            raise self._oversized()
+        total = int(sizes.sum(dtype=np.uint64))
+        self._check_bulk(hdr, total)
+        offsets = self.handles[self.start + hits] * np.uint64(bs)
         if use_native:
-            iov = iov_at(self.slab.base_addr, offsets, sizes)
-            got = np.empty(len(hits), dtype=np.uint64) if native_checksums() else None
-            recv_iov_from(self.ch, iov, total, got)  # the slab is mapped while we run
-        else:
-            buf = self.slab.buffer
-            self.ch.recv_bulk([buf[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist(),
-                                                              strict=True)])
-        if got is None:
-            buf = self.slab.buffer
-            got = np.array([value_checksum(buf[o : o + n])
-                            for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True)],
-                           dtype=np.uint64)
+            recv_iov_from(self.ch, iov_at(self.slab.base_addr, offsets, sizes), total)
+        buf = self.slab.buffer
+        pairs = list(zip(offsets.tolist(), sizes.tolist(), strict=True))
+        if not use_native:
+            self.ch.recv_bulk([buf[o : o + n] for o, n in pairs])
+        got = np.array([value_checksum(buf[o : o + n]) for o, n in pairs], dtype=np.uint64)
         ok = got == sums[hits]
-        out = self.out
-        for j, n in zip((hits[ok] + s).tolist(), sizes[ok].tolist(), strict=True):
-            out[j] = n
-        # corrupted on the way or in the pool: a miss, never wrong KV
-        self.corrupt.extend(self.keys[j] for j in (hits[~ok] + s).tolist())
+        out = lengths.astype(np.int64)
+        out[hits[~ok]] = _RK_TCP_CORRUPT
+        return out.tolist(), int(ok.sum())
 
 
 class TcpNodeDataPath(NodeDataPath):
