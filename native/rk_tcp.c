@@ -347,6 +347,16 @@ int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, in
     return run_hashed(fd, 0, iov, n, skip, timeout_ms, hasher, hashes, hashed, done, err);
 }
 
+void rk_tcp_copy_in(const uint64_t *iov, size_t n, const void *src, uint64_t len) {
+    const char *from = src;
+    for (size_t i = 0; i < n && len; i++) {
+        uint64_t take = iov[2 * i + 1] < len ? iov[2 * i + 1] : len;
+        memcpy((void *)(uintptr_t)iov[2 * i], from, (size_t)take);
+        from += take;
+        len -= take;
+    }
+}
+
 /* Wire integers are little-endian whatever the host, and the entries sit at
  * any alignment in the frame: assembled byte by byte (one load on x86). */
 static uint64_t le_bytes(const uint8_t *p, int n) {

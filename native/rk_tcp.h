@@ -126,6 +126,12 @@ uint64_t rk_tcp_hashed_send_window_choices(void);
  * start (warm-up included). -1 for a size out of range, else 0. */
 int rk_tcp_set_hashed_send_window(uint64_t bytes);
 
+/* Copy `len` bytes from src into the list's first bytes, range by range
+ * (len <= the list's bytes): a frame's bulk that arrived with its header,
+ * in the caller's read-ahead buffer, before the rest is received in place
+ * (rk_tcp_recvv with skip = len). */
+void rk_tcp_copy_in(const uint64_t *iov, size_t n, const void *src, uint64_t len);
+
 /* A GET answer's entries, read for the tcp transport's fetch (the answer is
  * documented in rdmakv/protocol.py): m little-endian u32 value lengths (0:
  * the key missed), then m little-endian u64 checksums, at any alignment.

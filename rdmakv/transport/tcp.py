@@ -279,14 +279,11 @@ def recv_iov_from(
     the native loop reads the rest straight from the socket.
     """
     channel.check_bulk(total)
-    skip = 0
-    for addr, length in iov:
-        if not channel.buffered:
-            break
-        chunk = channel.take_buffered(int(length))
-        _ffi.memmove(_ffi.cast("char *", int(addr)), chunk, len(chunk))
-        skip += len(chunk)
-    recv_iov(channel.sock, iov, skip, checksums)
+    chunk = channel.take_buffered(total)
+    if chunk:
+        _lib.rk_tcp_copy_in(_ffi.cast("const uint64_t *", _ffi.from_buffer(iov)), len(iov),
+                            _ffi.from_buffer(chunk), len(chunk))
+    recv_iov(channel.sock, iov, len(chunk), checksums)
     channel.bulk_pending = 0
 
 
