@@ -972,9 +972,17 @@ def decode_get_answer_arrays(
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
     """:func:`decode_get_answer` as two arrays over the answer's bytes: what a
     client reads a batch's hits with, without a Python int per key."""
-    raw = get_answer_entries(payload, expected)
-    lengths = np.frombuffer(raw, dtype="<u4", count=expected)
-    return lengths, np.frombuffer(raw, dtype="<u8", count=expected, offset=expected * U32.size)
+    return get_answer_columns(get_answer_entries(payload, expected))
+
+
+def get_answer_columns(
+    entries: bytes,
+) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
+    """The lengths and the checksums of :func:`get_answer_entries`, as arrays
+    over its bytes."""
+    n = len(entries) // GET_ENTRY_BYTES
+    lengths = np.frombuffer(entries, dtype="<u4", count=n)
+    return lengths, np.frombuffer(entries, dtype="<u8", count=n, offset=n * U32.size)
 
 
 def encode_put_answer(statuses: Sequence[int]) -> bytes:

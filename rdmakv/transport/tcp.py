@@ -66,7 +66,6 @@ from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvErro
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
     DATA_OP,
-    GET_ENTRY_BYTES,
     HEADER,
     MAX_BULK_BYTES,
     RESPONSE_BIT,
@@ -92,6 +91,7 @@ from rdmakv.protocol import (
     encode_data_ops,
     encode_keys,
     encode_put_answer,
+    get_answer_columns,
     get_answer_entries,
     value_checksum,
     wrap_socket_errors,
@@ -823,16 +823,15 @@ class _GetReceiver:
     def _receive_native(self, hdr: Header, entries: bytes) -> tuple[list[int], int]:
         """Per key its length (a match), :data:`_RK_TCP_MISSED` or :data:`_RK_TCP_CORRUPT`;
         and the number of matches."""
-        m, slab = len(entries) // GET_ENTRY_BYTES, self.slab
+        m, slab = self.end - self.start, self.slab
         raw = _ffi.from_buffer(entries)
         iov = np.empty((m, 2), dtype=np.uint64)
-        hit = np.empty(m, dtype=np.uint32)
+        hit = _ffi.from_buffer("uint32_t[]", np.empty(m, dtype=np.uint32))  # holds the array
         total, bad = _ffi.new("uint64_t *"), _ffi.new("size_t *")
         slots = _ffi.from_buffer(self.handles[self.start : self.end])
         hits = _lib.rk_tcp_get_answer_layout(
             raw, m, _ffi.cast("uint64_t *", slots), slab.base_addr, slab.block_size,
-            _ffi.cast("uint64_t *", _ffi.from_buffer(iov)),
-            _ffi.cast("uint32_t *", _ffi.from_buffer(hit)), total, bad,
+            _ffi.cast("uint64_t *", _ffi.from_buffer(iov)), hit, total, bad,
         )
         if hits < 0:
             raise self._oversized()
@@ -841,7 +840,7 @@ class _GetReceiver:
         recv_iov_from(self.ch, iov[:hits], total[0], got)  # the slab is mapped while we run
         sizes = np.empty(m, dtype=np.int64)
         matched = _lib.rk_tcp_get_answer_check(
-            raw, m, _ffi.cast("uint32_t *", _ffi.from_buffer(hit)), hits,
+            raw, m, hit, hits,
             _ffi.cast("uint64_t *", _ffi.from_buffer(got)),
             _ffi.cast("int64_t *", _ffi.from_buffer(sizes)),
         )
@@ -851,9 +850,8 @@ class _GetReceiver:
         """:meth:`_receive_native` without the native checksums: numpy lays the
         answer out, the bytes move through the native loop or Python's, and
         Python hashes them."""
-        m, bs = len(entries) // GET_ENTRY_BYTES, self.slab.block_size
-        lengths = np.frombuffer(entries, dtype="<u4", count=m)
-        sums = np.frombuffer(entries, dtype="<u8", count=m, offset=m * U32.size)
+        bs = self.slab.block_size
+        lengths, sums = get_answer_columns(entries)
         hits = np.flatnonzero(lengths)
         sizes = lengths[hits]
         if len(sizes) and int(sizes.max()) > bs:
