@@ -411,3 +411,26 @@ def test_a_node_started_by_a_killed_process_stops_with_it() -> None:
         with contextlib.suppress(ProcessLookupError):
             if not _exited(node_pid):
                 os.kill(node_pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_node_is_not_alive_while_another_thread_waits_for_it(node: Any) -> None:
+    """``alive()`` is False once the node died, even while another thread is
+    inside ``Popen.wait()`` for it (a fault proxy's thread running ``kill()``:
+    the chaos suite's kill mid-batch). ``Popen.poll()`` answers None then; an
+    ``alive()`` built on it alone said a dead node was alive (CI, stop 44).
+
+    The other thread's wait is stood in for by holding the lock it would hold
+    (CPython's ``Popen._waitpid_lock``), which makes the window deterministic."""
+    proc = node.proc
+    with proc._waitpid_lock:
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not _exited(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _exited(proc.pid), "the node outlived SIGKILL"
+        assert proc.poll() is None  # the window: poll() cannot tell
+        assert not node.alive()
+    node.kill()  # reaps it; alive() stays False
+    assert proc.returncode == -signal.SIGKILL
+    assert not node.alive()

@@ -113,19 +113,34 @@ class LocalNodeProcess:
         return f"{self.host}:{self.port}"
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Whether the node process is still running (a zombie is not).
+
+        ``Popen.poll()`` alone is not enough: while another thread is inside
+        ``wait()`` (a fault proxy's thread running :meth:`kill`), it answers
+        None even after the child died. So the kernel is asked too, without
+        reaping the child (``WNOWAIT``), which leaves the waiter's result intact.
+        """
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return False
+        try:
+            return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # that other thread has reaped it already
+            return False
 
     def kill(self) -> None:
-        """SIGKILL: the node dies without any clean-up."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(STOP_TIMEOUT_S)
-        self._close_pipes()
+        """SIGKILL: the node dies without any clean-up. Returns once it is reaped."""
+        proc = self.proc  # the one killed, even if another thread restarts the node meanwhile
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT_S)
+        self._close_pipes(proc)
 
-    def _close_pipes(self) -> None:
+    @staticmethod
+    def _close_pipes(proc: subprocess.Popen[str] | None) -> None:
         """Our ends of a node's stdin and stdout, once it has exited."""
-        if self.proc is not None and self.proc.poll() is not None:
-            for pipe in (self.proc.stdin, self.proc.stdout):
+        if proc is not None and proc.poll() is not None:
+            for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None:
                     pipe.close()
 
@@ -166,7 +181,7 @@ class LocalNodeProcess:
                 self.terminate()
             except subprocess.TimeoutExpired:
                 self.kill()
-        self._close_pipes()
+        self._close_pipes(self.proc)
 
     def __enter__(self) -> LocalNodeProcess:
         return self

@@ -39,7 +39,7 @@ from rdmakv.slab import Slab
 
 from .conftest import NODE_OPTS, ChaosEnv
 from .targets import BLOCK_BYTES, CLIENT_TIMEOUT_S, ReadResult, Target
-from .wire_proxy import Direction, WireProxy
+from .wire_proxy import Direction, Kind, WireProxy
 
 pytestmark = [
     pytest.mark.chaos,
@@ -136,16 +136,19 @@ def test_kill9_mid_batch(chaos_env: EnvFactory, op: str) -> None:
     env = chaos_env(wired=True)
     t, victim = env.target, env.victim
     dead = {env.victim_id}
+    d = Direction.DOWN if op == "get" else Direction.UP
     if op == "get":
         b = baseline(t)
-        env.victim_proxy.call_at(Direction.DOWN, MID_TRANSFER, victim.kill)
+        env.victim_proxy.call_at(d, MID_TRANSFER, victim.kill)
         r = t.read(b)
     else:
-        env.victim_proxy.call_at(Direction.UP, MID_TRANSFER, victim.kill)
+        env.victim_proxy.call_at(d, MID_TRANSFER, victim.kill)
         b = t.new_batch()
         t.write(b)
         r = t.read(b)
-    assert not victim.alive(), "the kill did not fire: the batch never reached the offset"
+    fired = (Kind.CALL, d) in env.victim_proxy.fired
+    assert fired, "the kill did not fire: the batch never reached the offset"
+    assert not victim.alive(), "the node outlived its SIGKILL"
     assert_no_wrong(r, f"{op} with the node killed mid-batch")
     assert r.hits >= t.live_hits(b, dead), f"blocks of live nodes missed: {r}"
 
