@@ -58,6 +58,12 @@ def test_redis_driver_round_trip() -> None:
         assert driver.exists([*keys[:2], b"missing-key....."]) == [True, True, False]
         driver.discard(keys)
         assert driver.exists(keys[:1]) == [False]
+        # reconnect() (between repeats): a new connection to the same server
+        first = driver._client.client_id()
+        driver.reconnect()
+        assert driver._client.client_id() != first
+        dst[:] = 0
+        _round_trip(driver, src, dst)
     finally:
         driver.close()
     assert driver.server is None

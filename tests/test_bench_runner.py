@@ -28,6 +28,7 @@ from rdmakv.bench.drivers import (
 from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
 from rdmakv.bench.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
 from rdmakv.bench.placement import placements
+from rdmakv.errors import RdmakvError
 from rdmakv.streams import default_streams
 from rdmakv.transport import tcp
 
@@ -51,8 +52,9 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
             fig = per[name]
             assert set(fig) == {
                 "put_gbps", "get_gbps", "put_gbps_median", "get_gbps_median", "repeats",
-                "bytes_verified",
+                "fresh_connections", "bytes_verified",
             }, (size, name, fig)
+            assert fig["fresh_connections"] is True  # both reconnect between repeats
             assert fig["bytes_verified"] == runner.QUICK_BLOCKS * int(size)
             assert fig["put_gbps"] > 0 and fig["get_gbps"] > 0
             # best of the repeats, the median beside it
@@ -188,6 +190,55 @@ def test_rdmakv_driver_passes_digest_sized_keys_as_their_digests_and_pads_others
         assert seen[1] is odd
         assert seen[2] == [b"ab".ljust(16, b"\0"), b"x" * 16, b"y" * 16, b"zzz".ljust(16, b"\0")]
         drv.get(odd)
+        assert runner.wrong_bytes(src, dst) == 0
+    finally:
+        drv.close()
+
+
+def test_rdmakv_driver_reconnects_to_the_same_node_and_moves_every_byte() -> None:
+    """``reconnect()`` (between repeats): the node sees new sessions, the old
+    clients are closed, and a put and get on the new ones read back whole."""
+    work = Workload(16384, 8, 8)
+    src, dst = runner.arena(16384 * 8), runner.arena(16384 * 8)
+    runner.fill_random(src, 5)
+    drv = RdmakvDriver("tcp")
+    drv.open(work, src, dst)
+    try:
+        old_put, old_get = drv._put_c, drv._get_c
+        assert old_put is not None and old_get is not None
+        before = old_put.stats()["sessions_total"]
+        server = drv.server
+        drv.reconnect()
+        assert drv.server == server  # the same node
+        assert drv._put_c is not old_put and drv._get_c is not old_get
+        assert drv._put_c is not None
+        assert drv._put_c.stats()["sessions_total"] > before
+        with pytest.raises(RdmakvError):
+            old_put.exists([b"k" * 16])  # closed
+        keys = work.keys("r")
+        drv.put(keys)
+        drv.get(keys)
+        assert runner.wrong_bytes(src, dst) == 0
+    finally:
+        drv.close()
+
+
+def test_socket_loop_reconnects_through_a_new_peer_and_moves_every_byte() -> None:
+    work = Workload(block_bytes=8192, blocks=6, batch=6)
+    src, dst = runner.arena(8192 * 6), runner.arena(8192 * 6)
+    runner.fill_random(src, seed=4)
+    drv = SocketLoopDriver()
+    drv.open(work, src, dst)
+    try:
+        drv.put(work.keys("a"))
+        old = drv._proc
+        assert old is not None
+        drv.reconnect()
+        assert drv._proc is not None and drv._proc.pid != old.pid
+        assert old.poll() is not None  # the first peer left
+        keys = work.keys("b")
+        drv.put(keys)
+        drv.get(keys)
         assert runner.wrong_bytes(src, dst) == 0
     finally:
         drv.close()

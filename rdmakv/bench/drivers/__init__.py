@@ -21,6 +21,11 @@ Optional driver attributes the runner uses when present:
 
 * ``discard(keys)``: drop stored keys; called (untimed) after each repeat so
   stores that never evict stay within memory.
+* ``reconnect()``: drop the driver's connections and open new ones to the
+  same server (what it stores may go: every repeat puts before it gets).
+  Called (untimed) before each repeat after the first, so that repeats are
+  independent draws of a connection (``fresh_connections`` in the JSON);
+  rdmakv, the socket loop and Redis have it.
 * ``min_repeats``: a size is measured at least this many times, for every
   system in the run alike (the ceiling's "best of several runs", with no
   system given fewer draws than the one it is compared with).

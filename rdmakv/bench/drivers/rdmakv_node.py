@@ -105,6 +105,19 @@ class RdmakvDriver:
         except RdmakvError as e:
             raise PeerUnavailable(f"rdmakv: cannot connect over {self.transport}: {e}") from e
 
+    def reconnect(self) -> None:
+        """Fresh client connections to the same node, over the same slabs."""
+        for c in (self._put_c, self._get_c):
+            if c is not None:
+                c.close()
+        self._put_c = self._get_c = None
+        src_slab, dst_slab = self._slabs
+        try:
+            self._put_c = self._open_client(src_slab)
+            self._get_c = self._open_client(dst_slab)
+        except RdmakvError as e:
+            raise PeerUnavailable(f"rdmakv: cannot reconnect over {self.transport}: {e}") from e
+
     def _open_client(self, slab: Slab) -> NodeClient:
         assert self.server is not None
         return open_remote(self.server, slab, transport=self.transport,

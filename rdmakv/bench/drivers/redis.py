@@ -131,6 +131,13 @@ class RedisDriver:
         except redis.RedisError as e:
             raise PeerUnavailable(f"redis: cannot reach {self.server}: {e}") from e
 
+    def reconnect(self) -> None:
+        """Fresh connections to the same server: the pool drops its sockets and
+        the ping (untimed) opens the next one."""
+        client, _ = self._ready()
+        client.connection_pool.disconnect()
+        client.ping()
+
     def _start_server(self, data_bytes: int) -> str:
         path = self._server_path or shutil.which("redis-server")
         if path is None:

@@ -276,15 +276,25 @@ class SocketLoopDriver:
         """The keys of the last put, block i in slot i."""
         self._where: dict[bytes, int] | None = None
         """Slot per key of ``_stored``, built on the first get that needs it."""
+        self._peer_args: list[str] = []
 
     def open(self, work: Workload, src: Arena, dst: Arena) -> None:
         self._src = _blocks(src.data.cast("B"), work.block_bytes, work.blocks)
         self._dst = _blocks(dst.data.cast("B"), work.block_bytes, work.blocks)
-        self._proc, self._socks = _spawn(
-            ["--peer", str(work.block_bytes), str(work.blocks)], CONNECTIONS
-        )
+        self._peer_args = ["--peer", str(work.block_bytes), str(work.blocks)]
+        self._connect()
+
+    def _connect(self) -> None:
+        self._proc, self._socks = _spawn(self._peer_args, CONNECTIONS)
         for sock in self._socks:
             _tune(sock)
+
+    def reconnect(self) -> None:
+        """Fresh connections: the peer holds nothing a later repeat needs (each
+        puts before it gets), so a new peer process connects anew."""
+        self.close()
+        self._stored, self._where = (), None
+        self._connect()
 
     def put(self, keys: Sequence[bytes]) -> None:
         sock = self._socks[0]
