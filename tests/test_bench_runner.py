@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rdmakv.bench import runner
-from rdmakv.bench.driver import PeerUnavailable, Workload
+from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
 from rdmakv.bench.drivers import (
     OURS_VARIANTS,
     default_systems,
@@ -33,6 +33,14 @@ from rdmakv.streams import default_streams
 from rdmakv.transport import tcp
 
 QUICK_SIZES = ("16384", "262144")
+
+
+def _arenas(work: Workload, seed: int) -> tuple[Arena, Arena]:
+    """A source arena of ``work`` filled with random bytes, and a destination one."""
+    n = work.block_bytes * work.blocks
+    src, dst = runner.arena(n), runner.arena(n)
+    runner.fill_random(src, seed)
+    return src, dst
 
 
 def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
@@ -166,8 +174,7 @@ def test_rdmakv_driver_passes_digest_sized_keys_as_their_digests_and_pads_others
     which the client refuses as digests before sending anything, go again
     padded or cut to DIGEST_LEN, and read back whole."""
     work = Workload(4096, 4, 4)
-    src, dst = runner.arena(4096 * 4), runner.arena(4096 * 4)
-    runner.fill_random(src, 2)
+    src, dst = _arenas(work, 2)
     drv = RdmakvDriver("tcp")
     drv.open(work, src, dst)
     try:
@@ -199,8 +206,7 @@ def test_rdmakv_driver_reconnects_to_the_same_node_and_moves_every_byte() -> Non
     """``reconnect()`` (between repeats): the node sees new sessions, the old
     clients are closed, and a put and get on the new ones read back whole."""
     work = Workload(16384, 8, 8)
-    src, dst = runner.arena(16384 * 8), runner.arena(16384 * 8)
-    runner.fill_random(src, 5)
+    src, dst = _arenas(work, 5)
     drv = RdmakvDriver("tcp")
     drv.open(work, src, dst)
     try:
@@ -225,8 +231,7 @@ def test_rdmakv_driver_reconnects_to_the_same_node_and_moves_every_byte() -> Non
 
 def test_socket_loop_reconnects_through_a_new_peer_and_moves_every_byte() -> None:
     work = Workload(block_bytes=8192, blocks=6, batch=6)
-    src, dst = runner.arena(8192 * 6), runner.arena(8192 * 6)
-    runner.fill_random(src, seed=4)
+    src, dst = _arenas(work, 4)
     drv = SocketLoopDriver()
     drv.open(work, src, dst)
     try:
@@ -301,8 +306,7 @@ def test_registry_is_lazy_and_names_what_is_missing() -> None:
 )
 def test_socket_loop_moves_bytes_out_and_back(block: int, blocks: int, first: int) -> None:
     work = Workload(block_bytes=block, blocks=blocks, batch=blocks)
-    src, dst = runner.arena(block * blocks), runner.arena(block * blocks)
-    runner.fill_random(src, seed=3)
+    src, dst = _arenas(work, 3)
     drv = make_driver("socket_loop", "tcp")
     try:
         drv.open(work, src, dst)
@@ -323,8 +327,7 @@ def test_socket_loop_answers_a_get_while_a_put_waits_for_its_bytes() -> None:
     unanswered until its timeout."""
     block, blocks = 4096, 8
     work = Workload(block_bytes=block, blocks=blocks, batch=blocks)
-    src, dst = runner.arena(block * blocks), runner.arena(block * blocks)
-    runner.fill_random(src, seed=5)
+    src, dst = _arenas(work, 5)
     drv = socket_loop.SocketLoopDriver()
     try:
         drv.open(work, src, dst)
