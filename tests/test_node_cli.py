@@ -421,16 +421,18 @@ def test_a_killed_node_is_not_alive_while_another_thread_waits_for_it(node: Any)
     ``alive()`` built on it alone said a dead node was alive (CI, stop 44).
 
     The other thread's wait is stood in for by holding the lock it would hold
-    (CPython's ``Popen._waitpid_lock``), which makes the window deterministic."""
+    (CPython's ``Popen._waitpid_lock``), which makes the window deterministic.
+    A killed process is dead only once its last thread has gone (its main
+    thread shows as a zombie in /proc before that), so this waits for
+    ``alive()`` to turn False rather than checking it once."""
     proc = node.proc
     with proc._waitpid_lock:
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while not _exited(proc.pid) and time.monotonic() < deadline:
+        while node.alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _exited(proc.pid), "the node outlived SIGKILL"
-        assert proc.poll() is None  # the window: poll() cannot tell
-        assert not node.alive()
+        assert not node.alive(), "alive() still True 30 s after SIGKILL"
+        assert proc.poll() is None  # the window: poll() alone cannot tell
     node.kill()  # reaps it; alive() stays False
     assert proc.returncode == -signal.SIGKILL
     assert not node.alive()
