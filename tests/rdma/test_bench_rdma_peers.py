@@ -23,6 +23,7 @@ from rdmakv.bench.drivers.infinistore import (
     start_server,
 )
 from rdmakv.bench.drivers.perftest import PerftestDriver, perftest_gbps
+from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
 
 BLOCK = 64 * 1024
 BLOCKS = 8
@@ -88,6 +89,35 @@ def test_perftest_driver_reports_its_own_time(qps: int) -> None:
         assert drv.last_seconds > 0 and drv.last_gbps > 0
         drv.get(work.keys("p"))
         assert drv.last_seconds > 0 and drv.last_gbps > 0
+    finally:
+        drv.close()
+        del src, dst
+        ms.close()
+        md.close()
+
+
+@pytest.mark.timeout(300)
+def test_rdmakv_driver_reconnects_over_rdma() -> None:
+    """``reconnect()`` between repeats over RDMA: new clients to the same node
+    (new connections, the arenas registered again), still RDMA, every byte
+    read back before and after."""
+    work = Workload(block_bytes=BLOCK, blocks=BLOCKS, batch=BLOCKS)
+    (ms, src), (md, dst) = arena(BLOCK * BLOCKS), arena(BLOCK * BLOCKS)
+    src[:] = np.random.default_rng(13).integers(0, 256, src.size, dtype=np.uint8)
+    drv = RdmakvDriver("rdma")
+    try:
+        drv.open(work, src, dst)
+        for tag in ("before", "after"):
+            if tag == "after":
+                old, server = drv._put_c, drv.server
+                drv.reconnect()
+                assert drv._put_c is not old and drv.server == server
+            assert drv._put_c is not None and drv._put_c.transport_name == "rdma"
+            keys = work.keys(tag)
+            dst[:] = 0
+            drv.put(keys)
+            drv.get(keys)
+            assert bytes(dst) == bytes(src), tag
     finally:
         drv.close()
         del src, dst
