@@ -137,8 +137,10 @@ def _blocks(mv: memoryview, block: int, count: int) -> list[memoryview]:
 def _peer_main(port: int, block: int, count: int) -> None:
     """Serve the put and the get connection (:data:`CONNECTIONS`), each from
     its own thread, as a node serves each session from its own."""
-    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(CONNECTIONS)]
+    # The arena first: the driver times from the moment the connections are
+    # made, and faulting in (zeroing) up to 256 MiB must not fall into that.
     arena = mmap.mmap(-1, block * count, flags=_MAP_FLAGS)
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(CONNECTIONS)]
     views = _blocks(memoryview(arena), block, count)
     threads = [threading.Thread(target=_serve, args=(sock, views)) for sock in socks]
     for t in threads:
