@@ -113,7 +113,8 @@ class LocalNodeProcess:
         return f"{self.host}:{self.port}"
 
     def alive(self) -> bool:
-        """Whether the node process is still running (a zombie is not).
+        """Whether the node process is still running: False once it has exited,
+        reaped or not (a killed process has exited once its last thread has).
 
         ``Popen.poll()`` alone is not enough: while another thread is inside
         ``wait()`` (a fault proxy's thread running :meth:`kill`), it answers
