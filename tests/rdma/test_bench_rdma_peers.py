@@ -99,8 +99,9 @@ def test_perftest_driver_reports_its_own_time(qps: int) -> None:
 @pytest.mark.timeout(300)
 def test_rdmakv_driver_reconnects_over_rdma() -> None:
     """``reconnect()`` between repeats over RDMA: new clients to the same node
-    (new connections, the arenas registered again), still RDMA, every byte
-    read back before and after."""
+    (new connections and QPs; the arenas' memory registrations are the
+    device's, one per range, and are reused), still RDMA, every byte read
+    back before and after."""
     work = Workload(block_bytes=BLOCK, blocks=BLOCKS, batch=BLOCKS)
     (ms, src), (md, dst) = arena(BLOCK * BLOCKS), arena(BLOCK * BLOCKS)
     src[:] = np.random.default_rng(13).integers(0, 256, src.size, dtype=np.uint8)

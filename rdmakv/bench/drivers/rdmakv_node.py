@@ -106,7 +106,8 @@ class RdmakvDriver:
             raise PeerUnavailable(f"rdmakv: cannot connect over {self.transport}: {e}") from e
 
     def reconnect(self) -> None:
-        """Fresh client connections to the same node, over the same slabs."""
+        """Fresh client connections to the same node, over the same slabs (over
+        RDMA new QPs; the slabs' memory registrations are reused)."""
         for c in (self._put_c, self._get_c):
             if c is not None:
                 c.close()
