@@ -124,6 +124,8 @@ class LocalNodeProcess:
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return False
+        if not hasattr(os, "waitid"):  # Python before 3.13 on macOS: poll() is all there is
+            return True
         try:
             return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
         except ChildProcessError:  # that other thread has reaped it already
