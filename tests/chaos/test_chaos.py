@@ -139,15 +139,11 @@ def test_kill9_mid_batch(chaos_env: EnvFactory, op: str) -> None:
     t, victim = env.target, env.victim
     dead = {env.victim_id}
     d = Direction.DOWN if op == "get" else Direction.UP
-    if op == "get":
-        b = baseline(t)
-        env.victim_proxy.call_at(d, MID_TRANSFER, victim.kill)
-        r = t.read(b)
-    else:
-        env.victim_proxy.call_at(d, MID_TRANSFER, victim.kill)
-        b = t.new_batch()
+    b = baseline(t) if op == "get" else t.new_batch()  # armed after the baseline's bytes
+    env.victim_proxy.call_at(d, MID_TRANSFER, victim.kill)
+    if op == "put":
         t.write(b)
-        r = t.read(b)
+    r = t.read(b)
     fired = (Kind.CALL, d) in env.victim_proxy.fired
     assert fired, "the kill did not fire: the batch never reached the offset"
     # The proxy's thread may still be inside kill(), and a process is gone

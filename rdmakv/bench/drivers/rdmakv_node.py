@@ -97,27 +97,31 @@ class RdmakvDriver:
         src_slab = Slab.over_buffer(src, work.block_bytes)
         dst_slab = Slab.over_buffer(dst, work.block_bytes)
         self._slabs = [src_slab, dst_slab]
+        self._open_clients("connect")
+
+    def reconnect(self) -> None:
+        """Fresh client connections to the same node, over the same slabs (over
+        RDMA new QPs; the slabs' memory registrations are reused)."""
+        self._close_clients()
+        self._open_clients("reconnect")
+
+    def _open_clients(self, what: str) -> None:
+        """The put client over the source slab, the get client over the destination's."""
+        src_slab, dst_slab = self._slabs
         try:
             # the engine's own path: a KVClient, or a MultiStreamClient for several;
             # each assigned as soon as it exists, so close() closes it if the next fails
             self._put_c = self._open_client(src_slab)
             self._get_c = self._open_client(dst_slab)
         except RdmakvError as e:
-            raise PeerUnavailable(f"rdmakv: cannot connect over {self.transport}: {e}") from e
+            raise PeerUnavailable(f"rdmakv: cannot {what} over {self.transport}: {e}") from e
 
-    def reconnect(self) -> None:
-        """Fresh client connections to the same node, over the same slabs (over
-        RDMA new QPs; the slabs' memory registrations are reused)."""
+    def _close_clients(self) -> None:
         for c in (self._put_c, self._get_c):
             if c is not None:
-                c.close()
+                with contextlib.suppress(Exception):
+                    c.close()
         self._put_c = self._get_c = None
-        src_slab, dst_slab = self._slabs
-        try:
-            self._put_c = self._open_client(src_slab)
-            self._get_c = self._open_client(dst_slab)
-        except RdmakvError as e:
-            raise PeerUnavailable(f"rdmakv: cannot reconnect over {self.transport}: {e}") from e
 
     def _open_client(self, slab: Slab) -> NodeClient:
         assert self.server is not None
@@ -166,11 +170,7 @@ class RdmakvDriver:
             self._put_c.delete(keys)
 
     def close(self) -> None:
-        for c in (self._put_c, self._get_c):
-            if c is not None:
-                with contextlib.suppress(Exception):
-                    c.close()
-        self._put_c = self._get_c = None
+        self._close_clients()
         for s in self._slabs:
             with contextlib.suppress(Exception):
                 s.close()
