@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -170,9 +171,13 @@ def test_placement_is_the_same_in_another_process() -> None:
 
 
 def test_keys_spread_evenly() -> None:
+    """Keys from a seeded generator: with fresh random keys each run, 4000 keys
+    left a node's count outside the 10% band about once in a thousand runs
+    (3.7 standard deviations, four nodes), a failure of chance, not of the hash."""
     ring = Rendezvous([f"kv-{i}.kv:7480" for i in range(4)])
+    rng = random.Random(20261128)
     for n, tolerance in ((4000, 0.10), (100_000, 0.03)):
-        keys = [os.urandom(16) for _ in range(n)]
+        keys = [rng.randbytes(16) for _ in range(n)]
         counts = np.bincount(ring.rank(keys)[:, 0], minlength=4)
         assert np.all(np.abs(counts - n / 4) <= tolerance * n / 4), counts
 
