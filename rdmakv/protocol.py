@@ -1086,7 +1086,12 @@ def decode_extents(payload: Buffer, expected: int) -> list[AllocResult]:
 
 
 def encode_flags(values: Sequence[bool]) -> bytes:
-    return U32.pack(len(values)) + bytes(map(bool, values))
+    return encode_flag_bytes(bytes(map(bool, values)))
+
+
+def encode_flag_bytes(flags: bytes) -> bytes:
+    """A flags answer of flags already one byte each (0 or 1)."""
+    return U32.pack(len(flags)) + flags
 
 
 def decode_flags(payload: Buffer, expected: int, what: str) -> list[bool]:
@@ -1211,6 +1216,26 @@ def _advance(bufs: list[memoryview], i: int, done: int) -> int:
             bufs[i] = bufs[i][done:]
             done = 0
     return i
+
+
+SMALL_FRAME_BYTES = 8192
+"""A frame without bulk up to this size goes out as one joined ``bytes`` in one
+``os.write``: the copy costs less than a gather list's Python (a 100-byte
+EXISTS frame 1.6 us against 3.8 through :func:`send_views`, syscall included)."""
+
+
+def send_frame(sock: socket.socket, head: bytes, payload: Buffer) -> None:
+    """Send a frame without bulk: header and payload (see :data:`SMALL_FRAME_BYTES`)."""
+    if len(payload) > SMALL_FRAME_BYTES:
+        send_views(sock, [head, payload])
+        return
+    data = b"".join((head, payload))
+    try:
+        sent = os.write(sock.fileno(), data)
+    except BlockingIOError:  # a full socket buffer: wait for room under the timeout
+        sent = 0
+    if sent < len(data):
+        send_views(sock, [memoryview(data)[sent:]])
 
 
 def send_views(sock: socket.socket, views: Sequence[Buffer]) -> None:
@@ -1367,7 +1392,10 @@ class Channel:
         bulk_len: int = 0,
     ) -> None:
         hdr = HEADER.pack(opcode, flags, status, len(payload), bulk_len, req_id)
-        send_views(self.sock, [hdr, payload, *bulk])
+        if bulk:
+            send_views(self.sock, [hdr, payload, *bulk])
+        else:
+            send_frame(self.sock, hdr, payload)
 
     @property
     def buffered(self) -> int:
@@ -1469,7 +1497,10 @@ class Channel:
         """Send a request now; its response is read by a later :meth:`wait`."""
         reply, hdr = self.enqueue(opcode, len(payload), what, flags=flags, bulk_len=bulk_len,
                                   on_ok=on_ok)
-        send_views(self.sock, [hdr, payload, *bulk])
+        if bulk:
+            send_views(self.sock, [hdr, payload, *bulk])
+        else:
+            send_frame(self.sock, hdr, payload)
         return reply
 
     def enqueue(

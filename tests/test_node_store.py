@@ -174,6 +174,26 @@ def test_touch_keys_of_a_decoded_request_is_touch_all_of_its_keys(kind: type[Ind
 
 
 @pytest.mark.parametrize("kind", INDEXES)
+def test_touch_keys_flags_are_one_byte_per_hit_whatever_the_block(kind: type[IndexBase]) -> None:
+    """An EXISTS answer's flags straight from the index: 1 per committed key,
+    0 per miss, for blocks whose low byte is 0xFF or 0x00 (the native index
+    reads each block number's high byte) and keys of several lengths."""
+    idx = kind(512)
+    blocks = [0, 1, 255, 256, 511]
+    keys = [b"k%03d" % b for b in blocks]
+    _add(idx, [(k, b, 10, D) for k, b in zip(keys, blocks, strict=True)], [1] * len(keys))
+    asked = [keys[2], b"miss", keys[3], keys[0], b"gone", keys[4], keys[1]]
+    one_len = decode_keys_request(encode_keys(asked), "EXISTS")
+    assert one_len.key_len == 4
+    assert idx.touch_keys_flags(one_len) == bytes([1, 0, 1, 1, 0, 1, 1])
+    assert _lru_keys(idx)[-1] == keys[1]  # touched as touch_keys touches
+    several = decode_keys_request(encode_keys([b"zz", keys[2], b"k"]), "EXISTS")
+    assert several.key_len is None
+    assert idx.touch_keys_flags(several) == bytes([0, 1, 0])
+    assert idx.touch_keys_flags(decode_keys_request(encode_keys([]), "EXISTS")) == b""
+
+
+@pytest.mark.parametrize("kind", INDEXES)
 def test_rows_hold_each_committed_value_and_a_miss_reads_as_zeros(kind: type[IndexBase]) -> None:
     idx = _index_of(kind, b"a", b"b", b"c")
     other = bytes(range(16))
@@ -336,6 +356,7 @@ def test_the_native_index_answers_like_the_python_one(
         elif op == "k":  # an EXISTS as the node decodes it: its records, or split keys
             request = decode_keys_request(encode_keys(keys), "EXISTS")
             assert nat.touch_keys(request) == py.touch_keys(request)
+            assert nat.touch_keys_flags(request) == py.touch_keys_flags(request)
         elif op == "x":
             digests = [digest(i) for i in picks]
             assert nat.touch_matching(keys, digests) == py.touch_matching(keys, digests)

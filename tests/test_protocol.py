@@ -27,6 +27,7 @@ from rdmakv.protocol import (
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
     PROTOCOL_VERSION,
+    SMALL_FRAME_BYTES,
     U16,
     U32,
     AllocResult,
@@ -74,6 +75,7 @@ from rdmakv.protocol import (
     encode_u64_list,
     raise_for_status,
     recv_views,
+    send_frame,
     send_views,
 )
 
@@ -284,6 +286,27 @@ def test_scatter_gather_moves_bytes_between_many_buffers() -> None:
     recv_views(b, dst)
     t.join()
     assert [bytes(d) for d in dst] == src
+    a.close()
+    b.close()
+
+
+def test_send_frame_sends_every_byte_when_the_socket_buffer_fills() -> None:
+    """Frames without bulk, joined (up to SMALL_FRAME_BYTES) or gathered
+    (above), through a socket buffer too small for them: a short write
+    sends its rest, a full buffer waits under the socket's timeout."""
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.settimeout(10)
+    sizes = [0, 1, 100, SMALL_FRAME_BYTES, SMALL_FRAME_BYTES + 1, 3 * SMALL_FRAME_BYTES] * 20
+    frames = [(HEADER.pack(1, 0, 0, n, 0, i), bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+    frames[1] = (frames[1][0], memoryview(bytearray(frames[1][1])))  # any buffer
+    t = threading.Thread(target=lambda: [send_frame(a, h, p) for h, p in frames])
+    t.start()
+    want = b"".join(h + bytes(p) for h, p in frames)
+    got = bytearray(len(want))
+    recv_views(b, [memoryview(got)])
+    t.join()
+    assert bytes(got) == want
     a.close()
     b.close()
 

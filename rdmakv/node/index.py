@@ -231,6 +231,11 @@ class IndexBase(ABC):
         """:meth:`touch_all` of a keys-only request's keys (EXISTS)."""
         return self.touch_all(request.keys)
 
+    def touch_keys_flags(self, request: KeysRequest) -> bytes:
+        """:meth:`touch_keys` as an EXISTS answer's flags: per key one byte, 1
+        when committed."""
+        return bytes(block != NO_BLOCK for block in self.touch_keys(request))
+
     @abstractmethod
     def oldest_blocks(self) -> Iterator[int]:
         """Committed blocks from least to most recently used.

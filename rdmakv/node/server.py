@@ -62,6 +62,7 @@ from rdmakv.protocol import (
     decode_keys_request,
     decode_u64_list,
     encode_extent_table,
+    encode_flag_bytes,
     encode_flags,
     encode_json,
     encode_lookup_results,
@@ -641,7 +642,8 @@ class KVNode:
         s.reply(req, encode_flags(self.store.delete(keys)))
 
     def _exists(self, s: NodeSession, req: Header, payload: bytearray) -> None:
-        s.reply(req, encode_flags(self.store.exists(decode_keys_request(payload, "EXISTS"))))
+        flags = self.store.exists_flags(decode_keys_request(payload, "EXISTS"))
+        s.reply(req, encode_flag_bytes(flags))
 
     def _stats(self, s: NodeSession, req: Header, payload: bytearray) -> None:
         if payload:

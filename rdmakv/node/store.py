@@ -426,11 +426,17 @@ class KVStore:
         counts hit tokens, its worker loads them a step later), so those blocks
         must not be the next eviction victims. A decoded EXISTS request is looked
         up where its keys lie (:meth:`IndexBase.touch_keys`)."""
-        index = self._index
+        if isinstance(keys, KeysRequest):
+            return list(map(bool, self.exists_flags(keys)))
         with self._lock:
-            blocks = (index.touch_keys(keys) if isinstance(keys, KeysRequest)
-                      else index.touch_all(keys))
+            blocks = self._index.touch_all(keys)
         return [block != NO_BLOCK for block in blocks]
+
+    def exists_flags(self, request: KeysRequest) -> bytes:
+        """:meth:`exists` of a decoded EXISTS request as its answer's flags:
+        per key one byte, 1 when committed (no Python object per key)."""
+        with self._lock:
+            return self._index.touch_keys_flags(request)
 
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
