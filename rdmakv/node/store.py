@@ -425,7 +425,7 @@ class KVStore:
         asks ``exists`` right before it fetches what was found (vLLM's scheduler
         counts hit tokens, its worker loads them a step later), so those blocks
         must not be the next eviction victims. A decoded EXISTS request is looked
-        up where its keys lie (:meth:`IndexBase.touch_keys`)."""
+        up where its keys lie (:meth:`IndexBase.touch_keys_flags`)."""
         if isinstance(keys, KeysRequest):
             return list(map(bool, self.exists_flags(keys)))
         with self._lock:
