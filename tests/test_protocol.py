@@ -292,17 +292,19 @@ def test_scatter_gather_moves_bytes_between_many_buffers() -> None:
 
 def test_send_frame_sends_every_byte_when_the_socket_buffer_fills() -> None:
     """Frames without bulk, joined (up to SMALL_FRAME_BYTES) or gathered
-    (above), through a socket buffer too small for them: a short write
-    sends its rest, a full buffer waits under the socket's timeout."""
+    (above), and frames with bulk (gathered), through a socket buffer too
+    small for them: a short write sends its rest, a full buffer waits under
+    the socket's timeout."""
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     a.settimeout(10)
     sizes = [0, 1, 100, SMALL_FRAME_BYTES, SMALL_FRAME_BYTES + 1, 3 * SMALL_FRAME_BYTES] * 20
-    frames = [(HEADER.pack(1, 0, 0, n, 0, i), bytes([i % 251]) * n) for i, n in enumerate(sizes)]
-    frames[1] = (frames[1][0], memoryview(bytearray(frames[1][1])))  # any buffer
-    t = threading.Thread(target=lambda: [send_frame(a, h, p) for h, p in frames])
+    frames = [(HEADER.pack(1, 0, 0, n, 0, i), bytes([i % 251]) * n, [bytes([i % 7]) * (i % 3)])
+              for i, n in enumerate(sizes)]
+    frames[1] = (frames[1][0], memoryview(bytearray(frames[1][1])), [])  # any buffer
+    t = threading.Thread(target=lambda: [send_frame(a, h, p, bk) for h, p, bk in frames])
     t.start()
-    want = b"".join(h + bytes(p) for h, p in frames)
+    want = b"".join(h + bytes(p) + b"".join(bk) for h, p, bk in frames)
     got = bytearray(len(want))
     recv_views(b, [memoryview(got)])
     t.join()
