@@ -639,6 +639,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-latency", action="store_true", help="skip the latency section")
     p.add_argument("--no-concurrency", action="store_true", help="skip the concurrency section")
+    p.add_argument(
+        "--no-warm-up", action="store_true",
+        help="time each repeat's first transfer on its new connections (default: an "
+        "untimed put and get of the same batch first, as an engine's connections are warm)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)
     return parser
@@ -663,6 +668,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         latency=not args.no_latency,
         concurrency=not args.no_concurrency,
+        warm_up=not args.no_warm_up,
     )
     return runner.main(cfg, as_json=args.json)
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -60,9 +61,10 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
             fig = per[name]
             assert set(fig) == {
                 "put_gbps", "get_gbps", "put_gbps_median", "get_gbps_median", "repeats",
-                "fresh_connections", "bytes_verified",
+                "fresh_connections", "warm_up", "bytes_verified",
             }, (size, name, fig)
             assert fig["fresh_connections"] is True  # both reconnect between repeats
+            assert fig["warm_up"] is True  # the default: timed transfers on warm connections
             assert fig["bytes_verified"] == runner.QUICK_BLOCKS * int(size)
             assert fig["put_gbps"] > 0 and fig["get_gbps"] > 0
             # best of the repeats, the median beside it
@@ -247,6 +249,55 @@ def test_socket_loop_reconnects_through_a_new_peer_and_moves_every_byte() -> Non
         assert runner.wrong_bytes(src, dst) == 0
     finally:
         drv.close()
+
+
+class _RecordingSocketLoop(SocketLoopDriver):
+    """The real socket loop, recording the keys of every put and get it moves."""
+
+    name = "recording_loop"
+    calls: ClassVar[list[tuple[str, bytes, int]]] = []
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        self.calls.append(("put", keys[0], len(keys)))
+        super().put(keys)
+
+    def get(self, keys: Sequence[bytes]) -> None:
+        self.calls.append(("get", keys[0], len(keys)))
+        super().get(keys)
+
+
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_each_timed_repeat_follows_a_warm_up_of_the_whole_batch_under_other_keys(
+    warm_up: bool,
+) -> None:
+    register("recording_loop", lambda transport, server=None: _RecordingSocketLoop(transport))
+    _RecordingSocketLoop.calls = []
+    try:
+        cfg = runner.BenchConfig(
+            systems=["recording_loop"], sizes=[16384], blocks=8, repeats=2,
+            progress=False, latency=False, concurrency=False, warm_up=warm_up,
+        )
+        res, rc = runner.run(cfg)
+    finally:
+        unregister("recording_loop")
+    assert rc == 0, res["meta"].get("failures")
+    fig = res["tcp"]["16384"]["recording_loop"]
+    assert fig["bytes_verified"] == 8 * 16384 and fig["warm_up"] is warm_up
+    assert res["meta"]["warm_up"] is warm_up
+    calls = _RecordingSocketLoop.calls
+    repeats = fig["repeats"]  # the loop's minimum applies
+    assert all(n == 8 for _, _, n in calls)  # every transfer moves the whole batch
+    ops = [op for op, _, _ in calls]
+    assert ops == ["put", "get"] * (2 if warm_up else 1) * repeats
+    step = len(calls) // repeats
+    per_repeat = [calls[i : i + step] for i in range(0, len(calls), step)]
+    timed = [(r[-2][1], r[-1][1]) for r in per_repeat]
+    assert all(p == g for p, g in timed)  # a get reads back what its put stored
+    assert len({p for p, _ in timed}) == repeats  # each repeat its own keys
+    if warm_up:
+        warm = [(r[0][1], r[1][1]) for r in per_repeat]
+        assert all(p == g for p, g in warm)
+        assert not {p for p, _ in warm} & {p for p, _ in timed}  # never the timed keys
 
 
 def test_unavailable_peer_is_recorded_not_fatal() -> None:

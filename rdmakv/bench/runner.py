@@ -6,8 +6,11 @@ of every block, zeroes the destination arena, times one batched ``get`` of
 every block into it, and compares every byte with the source. Systems are
 interleaved repeat by repeat (load on a shared machine drifts over seconds),
 every system as many times as any driver asks (``min_repeats``), each repeat
-on fresh connections where the driver can reconnect (``fresh_connections``);
-each figure is the best of the repeats, and its median beside it. Then:
+on fresh connections where the driver can reconnect (``fresh_connections``),
+and each repeat's timed put and get preceded by an untimed one of the same
+batch under other keys (``warm_up``; ``--no-warm-up`` times the first
+transfer on each connection instead). Each figure is the best of the
+repeats, and its median beside it. Then:
 
 * **latency**: p50/p99 of ``exists`` on 1, 16 and 64 keys and of a 1-block
   get (64 KiB) per system, next to a one-byte ping-pong round trip;
@@ -19,7 +22,7 @@ Output (also written to ``<out>/<name>.json``, with PNG plots)::
 
     {"tcp": {"<block bytes>": {"<system>": {"put_gbps", "get_gbps", "bytes_verified",
                                             "put_gbps_median", "get_gbps_median", "repeats",
-                                            "fresh_connections"}
+                                            "fresh_connections", "warm_up"}
                                           | {"error": "why"}}},
      "latency": {...}, "concurrency": {...}, "ratios": {...}, "meta": {...}}
 
@@ -114,6 +117,8 @@ class BenchConfig:
     progress: bool = True
     latency: bool = True
     concurrency: bool = True
+    warm_up: bool = True
+    """An untimed put and get of the whole batch before each timed one (:func:`_warm_up`)."""
     conc_procs: Sequence[int] | None = None
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -222,6 +227,8 @@ class _Run:
     """False for a ceiling that stores nothing (perftest): nothing to read back."""
     fresh: bool = False
     """True when each repeat ran on connections of its own (the driver reconnects)."""
+    warm: bool = False
+    """True when each timed transfer followed an untimed one on the same connections."""
 
 
 def bench_size(
@@ -255,6 +262,8 @@ def bench_size(
                 try:
                     if rep:
                         _fresh_connections(run)
+                    if cfg.warm_up:
+                        _warm_up(run, run.drv, work, rep)
                     _one_repeat(run, run.drv, work, src, dst, rep)
                 except Exception as e:
                     run.result = _err(e)
@@ -273,6 +282,7 @@ def bench_size(
                 "get_gbps_median": round(nbytes / float(np.median(run.gets)) / GB, 3),
                 "repeats": len(run.puts),
                 "fresh_connections": run.fresh,
+                "warm_up": run.warm,
                 "bytes_verified": nbytes if run.verifies else 0,
             }
         out[run.name] = run.result
@@ -289,6 +299,27 @@ def _fresh_connections(run: _Run) -> None:
     if reconnect is not None:
         reconnect()
         run.fresh = True
+
+
+def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int) -> None:
+    """One untimed put and get of the whole batch, under keys of its own, then
+    those keys discarded. A new TCP connection starts with small socket
+    buffers and a small congestion window that the kernel grows as data flows,
+    so its first transfer is slower than the ones after it (on the 2-core host,
+    16 KiB: the socket loop's put 40% slower, rdmakv's 20%, bench/README),
+    while an engine's connections move KV all day. The warm-up goes through
+    the driver's own put and get (into the destination arena, which the timed
+    get overwrites after zeroing it). A driver that stores nothing (perftest,
+    a process per measurement) has nothing to warm."""
+    if not bool(getattr(drv, "moves_keys", True)):
+        return
+    keys = work.keys(f"w{run.name[:6]}{rep}")
+    drv.put(keys)
+    drv.get(keys)
+    discard = getattr(drv, "discard", None)
+    if discard is not None:
+        discard(keys)
+    run.warm = True
 
 
 def _one_repeat(run: _Run, drv: Driver, work: Workload, src: Arena, dst: Arena, rep: int) -> None:
@@ -780,6 +811,7 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
             "transport": cfg.transport,
             "blocks": {str(s): cfg.blocks_for(s) for s in sizes},
             "repeats": cfg.resolved_repeats(),
+            "warm_up": cfg.warm_up,
             **cfg.extra_meta,
         },
     }
