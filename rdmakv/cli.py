@@ -602,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--streams", type=int,
         help="connections to one node, big batches split (default 2 over RDMA; over TCP 2 "
-        "with 4 usable CPUs or more, else 1)",
+        "with 2 usable CPUs or more, else 1)",
     )
     p.add_argument("--timeout", type=_seconds_arg, help="seconds per remote wait (default 5)")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")

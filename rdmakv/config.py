@@ -207,7 +207,7 @@ class ClientConfig(_Section):
         default=None,
         ge=1,
         le=MAX_STREAMS,
-        description="connections to one node (unset: 2 over RDMA; over TCP 2 with 4 usable "
+        description="connections to one node (unset: 2 over RDMA; over TCP 2 with 2 usable "
         "CPUs or more, else 1); a batch of >= 4 MiB is split across them when its values are "
         ">= 16 KiB over RDMA or over TCP with 4 usable CPUs or more, >= 64 KiB over TCP "
         "otherwise (more bandwidth where one stream or queue pair is CPU-bound)",

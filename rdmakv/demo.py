@@ -73,7 +73,7 @@ class DemoConfig:
     replication: int = 1
     streams: int | None = None
     """Connections to one node, a large batch split across them (None: 2 over
-    RDMA; over TCP 2 on a host of 4 usable CPUs or more, else 1)."""
+    RDMA; over TCP 2 on a host of 2 usable CPUs or more, else 1)."""
     timeout: float = 5.0
     """Seconds any remote wait may take."""
 

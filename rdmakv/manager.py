@@ -211,7 +211,7 @@ class KVCacheManager:
     members each hold a rendezvous share of the keys (``replication`` copies
     of each), or None for an L1-only cache. ``streams`` connections to one
     node split a large batch across them (:mod:`rdmakv.streams`; None: 2 over
-    RDMA, and over TCP 2 on a host of 4 usable CPUs or more, else 1).
+    RDMA, and over TCP 2 on a host of 2 usable CPUs or more, else 1).
     ``offload`` picks which computed blocks are sent to the node: a mode name
     (``reuse``, the default: every block unless the request's ``keep`` hint
     says otherwise, or only ``offload_budget`` of the bytes; ``all``, ``cold``,

@@ -69,7 +69,7 @@ def open_remote(
     (its transport is always RDMA). ``replication`` > 1 needs a cluster;
     ``streams`` > 1 connections per node (:mod:`rdmakv.streams`) needs one node;
     None (the default) is, for one node, 2 over RDMA and over TCP 2 on a host
-    of 4 usable CPUs or more, else 1 (:func:`~rdmakv.streams.default_streams`);
+    of 2 usable CPUs or more, else 1 (:func:`~rdmakv.streams.default_streams`);
     1 per node in a cluster.
     """
     if not isinstance(spec, str) or not spec.strip():

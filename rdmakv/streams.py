@@ -39,13 +39,14 @@ Invariants:
 **How many by default** (``streams=None``): :data:`STREAMS_RDMA` when the
 first connection runs RDMA. Two queue pairs per node is Mooncake Transfer
 Engine's default too (``MC_NUM_QP_PER_EP``), tuned on production NICs. Over
-TCP it depends on the CPUs this process may run on (:func:`usable_cpus`):
-:data:`STREAMS_TCP_MANY_CPUS` from :data:`MANY_CPUS` on, else
-:data:`STREAMS_TCP`. Each stream's bytes are moved by its own client thread
-(and node session thread), so a second one pays only where it has a core of
-its own: on a 2-core host the two ends' threads contend and one stream was
-faster; on a 16-core host two streams moved 1.46-2.11x one's bytes from 64 KiB
-values. A second stream costs a node session either way.
+TCP :data:`STREAMS_TCP` on a host of :data:`TWO_CPUS` usable CPUs or more
+(:func:`usable_cpus`), else :data:`STREAMS_TCP_ONE_CPU`. Each stream's bytes
+are moved by its own client thread (and node session thread), so a second one
+pays where it has a core to run on: on a 16-core host two streams moved
+1.46-2.11x one's bytes from 64 KiB values, and on a 2-core host, on warm
+connections, 1.26-1.62x (the two ends' four threads share two cores, but each
+spends most of a transfer in a system call with the GIL released). A second
+stream costs a node session either way.
 """
 
 from __future__ import annotations
@@ -61,19 +62,28 @@ from rdmakv.client import DEFAULT_TIMEOUT, KVClient, check_get, check_put
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.slab import Slab
 
-STREAMS_TCP = 1
-"""Connections per node by default over TCP with fewer than :data:`MANY_CPUS`
-usable CPUs: 1000 x 16 KiB over two put 3.2-3.4 GB/s against one's 4.1 on a
-2-core host (2026-11-25), and from 64 KiB two were 0.9-1.0x one there
-(``rdmakv bench``, 2026-11-27)."""
-STREAMS_TCP_MANY_CPUS = 2
-"""Connections per node by default over TCP with :data:`MANY_CPUS` usable CPUs
-or more. On a 16-core Intel Xeon host (node and bench on the same host,
-2026-11-27, four ``rdmakv bench`` runs) two moved 1.46-2.11x one's bytes at
-64 KiB-1 MiB: put 5.0-6.9 / 5.8-9.4 / 6.1-9.1 GB/s against 3.3-4.4 / 3.1-4.8 /
-3.1-4.8, get likewise (bench/README.md)."""
+STREAMS_TCP = 2
+"""Connections per node by default over TCP on a host of :data:`TWO_CPUS`
+usable CPUs or more. Measured with ``rdmakv bench`` (best of 3-5, node and
+bench on the same host, each timed transfer on warm connections):
+
+* 16-core Intel Xeon host (2026-11-27, four runs): two moved 1.46-2.11x one's
+  bytes at 64 KiB-1 MiB: put 5.0-6.9 / 5.8-9.4 / 6.1-9.1 GB/s against 3.3-4.4 /
+  3.1-4.8 / 3.1-4.8, get likewise (bench/README.md);
+* 2-core AMD EPYC VM (2026-11-28, three runs): two put 7.6-7.7 / 9.1-9.6 /
+  9.9-10.1 GB/s at 64 KiB / 256 KiB / 1 MiB against one's 5.8-6.1 / 6.4-6.6 /
+  6.1-6.4, and got 8.8-9.1 / 10.0-10.4 / 10.2-10.4 against 6.5-7.1 / 7.2-7.5 /
+  7.4-7.6. (Runs there on 2026-11-27, before the bench warmed connections,
+  had two at 0.9-1.0x one.)"""
+STREAMS_TCP_ONE_CPU = 1
+"""Connections per node by default over TCP where the process may use one CPU
+only (a cpuset, ``taskset``): a second stream's thread would only take turns
+with the first."""
+TWO_CPUS = 2
+"""Usable CPUs from which TCP gets :data:`STREAMS_TCP` by default."""
 MANY_CPUS = 4
-"""Usable CPUs from which TCP gets :data:`STREAMS_TCP_MANY_CPUS` by default:
+"""Usable CPUs from which a TCP batch is split from
+:data:`MIN_SPLIT_VALUE_BYTES_MANY_CPUS` values, not :data:`MIN_SPLIT_VALUE_BYTES`:
 two streams' client threads beside the caller's own."""
 STREAMS_RDMA = 2
 """Connections (queue pairs) per node by default over RDMA: in the soft-RoCE VM
@@ -113,8 +123,8 @@ def check_streams(streams: object) -> None:
     ):
         raise ConfigError(
             f"streams must be an integer in [1, {MAX_STREAMS}] or unset (by transport: "
-            f"{STREAMS_RDMA} over RDMA; over TCP {STREAMS_TCP_MANY_CPUS} with {MANY_CPUS} "
-            f"usable CPUs or more, else {STREAMS_TCP}), got {streams!r}"
+            f"{STREAMS_RDMA} over RDMA; over TCP {STREAMS_TCP} with {TWO_CPUS} "
+            f"usable CPUs or more, else {STREAMS_TCP_ONE_CPU}), got {streams!r}"
         )
 
 
@@ -133,7 +143,7 @@ def default_streams(transport_name: str | None, cpus: int | None = None) -> int:
         return STREAMS_RDMA
     if cpus is None:
         cpus = usable_cpus()
-    return STREAMS_TCP_MANY_CPUS if cpus >= MANY_CPUS else STREAMS_TCP
+    return STREAMS_TCP if cpus >= TWO_CPUS else STREAMS_TCP_ONE_CPU
 
 
 class MultiStreamClient:

@@ -30,7 +30,8 @@ from rdmakv.streams import (
     MIN_SPLIT_VALUE_BYTES_RDMA,
     STREAMS_RDMA,
     STREAMS_TCP,
-    STREAMS_TCP_MANY_CPUS,
+    STREAMS_TCP_ONE_CPU,
+    TWO_CPUS,
     MultiStreamClient,
     default_streams,
     usable_cpus,
@@ -114,12 +115,11 @@ def test_one_stream_is_one_kvclient(node: NodeProcess, client_slab: Slab) -> Non
 def test_unset_streams_follow_the_transport_and_the_usable_cpus(
     node: NodeProcess, client_slab: Slab
 ) -> None:
-    # over TCP two only where each stream's thread has a core (MANY_CPUS);
-    # two over RDMA on any host (tests/rdma/test_node_rdma.py)
-    for cpus in (1, MANY_CPUS - 1):
-        assert default_streams("tcp", cpus) == STREAMS_TCP == 1
-    for cpus in (MANY_CPUS, 64):
-        assert default_streams("tcp", cpus) == STREAMS_TCP_MANY_CPUS == 2
+    # over TCP two wherever a second stream's thread can run beside the first
+    # (TWO_CPUS); two over RDMA on any host (tests/rdma/test_node_rdma.py)
+    assert default_streams("tcp", 1) == STREAMS_TCP_ONE_CPU == 1
+    for cpus in (TWO_CPUS, MANY_CPUS, 64):
+        assert default_streams("tcp", cpus) == STREAMS_TCP == 2
     assert default_streams("rdma", 1) == default_streams("rdma", 64) == STREAMS_RDMA
     with MultiStreamClient(*node.address, client_slab, transport="auto") as c:
         assert c.transport_name == "tcp" and c.streams == default_streams("tcp", usable_cpus())
@@ -136,8 +136,8 @@ def test_usable_cpus_is_the_affinity_mask() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False, timeout=60).stdout.splitlines()
-    assert out[0].split() == ["1", str(STREAMS_TCP)]
-    assert f"tcp connections per node, streams unset: {STREAMS_TCP} (1 usable CPU)" in out
+    assert out[0].split() == ["1", str(STREAMS_TCP_ONE_CPU)]
+    assert f"tcp connections per node, streams unset: {STREAMS_TCP_ONE_CPU} (1 usable CPU)" in out
 
 
 def test_a_failed_part_fails_the_call_after_the_others_finished(
@@ -239,9 +239,13 @@ def test_an_unreachable_node_is_as_loud_as_for_one_kvclient(client_slab: Slab) -
 
 
 def test_open_remote_and_the_manager_take_streams_for_one_node(node: NodeProcess) -> None:
-    one = open_remote(node.endpoint, None)  # unset, over auto -> TCP here: one KVClient
-    assert isinstance(one, KVClient) and one.transport_name == "tcp"
-    one.close()
+    unset = open_remote(node.endpoint, None)  # over auto -> TCP here: this host's default
+    if default_streams("tcp", usable_cpus()) == 1:
+        assert isinstance(unset, KVClient) and unset.transport_name == "tcp"
+    else:
+        assert isinstance(unset, MultiStreamClient) and unset.transport_name == "tcp"
+        assert unset.streams == default_streams("tcp", usable_cpus())
+    unset.close()
     one = open_remote(node.endpoint, None, streams=1, transport="tcp")
     assert isinstance(one, KVClient)
     one.close()

@@ -74,7 +74,7 @@ class StoreOptions:
     comma-separated list of them or ``dns://NAME:PORT`` for a cluster
     (:mod:`rdmakv.remote`), with ``replication`` copies of each block, or
     ``streams`` connections to one node (:mod:`rdmakv.streams`; unset: 2
-    over RDMA, over TCP 2 on a host of 4 usable CPUs or more, else 1; the
+    over RDMA, over TCP 2 on a host of 2 usable CPUs or more, else 1; the
     scheduler side, which moves no KV, one). Sizes
     accept ints or strings like ``"4GiB"``.
 

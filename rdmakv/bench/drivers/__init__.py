@@ -69,7 +69,7 @@ CEILING = "socket_loop"
 OURS = "rdmakv"
 OURS_VARIANTS = ("rdmakv_streams1", "rdmakv_streams2")
 """rdmakv in a configuration other than its default (:func:`rdmakv.streams.default_streams`:
-``rdmakv`` is 2 connections over RDMA; over TCP 2 on a host of 4 usable CPUs or
+``rdmakv`` is 2 connections over RDMA; over TCP 2 on a host of 2 usable CPUs or
 more, else 1): ``streams=1``, one connection (one queue pair, perftest's
 like), and ``streams=2``, two with a big batch split across them.
 Throughput only: latency batches are never split, so there it is ``rdmakv``

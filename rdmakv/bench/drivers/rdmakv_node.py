@@ -9,7 +9,7 @@ place), exactly as an engine lays a slab over its host KV pool. Each
 ``put``/``get`` is ONE client call with every key; the client splits it into
 pipelined sub-batches itself. Each of the two is opened as
 ``KVCacheManager(streams=...)`` opens its client: with ``streams`` None (the
-default: 2 over RDMA; over TCP 2 on a host of 4 usable CPUs or more, else 1)
+default: 2 over RDMA; over TCP 2 on a host of 2 usable CPUs or more, else 1)
 or > 1 a
 :class:`~rdmakv.streams.MultiStreamClient` where that comes to several
 connections (a big batch is split across them).
