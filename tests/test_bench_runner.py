@@ -123,6 +123,21 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
     assert json.loads((out / "q.json").read_text()) == res
     for what in ("throughput", "latency", "concurrency"):
         assert (out / f"q_{what}.png").stat().st_size > 0
+    assert meta["warm_up"] is True
+
+
+def test_cli_no_warm_up_times_first_transfers() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "rdmakv.cli", "bench", "--quick", "--json", "--no-progress",
+         "--systems", "socket_loop", "--sizes", "16KiB", "--blocks", "8", "--no-latency",
+         "--no-concurrency", "--no-warm-up"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert res["meta"]["warm_up"] is False
+    fig = res["tcp"]["16384"]["socket_loop"]
+    assert fig["warm_up"] is False and fig["bytes_verified"] == 8 * 16384
 
 
 class _Unavailable:
