@@ -44,9 +44,10 @@ TCP :data:`STREAMS_TCP` on a host of :data:`TWO_CPUS` usable CPUs or more
 are moved by its own client thread (and node session thread), so a second one
 pays where it has a core to run on: on a 16-core host two streams moved
 1.46-2.11x one's bytes from 64 KiB values, and on a 2-core host, on warm
-connections, 1.26-1.62x (the two ends' four threads share two cores, but each
-spends most of a transfer in a system call with the GIL released). A second
-stream costs a node session either way.
+connections, 1.26-1.62x (the two ends' four threads share two cores, but a
+client thread spends most of a put in one native call with the GIL released,
+most of that in the kernel's copy). A second stream costs a node session
+either way.
 """
 
 from __future__ import annotations
