@@ -47,7 +47,8 @@ pays where it has a core to run on: on a 16-core host two streams moved
 connections, 1.26-1.62x (the two ends' four threads share two cores, but a
 client thread spends most of a put in one native call with the GIL released,
 most of that in the kernel's copy). A second stream costs a node session
-either way.
+either way, and where several client processes share 2 cores, one stream
+each moved more (bench/README.md): pass ``streams=1`` there.
 """
 
 from __future__ import annotations

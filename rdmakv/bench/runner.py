@@ -306,7 +306,7 @@ def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int) -> None:
     those keys discarded. A new TCP connection starts with small socket
     buffers and a small congestion window that the kernel grows as data flows,
     so its first transfer is slower than the ones after it (on the 2-core host,
-    16 KiB: the socket loop's put 40% slower, rdmakv's 20%, bench/README),
+    16 KiB: the socket loop's first put 39% slower, rdmakv's 26%, bench/README),
     while an engine's connections move KV all day. The warm-up goes through
     the driver's own put and get (into the destination arena, which the timed
     get overwrites after zeroing it). A driver that stores nothing (perftest,
