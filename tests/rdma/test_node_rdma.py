@@ -36,6 +36,8 @@ from rdmakv.streams import (
     MIN_SPLIT_VALUE_BYTES_RDMA,
     STREAMS_RDMA,
     MultiStreamClient,
+    default_streams,
+    usable_cpus,
 )
 from rdmakv.transport import verbs
 from rdmakv.transport.base import IoOp, make_op_table
@@ -251,7 +253,7 @@ def test_multi_stream_client_splits_a_big_batch_over_two_queue_pairs(block: int)
         node.kill()
 
 
-def test_unset_streams_is_two_queue_pairs_over_rdma_and_one_connection_over_tcp() -> None:
+def test_unset_streams_is_two_queue_pairs_over_rdma_and_the_tcp_default_over_tcp() -> None:
     n = MIN_SPLIT_BATCH_BYTES // BLOCK
     node = Node(pool=(n + 16) * BLOCK)
     tcp_node = Node(transport="tcp")
@@ -274,11 +276,15 @@ def test_unset_streams_is_two_queue_pairs_over_rdma_and_one_connection_over_tcp(
                           timeout=CLIENT_TIMEOUT)
         with one:
             assert isinstance(one, KVClient) and one.transport_name == "rdma"
-        # auto that lands on TCP (the node offers no RDMA): one connection
+        # auto that lands on TCP (the node offers no RDMA): TCP's count for this host,
+        # every connection over TCP (never a mix)
         tcp = open_remote(f"127.0.0.1:{tcp_node.port}", slab, transport="auto",
                           timeout=CLIENT_TIMEOUT)
         with tcp:
-            assert isinstance(tcp, KVClient) and tcp.transport_name == "tcp"
+            want = default_streams("tcp", usable_cpus())
+            conns = tcp.clients if isinstance(tcp, MultiStreamClient) else [tcp]
+            assert len(conns) == want and tcp.transport_name == "tcp"
+            assert [k.transport_name for k in conns] == ["tcp"] * want
     finally:
         slab.close()
         node.kill()
