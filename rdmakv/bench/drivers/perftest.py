@@ -21,14 +21,18 @@ under the VM's emulated CPU can take a while.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from functools import partial
 
 from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
+
+log = logging.getLogger("rdmakv.bench")
 
 GB = 1e9
 GBIT = 1e9 / 8
@@ -39,6 +43,13 @@ RUN_TIMEOUT_S = 300.0
 LISTEN_TIMEOUT_S = 60.0
 """How long the client keeps retrying a refused connection while the server starts."""
 RETRY_S = 0.5
+ZERO_READING_TRIES = 3
+"""Runs of one measurement before a 0.00 Gb/sec reading is an error. Under the
+soft-RoCE VM's emulated CPU perftest now and then reports 0.00 Gb/sec for a
+whole run (CI, 2026-11-28: ``ib_write_bw`` over 2 QPs, 64 x 64 KiB; the same
+test passed in the CI run before, on the same commit's code; and once at 16
+KiB in a full bench run, commit 5b7be2b). A reading of 0 measures nothing, so
+the pair is run again; a third 0 in a row is reported as the error it is."""
 NOT_LISTENING = ("Couldn't connect", "Unable to open file descriptor for socket connection")
 
 
@@ -48,6 +59,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PerftestZeroReading(RuntimeError):
+    """perftest printed 0.00 Gb/sec: below its resolution, or a run it failed to time."""
+
+
 def parse_gbps(out: str, size: int) -> float:
     """GB/s from perftest's result line for ``size`` (``BW average[Gb/sec]``, 4th field)."""
     for line in out.splitlines():
@@ -55,7 +70,7 @@ def parse_gbps(out: str, size: int) -> float:
         if len(f) >= 4 and f[0] == str(size):
             gbps = float(f[3]) * GBIT / GB
             if gbps <= 0:  # no ceiling to divide by: say what perftest printed
-                raise RuntimeError(
+                raise PerftestZeroReading(
                     f"perftest reported {f[3]} Gb/sec for {size}-byte messages "
                     f"(below its 0.01 Gb/sec resolution, or a failed run): {line.strip()!r}"
                 )
@@ -80,8 +95,32 @@ def run_perftest(
     bandwidth is their sum).
 
     Raises :class:`PeerUnavailable` when the tool is not installed, RuntimeError
-    (with perftest's own output) when a run fails.
+    (with perftest's own output) when a run fails, :class:`PerftestZeroReading`
+    when :data:`ZERO_READING_TRIES` runs in a row reported 0.00 Gb/sec.
     """
+    run = partial(_run_pair, tool, size, iters, device=device, ib_port=ib_port,
+                  gid_index=gid_index, host=host, timeout=timeout, qps=qps)
+    for _ in range(ZERO_READING_TRIES - 1):
+        try:
+            return run()
+        except PerftestZeroReading as e:
+            log.warning("%s; running it again", e)
+    return run()
+
+
+def _run_pair(
+    tool: str,
+    size: int,
+    iters: int,
+    *,
+    device: str,
+    ib_port: int,
+    gid_index: int,
+    host: str,
+    timeout: float,
+    qps: int,
+) -> float:
+    """One server + client run of ``tool`` (:func:`run_perftest`), its GB/s."""
     exe = shutil.which(tool)
     if exe is None:
         raise PeerUnavailable(f"{tool} not found (apt-get install perftest)")
