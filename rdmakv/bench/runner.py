@@ -316,9 +316,7 @@ def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int) -> None:
     keys = work.keys(f"w{run.name[:6]}{rep}")
     drv.put(keys)
     drv.get(keys)
-    discard = getattr(drv, "discard", None)
-    if discard is not None:
-        discard(keys)
+    _discard(drv, keys)
     run.warm = True
 
 
@@ -349,6 +347,12 @@ def _one_repeat(run: _Run, drv: Driver, work: Workload, src: Arena, dst: Arena, 
             "error": f"{bad} wrong bytes of {src.size} read back (repeat {rep + 1})",
         }
         return
+    _discard(drv, keys)
+
+
+def _discard(drv: Driver, keys: Sequence[bytes]) -> None:
+    """Delete ``keys`` where the driver can (its optional ``discard``), so the
+    next transfer finds room."""
     discard = getattr(drv, "discard", None)
     if discard is not None:
         discard(keys)
