@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated systems (default tcp: rdmakv,rdmakv_streamsN,socket_loop,redis,"
         "mooncake_te; rdma: rdmakv,rdmakv_streams1,perftest,perftest_q2,infinistore,"
         "mooncake_te; rdmakv_streamsN: the stream count that is not rdmakv's default here, "
-        "streams2 on a host of fewer than 4 CPUs, else streams1)",
+        "streams1 on a host of 2 usable CPUs or more, streams2 on one)",
     )
     p.add_argument("--sizes", help="comma-separated block sizes (default 16KiB,64KiB,256KiB,1MiB)")
     p.add_argument("--repeats", type=int, help="best of this many runs (default 3; quick 1)")

@@ -83,6 +83,7 @@ from rdmakv.protocol import (
     encode_hello,
     encode_keys,
     encode_u64_list,
+    encode_uniform_keys,
     value_checksum,
     wrap_socket_errors,
 )
@@ -658,21 +659,26 @@ class KVClient:
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed on the node (one round trip per batch)."""
-        check_keys(keys)
         return self._flags_op(Op.EXISTS, keys, "EXISTS")
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Remove keys; True per key that was present."""
-        check_keys(keys)
         return self._flags_op(Op.DELETE, keys, "DELETE")
 
     def _flags_op(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool]:
+        # A scheduler waits for this answer: the keys are checked and encoded in
+        # one set of passes (check_keys only names a bad key, or passes keys of
+        # several lengths to the per-key encoder).
+        whole = encode_uniform_keys(keys)
+        if whole is None:
+            check_keys(keys)
         if not keys:  # nothing to ask: no round trip (a stalled node must not delay it)
             return []
 
         def run() -> list[bool]:
             if self.info is not None and len(keys) <= self.info.max_keys:  # one request
-                return decode_flags(self._call(opcode, encode_keys(keys), what), len(keys), what)
+                payload = whole if whole is not None else encode_keys(keys)
+                return decode_flags(self._call(opcode, payload, what), len(keys), what)
             out: list[bool] = []
             for s, e in self._chunks(len(keys)):
                 chunk = keys[s:e]

@@ -383,11 +383,22 @@ def _one_key_len(keys: Sequence[bytes]) -> int | None:
     return n if 0 < n <= MAX_KEY_LEN else None
 
 
-def encode_keys(keys: Sequence[bytes]) -> bytes:
+def encode_uniform_keys(keys: Sequence[bytes]) -> bytes | None:
+    """:func:`encode_keys` of keys that are all ``bytes`` of one valid length
+    (C-level passes and one join, no per-key Python); None for any other
+    list, which the caller checks and sends to :func:`encode_keys`. A client
+    that checks its keys anyway checks them here once, not twice."""
     n = _one_key_len(keys)
-    if n is not None:  # one C-level join, no per-key Python
-        prefix = U16.pack(n)
-        return U32.pack(len(keys)) + prefix + prefix.join(keys)
+    if n is None:
+        return None
+    prefix = U16.pack(n)
+    return U32.pack(len(keys)) + prefix + prefix.join(keys)
+
+
+def encode_keys(keys: Sequence[bytes]) -> bytes:
+    uniform = encode_uniform_keys(keys)
+    if uniform is not None:
+        return uniform
     parts = [U32.pack(len(keys))]
     pack = U16.pack
     for k in keys:
@@ -932,6 +943,11 @@ def decode_keys_request(payload: Buffer, what: str) -> KeysRequest:
     """A keys-only request's payload, checked whole (bounds, key lengths, no
     trailing bytes); split into key objects only where the keys differ in length."""
     buf = bytes(payload)
+    if len(buf) >= U32.size:  # an engine's request, checked whole without a cursor first
+        n = U32.unpack_from(buf)[0]
+        klen = _uniform_key_len(buf, n, 0) if n <= MAX_KEYS_PER_REQUEST else None
+        if klen is not None:
+            return KeysRequest(buf, n, klen)
     n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
     klen = _uniform_key_len(buf, n, 0)
     if klen is not None:
@@ -1348,7 +1364,9 @@ class Channel:
     Client side, requests are *pipelined*: :meth:`submit` sends a request and
     queues a :class:`Reply`; :meth:`wait` reads responses in order (the node
     answers in order) until the awaited one is complete. ``call`` is submit +
-    wait. Not thread-safe: its owner serialises use.
+    wait, and on an idle channel (nothing queued or read ahead) one request
+    and its answer with the same checks and nothing queued. Not thread-safe:
+    its owner serialises use.
 
     ``bulk_pending`` counts the bulk bytes of the last received header not yet
     consumed, so a handler that fails early can :meth:`skip_bulk` and keep the
@@ -1523,26 +1541,36 @@ class Channel:
     def in_flight(self) -> int:
         return len(self._queue)
 
-    def _read_next(self) -> None:
-        reply = self._queue.popleft()
+    def _read_response(self, opcode: int, req_id: int, what: str) -> tuple[Header, bytearray]:
+        """The next response's header and payload, which must answer request
+        ``req_id`` (``opcode``); an error response's bulk is skipped."""
         hdr = self.recv_header()
         payload = self.recv_payload(hdr)
-        if hdr.opcode != reply.opcode | RESPONSE_BIT or hdr.req_id != reply.req_id:
+        if hdr.opcode != opcode | RESPONSE_BIT or hdr.req_id != req_id:
             raise ProtocolError(
-                f"{reply.what}: response out of sync (opcode {hdr.opcode}, req_id "
-                f"{hdr.req_id}; expected {reply.opcode | RESPONSE_BIT}, {reply.req_id})"
+                f"{what}: response out of sync (opcode {hdr.opcode}, req_id "
+                f"{hdr.req_id}; expected {opcode | RESPONSE_BIT}, {req_id})"
             )
-        reply.header, reply.payload = hdr, payload
         if hdr.status != Status.OK:
             self.skip_bulk()
+        return hdr, payload
+
+    def _check_consumed(self, what: str) -> None:
+        if self.bulk_pending:
+            raise ProtocolError(f"{what}: unexpected {self.bulk_pending} bulk bytes")
+
+    def _read_next(self) -> None:
+        reply = self._queue.popleft()
+        hdr, payload = self._read_response(reply.opcode, reply.req_id, reply.what)
+        reply.header, reply.payload = hdr, payload
+        if hdr.status != Status.OK:
             try:
                 raise_for_status(hdr, payload, reply.what)
             except RdmakvError as e:
                 reply.error = e
         elif reply.on_ok is not None:
             reply.on_ok(hdr)
-        if self.bulk_pending:
-            raise ProtocolError(f"{reply.what}: unexpected {self.bulk_pending} bulk bytes")
+        self._check_consumed(reply.what)
         reply.done = True
         if reply.error is not None and not reply.awaited:
             log.debug("unawaited request failed: %s", reply.error)
@@ -1562,7 +1590,30 @@ class Channel:
         self, opcode: int, payload: bytes, what: str, *, flags: int = 0
     ) -> tuple[Header, bytearray]:
         """One request/response round trip for a control op (no bulk)."""
-        return self.wait(self.submit(opcode, payload, what, flags=flags))
+        if self._queue or self._pos != self._end:  # earlier answers are read first, in order
+            return self.wait(self.submit(opcode, payload, what, flags=flags))
+        # An idle channel, as for a lookup a scheduler waits for (~30 us on the
+        # 2-core VM): no Reply queued, and a wait for the answer's first bytes
+        # at once (poll, then one read), not through a read that fails first
+        # (BlockingIOError, ~1.2 us): nothing else is on its way, and the answer
+        # is hardly ever in yet.
+        what = what or f"opcode {opcode}"
+        req_id = self.next_req_id()
+        send_frame(self.sock, HEADER.pack(opcode, flags, 0, len(payload), 0, req_id), payload)
+        self._pos = 0
+        self._end = self._recv_waiting(self._ahead_view)
+        hdr, answer = self._read_response(opcode, req_id, what)
+        if hdr.status != Status.OK:
+            raise_for_status(hdr, answer, what)
+        self._check_consumed(what)
+        return hdr, answer
+
+    def _recv_waiting(self, view: memoryview) -> int:
+        """One receive into ``view`` that waits under the socket's timeout."""
+        got = self.sock.recv_into(view)
+        if got == 0:
+            raise ConnectionLost("peer closed the connection mid-frame")
+        return got
 
     def send_nowait(self, opcode: int, payload: bytes) -> None:
         """Send a request nobody waits for; its response is read (and a failure

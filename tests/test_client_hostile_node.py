@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from rdmakv.client import KVClient
-from rdmakv.errors import ProtocolError, RdmakvError, TransportTimeout
+from rdmakv.errors import ProtocolError, RdmakvError, RemoteError, TransportTimeout
 from rdmakv.protocol import (
     PROTOCOL_VERSION,
     RESPONSE_BIT,
@@ -25,6 +25,7 @@ from rdmakv.protocol import (
     LookupResult,
     NodeInfo,
     Op,
+    Status,
     decode_get,
     decode_keys,
     encode_get_answer,
@@ -277,3 +278,51 @@ def test_silent_node_times_out(fake_node: Callable[[NodeInfo, Script], tuple[str
     ):
         c.exists([b"k"])
     gate.set()
+
+
+@pytest.mark.parametrize(
+    ("lie", "error"),
+    [
+        ("req_id", "out of sync"),
+        ("opcode", "out of sync"),
+        ("bulk", "unexpected 5 bulk bytes"),
+        ("status", "no such thing"),
+    ],
+)
+def test_a_lookup_answer_that_does_not_fit_its_request_is_an_error(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], lie: str, error: str
+) -> None:
+    """A control call on an idle connection waits for its answer at once and
+    checks it there (not through the pipelined queue): an answer to another
+    request, or one with bulk no control op carries, is a ProtocolError and
+    the connection is dropped; an error status is the node's error, and the
+    stream stays in sync for the next call on the same connection."""
+    answers = 0
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal answers
+        answers += 1
+        flags = b"\x01\x00\x00\x00\x01"
+        if answers > 1:  # the call after the lie: a true answer
+            ch.send(hdr.opcode | RESPONSE_BIT, flags, req_id=hdr.req_id)
+        elif lie == "req_id":
+            ch.send(hdr.opcode | RESPONSE_BIT, flags, req_id=hdr.req_id + 1)
+        elif lie == "opcode":
+            ch.send(Op.DELETE | RESPONSE_BIT, flags, req_id=hdr.req_id)
+        elif lie == "bulk":
+            ch.send(hdr.opcode | RESPONSE_BIT, flags, req_id=hdr.req_id,
+                    bulk=[memoryview(b"extra")], bulk_len=5)
+        else:
+            ch.send(hdr.opcode | RESPONSE_BIT, b"no such thing", status=Status.BAD_REQUEST,
+                    req_id=hdr.req_id)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with KVClient(*addr, None, connect_retries=1) as c:
+        expected = RemoteError if lie == "status" else ProtocolError
+        with pytest.raises(expected, match=error):
+            c.exists([b"k"])
+        reconnects = c.reconnects
+        assert c.exists([b"k"]) == [True]
+        # a lie about the stream drops the connection; an error answer keeps it
+        assert c.reconnects == reconnects + (0 if lie == "status" else 1)
