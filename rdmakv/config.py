@@ -209,8 +209,9 @@ class ClientConfig(_Section):
         le=MAX_STREAMS,
         description="connections to one node (unset: 2 over RDMA; over TCP 2 with 2 usable "
         "CPUs or more, else 1); a batch of >= 4 MiB is split across them when its values are "
-        ">= 16 KiB over RDMA or over TCP with 4 usable CPUs or more, >= 64 KiB over TCP "
-        "otherwise (more bandwidth where one stream or queue pair is CPU-bound)",
+        ">= 16 KiB over RDMA, a get's over TCP, or a put's over TCP with 4 usable CPUs or "
+        "more; a put's >= 64 KiB over TCP otherwise (more bandwidth where one stream or "
+        "queue pair is CPU-bound)",
     )
     transport: Transport = Field(
         default="auto", description="`auto`: RDMA when a usable device exists, else TCP"

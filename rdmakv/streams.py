@@ -21,14 +21,17 @@ Invariants:
   ``get_checked``, which check nothing again.
 * **Only big batches are split**, into contiguous runs of keys, one per
   connection: at least :data:`MIN_SPLIT_BATCH_BYTES` in all, of values of at
-  least :data:`MIN_SPLIT_VALUE_BYTES` over TCP
-  (:data:`MIN_SPLIT_VALUE_BYTES_MANY_CPUS` on a host of :data:`MANY_CPUS`
-  usable CPUs or more), or :data:`MIN_SPLIT_VALUE_BYTES_RDMA` over RDMA
-  (every connection runs what the first one settled on). Over TCP the threads
-  that run each part's per-key Python also move its bytes: on 2 cores, below
-  64 KiB values two of them contending for the GIL and the cores measured
-  slower than one; on 16 cores two were faster from 16 KiB. Over RDMA the
-  bytes move without them, each connection on its own queue pair.
+  least :data:`MIN_SPLIT_VALUE_BYTES_RDMA` over RDMA (every connection runs
+  what the first one settled on). Over TCP a get's values from
+  :data:`MIN_SPLIT_GET_VALUE_BYTES`, and a put's from
+  :data:`MIN_SPLIT_VALUE_BYTES` (:data:`MIN_SPLIT_VALUE_BYTES_MANY_CPUS` on a
+  host of :data:`MANY_CPUS` usable CPUs or more). Over TCP the threads that
+  run each part's per-key Python also move its bytes: on 2 cores, below 64
+  KiB values two of them putting (hashing and sending, while two node
+  threads receive) measured slower than one, and two getting (receiving and
+  verifying, while the node threads only send) faster from 16 KiB; on 16
+  cores two were faster from 16 KiB both ways. Over RDMA the bytes move
+  without them, each connection on its own queue pair.
   Everything else (and exists, delete, stats) uses the first connection.
 * **A call returns only when every part has finished**: a part may still be
   moving bytes of the caller's slab. If parts failed, the first failure in key
@@ -84,7 +87,7 @@ with the first."""
 TWO_CPUS = 2
 """Usable CPUs from which TCP gets :data:`STREAMS_TCP` by default."""
 MANY_CPUS = 4
-"""Usable CPUs from which a TCP batch is split from
+"""Usable CPUs from which a TCP put is split from
 :data:`MIN_SPLIT_VALUE_BYTES_MANY_CPUS` values, not :data:`MIN_SPLIT_VALUE_BYTES`:
 two streams' client threads beside the caller's own."""
 STREAMS_RDMA = 2
@@ -95,11 +98,22 @@ MAX_STREAMS = 16
 """More connections than this per engine process and node only hoard node
 sessions (the node limits connections per address)."""
 MIN_SPLIT_VALUE_BYTES = 64 * 1024
-"""Values this big at least are split over TCP with fewer than
+"""A put's values this big at least are split over TCP with fewer than
 :data:`MANY_CPUS` usable CPUs: 1000 x 16 KiB over two connections put 3.2-3.4
 GB/s against one connection's 4.1 on a 2-core host (2026-11-25)."""
+MIN_SPLIT_GET_VALUE_BYTES = 16 * 1024
+"""The TCP floor for a get's values, on any host. A get's client thread
+receives each value and verifies its checksum while the node's thread only
+sends from its pool, so two connections put the second core to work: on the
+2-core AMD EPYC VM (2026-11-28, nine runs of 6-8 rounds of 1000 x 16 KiB on
+warm connections, best / median of each run) two got 4.52-5.62 / 3.56-5.03
+GB/s (means 5.13 / 4.33) against one's 3.85-5.09 / 3.46-4.28 (4.53 / 4.03),
+the socket loop 4.29-5.51 (4.69); two had the better best in all nine. In six
+of those runs two put 3.79-4.56 against one's 4.19-4.96, so a put keeps
+:data:`MIN_SPLIT_VALUE_BYTES` there. Smaller values were not measured."""
+
 MIN_SPLIT_VALUE_BYTES_MANY_CPUS = 16 * 1024
-"""The TCP floor with :data:`MANY_CPUS` usable CPUs or more, where each
+"""A put's TCP floor with :data:`MANY_CPUS` usable CPUs or more, where each
 connection's thread has a core: on a 16-core Intel Xeon host (2026-11-27, two
 runs of 1000 values, best of 5) two connections moved 1.19-1.27x one's put and
 1.37-1.38x its get at 16 KiB, 1.39-1.70x and 1.34-1.81x at 32 KiB. Smaller
@@ -214,12 +228,19 @@ class MultiStreamClient:
 
     @property
     def min_split_value(self) -> int:
-        """The value size from which a big batch is split (see the module docstring)."""
+        """The value size from which a big put is split (see the module docstring)."""
         if all(c.transport_name == "rdma" for c in self.clients):
             return MIN_SPLIT_VALUE_BYTES_RDMA
         if self._cpus >= MANY_CPUS:
             return MIN_SPLIT_VALUE_BYTES_MANY_CPUS
         return MIN_SPLIT_VALUE_BYTES
+
+    @property
+    def min_split_get_value(self) -> int:
+        """The value size from which a big get is split (see the module docstring)."""
+        if all(c.transport_name == "rdma" for c in self.clients):
+            return MIN_SPLIT_VALUE_BYTES_RDMA
+        return MIN_SPLIT_GET_VALUE_BYTES
 
     # -- data ops: split when big enough ---------------------------------------------------
     def put(
@@ -230,11 +251,12 @@ class MultiStreamClient:
         digests: Sequence[bytes],
     ) -> list[bool]:
         slab = self._slab()
-        if len(self._block_parts(len(keys), slab)) == 1:  # not even with full blocks
+        floor = self.min_split_value
+        if len(self._block_parts(len(keys), slab, floor)) == 1:  # not even with full blocks
             return self.clients[0].put(keys, handles, nbytes, digests)  # which checks them
         checked = check_put(slab, keys, handles, nbytes, digests)  # once, for every part
         sizes = checked.sizes
-        parts = self._parts(len(keys), max(sizes, default=0), sum(sizes))
+        parts = self._parts(len(keys), max(sizes, default=0), sum(sizes), floor)
         return self._run(parts, lambda c, s, e: c.put_checked(
             keys[s:e], handles[s:e], checked.part(s, e)
         ))
@@ -248,7 +270,7 @@ class MultiStreamClient:
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
     ) -> list[int | None]:
         slab = self._slab()
-        parts = self._block_parts(len(keys), slab)
+        parts = self._block_parts(len(keys), slab, self.min_split_get_value)
         if len(parts) == 1:
             return self.clients[0].get_sizes(keys, handles, digests)  # which checks them
         encoder = check_get(slab, keys, handles, digests)  # once, for every part
@@ -261,17 +283,20 @@ class MultiStreamClient:
             raise ConfigError("this client has no slab: data ops need one")
         return self.slab
 
-    def _block_parts(self, n: int, slab: Slab) -> list[tuple[int, int]]:
+    def _block_parts(self, n: int, slab: Slab, floor: int) -> list[tuple[int, int]]:
         """:meth:`_parts` of ``n`` values of a block each: a get's (what it may
         move), and the most a put's could be. A batch that comes to one part
         goes to the first connection as it is: that KVClient checks it, and a
         check here as well would be the same work twice on every small batch."""
-        return self._parts(n, slab.block_size, slab.block_size * n)
+        return self._parts(n, slab.block_size, slab.block_size * n, floor)
 
-    def _parts(self, n: int, value_bytes: int, batch_bytes: int) -> list[tuple[int, int]]:
-        """(start, end) of each connection's contiguous run of keys."""
+    def _parts(
+        self, n: int, value_bytes: int, batch_bytes: int, floor: int
+    ) -> list[tuple[int, int]]:
+        """(start, end) of each connection's contiguous run of keys; split only
+        where the values are ``floor`` bytes or more and the batch is big."""
         k = min(len(self.clients), n)
-        if k < 2 or value_bytes < self.min_split_value or batch_bytes < MIN_SPLIT_BATCH_BYTES:
+        if k < 2 or value_bytes < floor or batch_bytes < MIN_SPLIT_BATCH_BYTES:
             return [(0, n)]
         bounds = [n * i // k for i in range(k + 1)]
         return list(pairwise(bounds))

@@ -25,6 +25,7 @@ from rdmakv.streams import (
     MANY_CPUS,
     MAX_STREAMS,
     MIN_SPLIT_BATCH_BYTES,
+    MIN_SPLIT_GET_VALUE_BYTES,
     MIN_SPLIT_VALUE_BYTES,
     MIN_SPLIT_VALUE_BYTES_MANY_CPUS,
     MIN_SPLIT_VALUE_BYTES_RDMA,
@@ -76,16 +77,19 @@ def test_small_batches_use_one_connection(node: NodeProcess, client_slab: Slab) 
 
 
 @pytest.mark.parametrize("cpus", [2, 16])
-def test_over_tcp_small_values_are_split_only_with_many_cpus(
+def test_over_tcp_small_values_are_split_for_a_put_only_with_many_cpus_for_a_get_always(
     node_factory: Callable[..., NodeProcess], monkeypatch: pytest.MonkeyPatch, cpus: int
 ) -> None:
-    # 16 KiB values, > 4 MiB in all. On 2 cores two threads' per-key Python
-    # (and the bytes they move) contend for the GIL and the cores: one
-    # connection. With a core per connection's thread they are split. The CPU
-    # count is set here: a host has only the cores it has.
+    # 16 KiB values, > 4 MiB in all. On 2 cores two threads putting (hashing and
+    # sending while two node threads receive) contend for the GIL and the
+    # cores: one connection. Two getting (receiving and verifying while the
+    # node threads only send) use the second core: split. With a core per
+    # connection's thread both are split. The CPU count is set here: a host
+    # has only the cores it has.
     monkeypatch.setattr(streams_module, "usable_cpus", lambda: cpus)
     value = MIN_SPLIT_VALUE_BYTES_MANY_CPUS
     assert MIN_SPLIT_VALUE_BYTES_RDMA <= value < MIN_SPLIT_VALUE_BYTES
+    assert value >= MIN_SPLIT_GET_VALUE_BYTES
     many = cpus >= MANY_CPUS
     n = MIN_SPLIT_BATCH_BYTES // value + 8
     node = node_factory(block_size=str(value), pool_size=str(2 * n * value))
@@ -97,9 +101,11 @@ def test_over_tcp_small_values_are_split_only_with_many_cpus(
             assert c.min_split_value == (
                 MIN_SPLIT_VALUE_BYTES_MANY_CPUS if many else MIN_SPLIT_VALUE_BYTES
             )
+            assert c.min_split_get_value == MIN_SPLIT_GET_VALUE_BYTES
             assert c.put(keys, src, value, digests) == [True] * n
+            assert c.split_batches == (1 if many else 0)
             assert c.get(keys, dst, digests) == [True] * n
-            assert c.split_batches == (2 if many else 0)
+            assert c.split_batches == (2 if many else 1)
         assert [bytes(slab.view(h)) for h in dst] == [bytes(slab.view(h)) for h in src]
 
 

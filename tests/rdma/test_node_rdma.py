@@ -239,7 +239,7 @@ def test_multi_stream_client_splits_a_big_batch_over_two_queue_pairs(block: int)
             "127.0.0.1", node.port, slab, streams=2, transport="rdma", timeout=CLIENT_TIMEOUT
         ) as c:
             assert c.transport_name == "rdma"
-            assert c.min_split_value == MIN_SPLIT_VALUE_BYTES_RDMA
+            assert c.min_split_value == c.min_split_get_value == MIN_SPLIT_VALUE_BYTES_RDMA
             qps = {id(rdma_of(k).qp) for k in c.clients}
             assert len(qps) == 2  # one queue pair per connection
             assert c.put(keys, src, block, digests(n)) == [True] * n
