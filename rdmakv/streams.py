@@ -110,7 +110,10 @@ warm connections, best / median of each run) two got 4.52-5.62 / 3.56-5.03
 GB/s (means 5.13 / 4.33) against one's 3.85-5.09 / 3.46-4.28 (4.53 / 4.03),
 the socket loop 4.29-5.51 (4.69); two had the better best in all nine. In six
 of those runs two put 3.79-4.56 against one's 4.19-4.96, so a put keeps
-:data:`MIN_SPLIT_VALUE_BYTES` there. Smaller values were not measured."""
+:data:`MIN_SPLIT_VALUE_BYTES` there. ``rdmakv bench`` (best of 5, five runs
+that day, ``rdmakv`` against ``rdmakv_streams1``) was less clear: the split get
+3.83-5.41 GB/s (mean 4.63) against 4.27-4.75 (4.48), ahead in three of five.
+Smaller values were not measured."""
 
 MIN_SPLIT_VALUE_BYTES_MANY_CPUS = 16 * 1024
 """A put's TCP floor with :data:`MANY_CPUS` usable CPUs or more, where each
