@@ -246,6 +246,24 @@ def test_rdmakv_driver_reconnects_to_the_same_node_and_moves_every_byte() -> Non
         drv.close()
 
 
+def test_an_rdmakv_get_that_misses_names_the_shortfall_and_what_the_node_logged() -> None:
+    """A short get fails the run (rdmakv never skips); its error says how many
+    blocks it got and what the node logged, since the node's log is deleted
+    when the driver closes."""
+    work = Workload(16384, 8, 8)
+    src, dst = _arenas(work, 6)
+    drv = RdmakvDriver("tcp")
+    drv.open(work, src, dst)
+    try:
+        keys = work.keys("m")
+        drv.put(keys)
+        drv.discard(keys[:3])  # really gone from the node: those gets miss
+        with pytest.raises(RuntimeError, match=r"get hit 5 of 8 blocks; the node logged no warn"):
+            drv.get(keys)
+    finally:
+        drv.close()
+
+
 def test_socket_loop_reconnects_through_a_new_peer_and_moves_every_byte() -> None:
     work = Workload(block_bytes=8192, blocks=6, batch=6)
     src, dst = _arenas(work, 4)

@@ -687,14 +687,22 @@ class RdmaNodeDataPath(NodeDataPath):
                 self._mr, fresh, [(w.addr, w.length) for w in wins],
                 read=not write, write=write, timeout=BIND_TIMEOUT_S,
             )
+            failed = 0
             for w, new, st in zip(wins, fresh, status, strict=True):
                 old_rkey = w.window.rkey
                 w.window.close()
                 if st != verbs.ST_OK:
                     new.close()  # its extents' accesses now fail: misses, never wrong data
+                    failed += 1
                     continue
                 w.window = new
                 remap.append([old_rkey, new.rkey])
+            if failed:
+                log.warning(
+                    "rdma: %d of %d windows could not be bound again on a reconnected QP "
+                    "(first: %s); the client's reads or writes of those extents fail",
+                    failed, len(wins), verbs.status_name(next(x for x in status if x)),
+                )
         return remap
 
     # -- ExtentGuard (called by the store with its lock held) ---------------------

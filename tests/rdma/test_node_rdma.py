@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from rdmakv import streams
-from rdmakv.client import KVClient
+from rdmakv.client import KVClient, sub_batch_sizes
 from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
 from rdmakv.protocol import (
     AllocStatus,
@@ -560,6 +560,31 @@ def test_a_stalled_read_batch_is_moved_again_on_a_reset_qp(
         assert inj.stalled == n and inj.reads == 2  # one stalled batch, then moved again
         assert hits == [True] * n
         assert tp.reconnects > reconnects  # on a reset QP
+        for i in range(n):
+            assert bytes(slab.view(dst[i])) == bytes(slab.view(src[i])), f"key {i}"
+        assert c.stats()["leases_active"] == 0
+
+
+def test_a_stall_while_later_lookups_are_in_flight_moves_every_sub_batch(
+    node: Node, slab: Slab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get of several sub-batches sends its LOOKUPs ahead: when the first
+    read stalls and the QP is reset, the later sub-batches' leases were granted
+    on the old QP. The node rebinds their windows on the new one and the
+    transport maps their rkeys, so every sub-batch still moves."""
+    n = NBLOCKS  # two sub-batches (sub_batch_sizes)
+    assert len(sub_batch_sizes(n, 1 << 14)) >= 2
+    src, dst, keys = _filled(slab, n, b"sl")
+    with KVClient("127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT) as c:
+        assert c.put(keys, src, BLOCK, digests(n)) == [True] * n
+        tp = rdma_of(c)
+        reconnects = tp.reconnects
+        inj = _StallOnce()
+        _inject(monkeypatch, inj)
+        hits = c.get(keys, dst, digests(n))
+        assert inj.stalled > 0
+        assert tp.reconnects > reconnects
+        assert hits == [True] * n
         for i in range(n):
             assert bytes(slab.view(dst[i])) == bytes(slab.view(src[i])), f"key {i}"
         assert c.stats()["leases_active"] == 0

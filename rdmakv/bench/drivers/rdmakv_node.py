@@ -44,6 +44,8 @@ send call has returned, which may be after the client has every byte: with
 room for one workload only, that put would find the pool full for a moment
 and store a part (the node answers NO_SPACE rather than wait)."""
 POOL_SLACK_BLOCKS = 16
+NODE_LOG_LINES = 5
+"""The node's last warnings a failed put or get names in its error."""
 
 
 class RdmakvDriver:
@@ -153,13 +155,32 @@ class RdmakvDriver:
         assert self._put_c is not None
         ok = self._with_digests(self._put_c.put, keys, self._block)
         if not all(ok):
-            raise RuntimeError(f"rdmakv put stored {sum(ok)} of {len(keys)} blocks")
+            raise RuntimeError(
+                f"rdmakv put stored {sum(ok)} of {len(keys)} blocks{self._node_says()}"
+            )
 
     def get(self, keys: Sequence[bytes]) -> None:
         assert self._get_c is not None
         hits = self._with_digests(self._get_c.get, keys)
         if not all(hits):
-            raise RuntimeError(f"rdmakv get hit {sum(hits)} of {len(keys)} blocks")
+            raise RuntimeError(
+                f"rdmakv get hit {sum(hits)} of {len(keys)} blocks{self._node_says()}"
+            )
+
+    def _node_says(self) -> str:
+        """The last warnings of the node this driver started, for an error
+        message: its log is deleted when the driver closes, and the client's
+        side of a failure (logged on the bench's stderr) tells only half."""
+        if self._log is None:
+            return ""
+        lines = [
+            line.strip()
+            for line in self._log.read_text(errors="replace").splitlines()
+            if " WARNING " in line or " ERROR " in line
+        ]
+        if not lines:
+            return "; the node logged no warning"
+        return "; the node's last warnings: " + " | ".join(lines[-NODE_LOG_LINES:])
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         assert self._put_c is not None
