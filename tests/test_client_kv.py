@@ -210,6 +210,8 @@ def test_leased_extent_is_not_evicted_and_expired_lease_is_reclaimed(
         assert other.stats()["entries"] == 4 and other.stats()["evictions"] == 3
         wait_for(lambda: other.stats()["leases_active"] == 0, "the lease to expire")
         assert other.stats()["leases_expired"] == 1
+        # the operator is told (a client's side of an expiry is only failing reads)
+        assert "1 leases expired after 1 s unreleased" in node.stderr()
         # the extent is evictable again: the last put now succeeds by evicting it
         assert other.put(keys[7:8], src[7:8], BLOCK, digests[7:8]) == [True]
         assert c.exists(keys[:1]) == [False]

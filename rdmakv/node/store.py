@@ -30,6 +30,7 @@ All methods are thread-safe.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from array import array
@@ -61,6 +62,8 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport.base import BadAddress, ExtentGuard, PinnedValues, ReceivingValues
+
+log = logging.getLogger("rdmakv.node")
 
 DEFAULT_LEASE_TIMEOUT = 30.0
 DEFAULT_MAX_LEASES_PER_BLOCK = 4
@@ -172,10 +175,22 @@ class KVStore:
 
     # -- helpers (lock held) ------------------------------------------------------
     def _expire(self) -> None:
+        sessions: Counter[int] = Counter()
         for lease in self._leases.pop_expired(self._clock()):
             self._revoke_lease(lease)
             self._unpin_lease(lease)
             self.counters.leases_expired += 1
+            sessions[lease.session] += 1
+        if sessions:
+            # A client that held a lease this long is stuck or stalled (a QP
+            # that stopped completing): its reads of those extents now fail,
+            # which its side reports only as access errors.
+            log.warning(
+                "%d leases expired after %.0f s unreleased (sessions %s); their blocks "
+                "may be evicted, and over RDMA their windows are revoked",
+                sum(sessions.values()), self.lease_timeout,
+                ", ".join(f"{sid}: {n}" for sid, n in sorted(sessions.items())),
+            )
 
     def _revoke_lease(self, lease: Lease) -> None:
         if self._guard is not None:
