@@ -948,10 +948,9 @@ def decode_keys_request(payload: Buffer, what: str) -> KeysRequest:
         klen = _uniform_key_len(buf, n, 0) if n <= MAX_KEYS_PER_REQUEST else None
         if klen is not None:
             return KeysRequest(buf, n, klen)
+    # Not one key length (the check above saw this count): the cursor names
+    # what is wrong, or the keys are split.
     n = Reader(buf, what).count(MAX_KEYS_PER_REQUEST, U16.size + 1, "keys")
-    klen = _uniform_key_len(buf, n, 0)
-    if klen is not None:
-        return KeysRequest(buf, n, klen)
     return KeysRequest(buf, n, None, [k for k, _ in _scan_keys(buf, n, 0, what)])
 
 
