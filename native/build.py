@@ -5,8 +5,10 @@
   it cannot be built, :mod:`rdmakv.transport.tcp` falls back to its
   pure-Python socket loop.
 * ``index_ffibuilder`` -> ``rdmakv._native_index`` (the node's committed-key
-  index): plain libc only, built on every host; without it the node keeps its
-  keys in :class:`rdmakv.node.index.Index` (Python).
+  index, and the request loop that answers EXISTS with it, rk_serve): plain
+  libc and pthreads only, built on every host; without it the node keeps its
+  keys in :class:`rdmakv.node.index.Index` (Python) and serves every request
+  in Python.
 * ``verbs_ffibuilder`` -> ``rdmakv._native_verbs`` (the RDMA hot loop): built
   only when the libibverbs headers are present; without them the package
   installs TCP-only and :mod:`rdmakv.transport.verbs` reports why RDMA is
@@ -44,14 +46,15 @@ def _cdef(header: str) -> str:
     return "\n".join(lines)
 
 
-def _builder(module: str, stem: str, libraries: Sequence[str] = ()) -> FFI:
-    """The builder of ``rdmakv.<module>`` from ``<stem>.h`` / ``<stem>.c``."""
+def _builder(module: str, stems: Sequence[str], libraries: Sequence[str] = ()) -> FFI:
+    """The builder of ``rdmakv.<module>`` from each ``<stem>.h`` / ``<stem>.c``
+    (a header may use the ones before it)."""
     ffi = FFI()
-    ffi.cdef(_cdef(f"{stem}.h"))
+    ffi.cdef("\n".join(_cdef(f"{stem}.h") for stem in stems))
     ffi.set_source(
         f"rdmakv.{module}",
-        f'#include "{stem}.h"',
-        sources=[os.path.relpath(os.path.join(HERE, f"{stem}.c"))],
+        "\n".join(f'#include "{stem}.h"' for stem in stems),
+        sources=[os.path.relpath(os.path.join(HERE, f"{stem}.c")) for stem in stems],
         include_dirs=[os.path.relpath(HERE)],
         libraries=list(libraries),
         extra_compile_args=COMPILE_ARGS,
@@ -59,9 +62,9 @@ def _builder(module: str, stem: str, libraries: Sequence[str] = ()) -> FFI:
     return ffi
 
 
-tcp_ffibuilder = _builder("_native_tcp", "rk_tcp")
-index_ffibuilder = _builder("_native_index", "rk_index")
-verbs_ffibuilder = _builder("_native_verbs", "rk_verbs", libraries=["ibverbs"])
+tcp_ffibuilder = _builder("_native_tcp", ["rk_tcp"])
+index_ffibuilder = _builder("_native_index", ["rk_index", "rk_serve"])
+verbs_ffibuilder = _builder("_native_verbs", ["rk_verbs"], libraries=["ibverbs"])
 
 if __name__ == "__main__":
     tcp_ffibuilder.compile(verbose=True)

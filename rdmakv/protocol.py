@@ -1430,6 +1430,18 @@ class Channel:
         while self._end < need:
             self._end += _recv_some(self.sock, [self._ahead_view[self._end :]])
 
+    def fill_ahead(self, fill: Callable[[bytearray, int], int]) -> None:
+        """Let ``fill`` read into the read-ahead buffer and consume from it: it
+        is called with the buffer, its unread bytes moved to the front, and
+        their count, and returns how many unread bytes it left at the front
+        (a node's native loop, :mod:`rdmakv.node.native_loop`)."""
+        tail = self._end - self._pos
+        if self._pos:
+            self._ahead[:tail] = self._ahead_view[self._pos : self._end]
+        self._pos = 0
+        self._end = tail  # what is there if fill raises
+        self._end = fill(self._ahead, tail)
+
     def take_buffered(self, limit: int) -> memoryview:
         """Consume up to ``limit`` read-ahead bytes (a view valid until the next read)."""
         n = min(limit, self._end - self._pos)

@@ -10,6 +10,7 @@ file and passes ``--token-file``.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,21 @@ from typing import Any
 import pytest
 
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.protocol import (
+    HEADER,
+    RESPONSE_BIT,
+    Channel,
+    Header,
+    Op,
+    Status,
+    decode_node_info,
+    encode_hello,
+)
 from rdmakv.slab import Slab
 
 DEFAULT_POOL = "32MiB"
 DEFAULT_BLOCK = "64KiB"
+IO_TIMEOUT_S = 10.0
 
 
 class NodeProcess(LocalNodeProcess):
@@ -76,3 +88,61 @@ def client_slab() -> Iterator[Slab]:
     slab = Slab(16 * 1024 * 1024, 64 * 1024, lock=False)
     yield slab
     slab.close()
+
+
+class Raw:
+    """A hand-driven connection: send any bytes, read one response."""
+
+    def __init__(self, node: NodeProcess) -> None:
+        self.sock = socket.create_connection(node.address, timeout=IO_TIMEOUT_S)
+        self.ch = Channel(self.sock)
+        self.rid = 0
+
+    def frame(
+        self,
+        opcode: int,
+        payload: bytes = b"",
+        *,
+        bulk: bytes = b"",
+        flags: int = 0,
+        bulk_len: int | None = None,
+        payload_len: int | None = None,
+    ) -> None:
+        self.rid += 1
+        hdr = HEADER.pack(
+            opcode,
+            flags,
+            0,
+            len(payload) if payload_len is None else payload_len,
+            len(bulk) if bulk_len is None else bulk_len,
+            self.rid,
+        )
+        self.sock.sendall(hdr + payload + bulk)
+
+    def response(self) -> tuple[Header, bytes, bytes]:
+        hdr = self.ch.recv_header()
+        payload = bytes(self.ch.recv_payload(hdr))
+        bulk = bytearray(hdr.bulk_len)
+        if hdr.bulk_len:
+            self.ch.recv_bulk([memoryview(bulk)])
+        assert hdr.opcode & RESPONSE_BIT
+        return hdr, payload, bytes(bulk)
+
+    def call(self, opcode: int, payload: bytes = b"", **kw: object) -> tuple[int, bytes, bytes]:
+        self.frame(opcode, payload, **kw)  # type: ignore[arg-type]
+        hdr, p, b = self.response()
+        return hdr.status, p, b
+
+    def hello(self, token: bytes | None = None) -> None:
+        status, payload, _ = self.call(Op.HELLO, encode_hello(token))
+        assert status == Status.OK, payload
+        self.info = decode_node_info(payload)
+
+    def closed_by_peer(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()

@@ -15,28 +15,23 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import NodeProcess
+from conftest import IO_TIMEOUT_S, NodeProcess, Raw
 
 from rdmakv.client import KVClient
 from rdmakv.protocol import (
-    HEADER,
     MAGIC,
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
     PROTOCOL_VERSION,
-    RESPONSE_BIT,
     U16,
     U32,
     AllocStatus,
-    Channel,
-    Header,
     Op,
     Status,
     decode_extents,
     decode_flags,
     decode_get_answer,
-    decode_node_info,
     decode_put_answer,
     encode_alloc,
     encode_commit,
@@ -51,65 +46,6 @@ from rdmakv.slab import Slab
 pytestmark = pytest.mark.timeout(60)
 
 BLOCK = 64 * 1024
-IO_TIMEOUT_S = 10.0
-
-
-class Raw:
-    """A hand-driven connection: send any bytes, read one response."""
-
-    def __init__(self, node: NodeProcess) -> None:
-        self.sock = socket.create_connection(node.address, timeout=IO_TIMEOUT_S)
-        self.ch = Channel(self.sock)
-        self.rid = 0
-
-    def frame(
-        self,
-        opcode: int,
-        payload: bytes = b"",
-        *,
-        bulk: bytes = b"",
-        flags: int = 0,
-        bulk_len: int | None = None,
-        payload_len: int | None = None,
-    ) -> None:
-        self.rid += 1
-        hdr = HEADER.pack(
-            opcode,
-            flags,
-            0,
-            len(payload) if payload_len is None else payload_len,
-            len(bulk) if bulk_len is None else bulk_len,
-            self.rid,
-        )
-        self.sock.sendall(hdr + payload + bulk)
-
-    def response(self) -> tuple[Header, bytes, bytes]:
-        hdr = self.ch.recv_header()
-        payload = bytes(self.ch.recv_payload(hdr))
-        bulk = bytearray(hdr.bulk_len)
-        if hdr.bulk_len:
-            self.ch.recv_bulk([memoryview(bulk)])
-        assert hdr.opcode & RESPONSE_BIT
-        return hdr, payload, bytes(bulk)
-
-    def call(self, opcode: int, payload: bytes = b"", **kw: object) -> tuple[int, bytes, bytes]:
-        self.frame(opcode, payload, **kw)  # type: ignore[arg-type]
-        hdr, p, b = self.response()
-        return hdr.status, p, b
-
-    def hello(self, token: bytes | None = None) -> None:
-        status, payload, _ = self.call(Op.HELLO, encode_hello(token))
-        assert status == Status.OK, payload
-        self.info = decode_node_info(payload)
-
-    def closed_by_peer(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture

@@ -145,6 +145,12 @@ class NativeIndex(IndexBase):
         else:
             self._pending_of.pop(owner, None)
 
+    @property
+    def native_handle(self) -> Any:
+        """The C index (``rk_index *``), for native code that takes the store's
+        lock itself (:mod:`rdmakv.node.native_loop`); valid while this lives."""
+        return self._ix
+
     def __len__(self) -> int:
         return int(_lib.rk_index_count(self._ix))
 

@@ -33,6 +33,7 @@ from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvErro
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
 from rdmakv.node.admission import Admission, SessionLimits
+from rdmakv.node.native_loop import ExistsLoop, Outcome, Served
 from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK, KVStore
 from rdmakv.protocol import (
     BULK_REQUEST_OPCODES,
@@ -44,6 +45,7 @@ from rdmakv.protocol import (
     MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
     PROTOCOL_VERSION,
+    RECV_AHEAD_BYTES,
     RESPONSE_BIT,
     U32,
     AllocRequest,
@@ -199,7 +201,19 @@ class Session:
             limits = self.node.admission.limits
             if not self._wait_readable(limits.handshake_timeout_s) or not self._handshake():
                 return
-            while self._wait_readable(None):
+            native = self.node.store.exists_loop(
+                RECV_AHEAD_BYTES, timed=Op.EXISTS in self.node.request_timers
+            )
+            while True:
+                if native is not None:
+                    if not self._serve_natively(native):
+                        return
+                    if not self.channel.buffered:  # its turn came with nothing for us
+                        if self.node.stopping:
+                            return
+                        continue
+                elif not self._wait_readable(None):
+                    return
                 self.busy = True
                 if not self._serve_one():
                     return
@@ -210,6 +224,37 @@ class Session:
             log.debug("session %d (%s) ended: %s", self.session_id, self.peer, e)
         finally:
             self.node.session_ended(self)
+
+    def _serve_natively(self, native: ExistsLoop) -> bool:
+        """Let the native loop answer EXISTS requests until another frame
+        comes (left in the channel's read-ahead buffer for :meth:`_serve_one`)
+        or its turn ends; False when the connection has ended."""
+        fd = self.channel.sock.fileno()
+        result: list[Served] = []
+
+        def fill(ahead: bytearray, have: int) -> int:
+            served = native.serve(fd, ahead, have, POLL_INTERVAL, IO_TIMEOUT)
+            result.append(served)
+            return served.have
+
+        self.channel.fill_ahead(fill)
+        served = result[0]
+        if served.answered:
+            self.requests += served.answered
+            self.last_active = time.monotonic()
+            self.node.count("exists_native", served.answered)
+            observe = self.node.request_timers.get(Op.EXISTS)
+            if observe is not None:
+                for seconds in served.durations_s:
+                    observe(seconds)
+        if served.outcome == Outcome.CLOSED:
+            log.debug("session %d (%s) ended: closed by the peer", self.session_id, self.peer)
+            return False
+        if served.outcome == Outcome.ERRNO:
+            raise OSError(served.errno, os.strerror(served.errno))
+        if served.outcome == Outcome.TIMEOUT:
+            raise TimeoutError(f"no room to send an answer for {IO_TIMEOUT:.0f} s")
+        return True
 
     def _handshake(self) -> bool:
         ch = self.channel
@@ -375,6 +420,7 @@ class KVNode:
             "protocol_errors": 0,
             "refused_ops": 0,
             "bytes_leased_one_sided": 0,
+            "exists_native": 0,  # EXISTS answered by the native loop (node/native_loop.py)
             **{f"refused_{r}": 0 for r in REFUSAL_REASONS},
         }
         self.request_timers: dict[int, Callable[[float], None]] = {}

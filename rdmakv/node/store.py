@@ -36,6 +36,7 @@ import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,8 @@ from rdmakv.node.index import NO_BLOCK, Index, IndexBase, Refcounts, Reserved
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.native_index import enabled as native_index_enabled
+from rdmakv.node.native_loop import ExistsLoop, StoreLock
+from rdmakv.node.native_loop import enabled as native_loop_enabled
 from rdmakv.protocol import (
     EXTENT_DTYPE,
     MAX_BULK_BYTES,
@@ -155,7 +158,6 @@ class KVStore:
         self.rkey = rkey
         self._guard = guard  # told of every extent handed to / taken from a session
         self._clock = clock
-        self._lock = threading.Lock()
         refs = pool.refcounts
         if native_index is None:
             native_index = native_index_enabled() and refs is not None
@@ -165,6 +167,11 @@ class KVStore:
                 "(Slab(..., shared_refcounts=True)), or native_index=False"
             )
         self._index: IndexBase = (NativeIndex if native_index else Index)(pool.num_blocks)
+        # With the native index, a lock C takes too: the native loop then
+        # answers EXISTS under it without Python (rdmakv.node.native_loop).
+        self._lock: AbstractContextManager[Any] = (
+            StoreLock() if native_index and native_loop_enabled() else threading.Lock()
+        )
         self._refcounts: Refcounts = _RefcountsOf(pool) if refs is None else refs
         # GET's one native call takes its pins in the pool's own refcounts
         self._get_in_c: tuple[NativeIndex, array[int]] | None = None
@@ -452,6 +459,14 @@ class KVStore:
         per key one byte, 1 when committed (no Python object per key)."""
         with self._lock:
             return self._index.touch_keys_flags(request)
+
+    def exists_loop(self, ahead_bytes: int, timed: bool) -> ExistsLoop | None:
+        """A native loop answering EXISTS through a session's read-ahead buffer
+        of ``ahead_bytes`` (``timed``: it reports each answer's time), or None
+        where this store's requests are all served in Python."""
+        if not isinstance(self._lock, StoreLock) or not isinstance(self._index, NativeIndex):
+            return None
+        return ExistsLoop(self._index, self._lock, ahead_bytes, timed)
 
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
