@@ -1,15 +1,16 @@
 """Build hook: the optional native RDMA core (``rdmakv._native_verbs``), the
-native TCP loop (``rdmakv._native_tcp``) and the node's native index
-(``rdmakv._native_index``); the last two need plain libc only and are built on
-every host.
+native TCP loop (``rdmakv._native_tcp``), the node's native index
+(``rdmakv._native_index``) and the client's native lookup call
+(``rdmakv._native_call``, a CPython extension); the last three need plain libc
+only and are built on every host.
 
 All metadata lives in pyproject.toml. The RDMA cffi module is built only when
 the libibverbs development headers are present (``apt-get install
 libibverbs-dev``) and ``RDMAKV_NO_NATIVE`` is unset; otherwise rdmakv installs
 TCP-only, and ``rdmakv doctor`` / the ``auto`` transport say why RDMA is
-unavailable. The TCP loop and the index need only a C compiler; without it
-(or with ``RDMAKV_NO_NATIVE``) tcp moves bytes in Python and the node keeps
-its keys in a Python index. A failing native compile is
+unavailable. The TCP loop, the index and the call need only a C compiler;
+without it (or with ``RDMAKV_NO_NATIVE``) tcp moves bytes in Python, the node
+keeps its keys in a Python index and a lookup is framed in Python. A failing native compile is
 reported and skipped, never fatal.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 VERBS_HEADER_DIRS = ("/usr/include", "/usr/local/include")
@@ -64,5 +65,9 @@ else:
     cffi_modules.append("native/build.py:verbs_ffibuilder")
 if cffi_modules:
     kwargs["cffi_modules"] = cffi_modules
+    kwargs["ext_modules"] = [
+        Extension("rdmakv._native_call", ["native/rk_call.c"],
+                  extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"])
+    ]
 
 setup(**kwargs)  # type: ignore[arg-type]

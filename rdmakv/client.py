@@ -666,9 +666,16 @@ class KVClient:
         return self._flags_op(Op.DELETE, keys, "DELETE")
 
     def _flags_op(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool]:
-        # A scheduler waits for this answer: the keys are checked and encoded in
-        # one set of passes (check_keys only names a bad key, or passes keys of
-        # several lengths to the per-key encoder).
+        # A scheduler waits for this answer. On an open connection, keys of one
+        # length go out and their answer comes back in one native call.
+        if keys:
+            with self._lock:
+                flags = self._native_flags(opcode, keys, what)
+            if flags is not None:
+                return flags
+        # Else the keys are checked and encoded in one set of passes
+        # (check_keys only names a bad key, or passes keys of several lengths
+        # to the per-key encoder).
         whole = encode_uniform_keys(keys)
         if whole is None:
             check_keys(keys)
@@ -676,18 +683,44 @@ class KVClient:
             return []
 
         def run() -> list[bool]:
-            if self.info is not None and len(keys) <= self.info.max_keys:  # one request
-                payload = whole if whole is not None else encode_keys(keys)
-                return decode_flags(self._call(opcode, payload, what), len(keys), what)
-            out: list[bool] = []
-            for s, e in self._chunks(len(keys)):
-                chunk = keys[s:e]
-                reply = self._call(opcode, encode_keys(chunk), what)
-                out.extend(decode_flags(reply, len(chunk), what))
-            return out
+            try:
+                if self.info is not None and len(keys) <= self.info.max_keys:  # one request
+                    payload = whole if whole is not None else encode_keys(keys)
+                    return decode_flags(self._call(opcode, payload, what), len(keys), what)
+                out: list[bool] = []
+                for s, e in self._chunks(len(keys)):
+                    chunk = keys[s:e]
+                    reply = self._call(opcode, encode_keys(chunk), what)
+                    out.extend(decode_flags(reply, len(chunk), what))
+                return out
+            except ProtocolError:
+                self._drop()  # an answer that does not fit its request: as _call does
+                raise
 
         with self._lock:
             return self._retrying(run)
+
+    def _native_flags(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool] | None:
+        """:meth:`_flags_op` of one request on the open connection in one native
+        call (:meth:`Channel.call_flags`); None where that does not apply (no
+        connection yet, more keys than one request takes, keys it leaves to
+        Python) and after finding the connection dead (the caller's path then
+        connects anew and asks again, as :meth:`_retrying` would)."""
+        ch = self._ch
+        if ch is None or self.info is None or len(keys) > self.info.max_keys:
+            return None
+        try:
+            return ch.call_flags(opcode, keys, what, self.timeout)
+        except OSError as e:  # ConnectionLost is one too
+            self._drop()
+            err = wrap_socket_errors(what, e)
+            if not isinstance(err, ConnectionLost):
+                raise err from e
+            log.info("connection to %s:%d lost; retrying on a new one", self.host, self.port)
+            return None
+        except (TransportError, ProtocolError):
+            self._drop()  # the stream can no longer be trusted
+            raise
 
     def stats(self) -> dict[str, Any]:
         """The node's counters and gauges (see ``rdmakv stats``)."""

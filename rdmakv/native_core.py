@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from types import ModuleType
 from typing import Any, NamedTuple
 
 
@@ -30,6 +31,15 @@ def load(name: str, what: str, hint: str = "") -> NativeModule:
     except ImportError as exc:
         return NativeModule(None, None, f"the {what} rdmakv.{name} is not built ({exc}){hint}")
     return NativeModule(module.ffi, module.lib, None)
+
+
+def load_extension(name: str, what: str) -> tuple[ModuleType | None, str | None]:
+    """``rdmakv.<name>``, a CPython extension (no cffi ``ffi`` / ``lib``), or
+    (None, why) when it is not built."""
+    try:
+        return importlib.import_module(f"rdmakv.{name}"), None
+    except ImportError as exc:
+        return None, f"the {what} rdmakv.{name} is not built ({exc})"
 
 
 def switched_off(env: str) -> bool:

@@ -68,6 +68,11 @@ opaquely. The checksum travels with COMMIT, after the bytes: the writer hashes
 each block as it sends it (tcp) or while the NIC reads it (rdma), not in a
 pass of its own before ALLOC.
 
+The native core writes some of these frames in C, each file naming this one
+as its source: the tcp transport's GET answer (native/rk_tcp.h), the node's
+EXISTS answers (native/rk_serve.h) and the client's EXISTS / DELETE requests
+and their answers (native/rk_call.c). A change here is a change there.
+
 Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP;
 3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET and PUT.
 
@@ -97,6 +102,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from rdmakv import native_core
 from rdmakv.errors import (
     AuthError,
     ConnectionLost,
@@ -139,6 +145,11 @@ then arrives in one system call instead of two. At most this much of a frame's
 bulk is copied out of the read-ahead buffer; the rest lands in place."""
 
 RESPONSE_BIT = 0x80
+NATIVE_CALL_FRAME_BYTES = 64 * 1024
+"""The largest request :meth:`Channel.call_flags` frames in C (larger ones are
+framed in Python): 64 KiB holds ~1900 keys of 32 bytes."""
+ENV_NATIVE_CALL = "RDMAKV_CALL_NATIVE"
+"""Set to 0 to frame every request in Python even where the native call is built."""
 LOOKUP_FLAG_LEASE = 0x01
 COMMIT_FLAG_REQUIRE_WRITTEN = 0x01
 """Commit only extents the node itself received in full through WRITE (tcp).
@@ -1357,6 +1368,20 @@ class Reply:
         self.payload = bytearray()
 
 
+def _load_native_call() -> Callable[..., Any] | None:
+    """``flags_call`` of the native call (native/rk_call.c), configured with
+    this module's numbers; None where it is not built or switched off."""
+    module, _ = native_core.load_extension("_native_call", "native lookup call")
+    if module is None or native_core.switched_off(ENV_NATIVE_CALL):
+        return None
+    module.configure(RESPONSE_BIT, MAX_KEY_LEN)
+    flags_call: Callable[..., Any] = module.flags_call
+    return flags_call
+
+
+_native_flags_call = _load_native_call()
+
+
 class Channel:
     """One framed connection (used by both the client and the node).
 
@@ -1388,6 +1413,8 @@ class Channel:
         self.bulk_pending = 0
         self._next_id = 1
         self._queue: deque[Reply] = deque()
+        self._frame: bytearray | None = None
+        """A request framed by :meth:`call_flags` (allocated on its first use)."""
 
     def set_timeout(self, timeout: float | None) -> None:
         """The socket's timeout for the waits that follow. ``settimeout`` is a
@@ -1618,6 +1645,40 @@ class Channel:
             raise_for_status(hdr, answer, what)
         self._check_consumed(what)
         return hdr, answer
+
+    def call_flags(
+        self, opcode: int, keys: Sequence[bytes], what: str, timeout: float | None
+    ) -> list[bool] | None:
+        """:meth:`call` of a keys request answered by one flag per key (EXISTS,
+        DELETE), in one native call on an idle channel: the keys checked and
+        framed, the request sent and its answer read, with the GIL released
+        while it waits up to ``timeout`` per wait (native/rk_call.c). None,
+        with nothing sent, where that call does not take it: not built or
+        switched off, the channel busy, keys that are not all ``bytes`` of
+        one valid length, or a request over :data:`NATIVE_CALL_FRAME_BYTES`.
+        An answer other than the plain one gets :meth:`call`'s checks."""
+        call = _native_flags_call
+        if call is None or self._queue or self._pos != self._end:
+            return None
+        if self._frame is None:
+            self._frame = bytearray(NATIVE_CALL_FRAME_BYTES)
+        req_id = self._next_id
+        got = call(self.sock.fileno(), opcode, req_id, keys, self._frame, self._ahead,
+                   -1 if timeout is None else max(1, round(timeout * 1000)))
+        if got is None:
+            return None
+        self._next_id += 1
+        if type(got) is list:
+            self._pos = self._end = 0
+            return got
+        if got < 0:
+            raise ConnectionLost("peer closed the connection mid-frame")
+        self._pos, self._end = 0, got
+        hdr, answer = self._read_response(opcode, req_id, what or f"opcode {opcode}")
+        if hdr.status != Status.OK:
+            raise_for_status(hdr, answer, what)
+        self._check_consumed(what)
+        return decode_flags(answer, len(keys), what)
 
     def _recv_waiting(self, view: memoryview) -> int:
         """One receive into ``view`` that waits under the socket's timeout."""

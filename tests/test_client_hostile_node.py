@@ -264,22 +264,59 @@ def test_lying_put_answers_are_errors(
             c.put([b"a", b"b"], [h, h], 100, [bytes(16)] * 2)
 
 
-def test_silent_node_times_out(fake_node: Callable[[NodeInfo, Script], tuple[str, int]]) -> None:
+@pytest.mark.parametrize("open_first", [False, True], ids=["connecting", "open"])
+def test_silent_node_times_out(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], open_first: bool
+) -> None:
+    """On the call that connects (framed in Python) and on an open connection
+    (one native call, native/rk_call.c), a node that never answers is a
+    TransportTimeout within the client's timeout."""
     gate = threading.Event()
+    answers = 0
 
     def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal answers
+        answers += 1
+        if open_first and answers == 1:
+            ch.send(hdr.opcode | RESPONSE_BIT, b"\x01\x00\x00\x00\x00", req_id=hdr.req_id)
+            return True
         gate.wait(30)  # never answers while the test runs
         return False
 
     addr = fake_node(GOOD_INFO, script)
-    with (
-        KVClient(*addr, None, timeout=0.5, connect_retries=1) as c,
-        pytest.raises(TransportTimeout),
-    ):
-        c.exists([b"k"])
+    with KVClient(*addr, None, timeout=0.5, connect_retries=1) as c:
+        if open_first:
+            assert c.exists([b"k"]) == [False]
+        with pytest.raises(TransportTimeout):
+            c.exists([b"k"])
     gate.set()
 
 
+def test_a_node_that_closes_an_open_connection_is_asked_again_on_a_new_one(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+) -> None:
+    """The native call on an open connection finds it closed by the node (a
+    restart, an idle timeout) after sending: the client asks again once on a
+    fresh connection, as every call does after a restart."""
+    answers = 0
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal answers
+        answers += 1
+        if answers == 2:
+            return False  # closes the connection, the request unanswered
+        ch.send(hdr.opcode | RESPONSE_BIT, b"\x01\x00\x00\x00\x01", req_id=hdr.req_id)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with KVClient(*addr, None, connect_retries=1) as c:
+        assert c.exists([b"k"]) == [True]
+        reconnects = c.reconnects
+        assert c.exists([b"k"]) == [True]
+        assert (answers, c.reconnects) == (3, reconnects + 1)
+
+
+@pytest.mark.parametrize("open_first", [False, True], ids=["connecting", "open"])
 @pytest.mark.parametrize(
     ("lie", "error"),
     [
@@ -287,24 +324,33 @@ def test_silent_node_times_out(fake_node: Callable[[NodeInfo, Script], tuple[str
         ("opcode", "out of sync"),
         ("bulk", "unexpected 5 bulk bytes"),
         ("status", "no such thing"),
+        ("count", "2 entries for 1 keys"),
     ],
 )
 def test_a_lookup_answer_that_does_not_fit_its_request_is_an_error(
-    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], lie: str, error: str
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], lie: str, error: str,
+    open_first: bool,
 ) -> None:
     """A control call on an idle connection waits for its answer at once and
     checks it there (not through the pipelined queue): an answer to another
-    request, or one with bulk no control op carries, is a ProtocolError and
-    the connection is dropped; an error status is the node's error, and the
-    stream stays in sync for the next call on the same connection."""
+    request, or one with bulk no control op carries, or with another count of
+    flags, is a ProtocolError and the connection is dropped; an error status
+    is the node's error, and the stream stays in sync for the next call on the
+    same connection. So on the call that connects (framed in Python) and on an
+    open connection (one native call, which leaves any answer but the plain
+    one to the same checks)."""
     answers = 0
+    lie_at = 2 if open_first else 1
 
     def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
         nonlocal answers
         answers += 1
         flags = b"\x01\x00\x00\x00\x01"
-        if answers > 1:  # the call after the lie: a true answer
+        if answers != lie_at:  # a true answer
             ch.send(hdr.opcode | RESPONSE_BIT, flags, req_id=hdr.req_id)
+        elif lie == "count":
+            ch.send(hdr.opcode | RESPONSE_BIT, b"\x02\x00\x00\x00\x01\x01",
+                    req_id=hdr.req_id)
         elif lie == "req_id":
             ch.send(hdr.opcode | RESPONSE_BIT, flags, req_id=hdr.req_id + 1)
         elif lie == "opcode":
@@ -319,6 +365,8 @@ def test_a_lookup_answer_that_does_not_fit_its_request_is_an_error(
 
     addr = fake_node(GOOD_INFO, script)
     with KVClient(*addr, None, connect_retries=1) as c:
+        if open_first:
+            assert c.exists([b"k"]) == [True]
         expected = RemoteError if lie == "status" else ProtocolError
         with pytest.raises(expected, match=error):
             c.exists([b"k"])
