@@ -721,6 +721,11 @@ class KVClient:
         except (TransportError, ProtocolError):
             self._drop()  # the stream can no longer be trusted
             raise
+        except RdmakvError:  # the node's error answer, read whole: the stream is in sync
+            raise
+        except BaseException:  # a signal handler raised, the answer maybe unread
+            self._drop()
+            raise
 
     def stats(self) -> dict[str, Any]:
         """The node's counters and gauges (see ``rdmakv stats``)."""
