@@ -15,9 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rdmakv import native_core, protocol
 from rdmakv.errors import RdmakvError
+from rdmakv.node import native_index, native_loop
 from rdmakv.streams import default_streams, usable_cpus
-from rdmakv.transport import checksum, verbs
+from rdmakv.transport import checksum, tcp, verbs
 from rdmakv.transport.congestion import probe_congestion
 
 MEMLOCK_RECOMMENDED = 1 << 30
@@ -64,6 +66,9 @@ class Report:
     tcp_streams: str = ""
     """Connections a client opens to one node over TCP when ``streams`` is
     unset, and the usable CPUs that decide it (:func:`rdmakv.streams.default_streams`)."""
+    native_core: dict[str, str] = field(default_factory=dict)
+    """Each plain-libc piece of the native core for a new process here: "on",
+    "off (ENV=0)" or "not built (why)" (:func:`native_pieces`). Speed only."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -112,6 +117,23 @@ def _windows(sel: verbs.Selection) -> str:
 def _netdev_hint(info: verbs.PortInfo) -> str:
     ndevs = {g.netdev for g in info.gids if g.netdev}
     return next(iter(ndevs)) if len(ndevs) == 1 else "<netdev>"
+
+
+def native_pieces() -> dict[str, str]:
+    """The TCP loop, the node's index and EXISTS loop, and the client's lookup
+    call (docs/operations.md, "The native core"): each falls back to Python
+    when it is off or not built, correct but slower."""
+    index = native_core.state(native_index.NATIVE_ERROR, native_index.ENV_NATIVE)
+    loop = native_core.state(native_loop.NATIVE_ERROR, native_loop.ENV_NATIVE_LOOP)
+    if loop == "on" and index != "on":
+        loop = "off (it needs the native index)"
+    return {
+        "tcp loop": native_core.state(tcp.NATIVE_ERROR, tcp.ENV_NATIVE),
+        "node index": index,
+        "node EXISTS loop": loop,
+        "client lookup call": native_core.state(protocol.NATIVE_CALL_ERROR,
+                                                protocol.ENV_NATIVE_CALL),
+    }
 
 
 def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
@@ -191,6 +213,7 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
     report.tcp_congestion = (running or "unknown (no TCP_CONGESTION here)") + (
         f"; {refused}" if refused else "")
     report.value_checksums = checksum.describe()
+    report.native_core = native_pieces()
     cpus = usable_cpus()
     report.tcp_streams = f"{default_streams('tcp', cpus)} ({cpus} usable CPU{'s' * (cpus != 1)})"
     if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
@@ -230,6 +253,7 @@ def render(report: Report) -> str:
     lines.append(f"tcp congestion control: {report.tcp_congestion}")
     lines.append(f"value checksums: {report.value_checksums}")
     lines.append(f"tcp connections per node, streams unset: {report.tcp_streams}")
+    lines.append("native core: " + ", ".join(f"{k} {v}" for k, v in report.native_core.items()))
     if report.ok:
         lines.append("OK: RDMA is usable (transport auto picks rdma)")
     else:

@@ -42,6 +42,14 @@ def load_extension(name: str, what: str) -> tuple[ModuleType | None, str | None]
         return None, f"the {what} rdmakv.{name} is not built ({exc})"
 
 
+def state(error: str | None, env: str) -> str:
+    """One piece of the native core as ``rdmakv doctor`` reports it for a new
+    process: "on", "off (ENV=0)", or "not built (why)"."""
+    if error is not None:
+        return f"not built ({error})"
+    return f"off ({env}=0)" if switched_off(env) else "on"
+
+
 def switched_off(env: str) -> bool:
     """Whether the environment variable ``env`` asks to run without a native module."""
     return os.environ.get(env, "1") == "0"

@@ -1368,18 +1368,19 @@ class Reply:
         self.payload = bytearray()
 
 
-def _load_native_call() -> Callable[..., Any] | None:
+def _load_native_call() -> tuple[Callable[..., Any] | None, str | None]:
     """``flags_call`` of the native call (native/rk_call.c), configured with
-    this module's numbers; None where it is not built or switched off."""
-    module, _ = native_core.load_extension("_native_call", "native lookup call")
+    this module's numbers, or None where it is not built (and why) or
+    switched off."""
+    module, error = native_core.load_extension("_native_call", "native lookup call")
     if module is None or native_core.switched_off(ENV_NATIVE_CALL):
-        return None
+        return None, error
     module.configure(RESPONSE_BIT, MAX_KEY_LEN)
     flags_call: Callable[..., Any] = module.flags_call
-    return flags_call
+    return flags_call, None
 
 
-_native_flags_call = _load_native_call()
+_native_flags_call, NATIVE_CALL_ERROR = _load_native_call()
 
 
 class Channel:

@@ -1,0 +1,48 @@
+"""``rdmakv doctor`` names each plain-libc piece of the native core and whether a
+new process here would run it: on, switched off (and by which variable), or
+not built (and why). Each falls back to Python, so this is the line that tells
+an operator why a node or an engine is slower than its benchmarks."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdmakv import doctor, protocol
+from rdmakv.node import native_index, native_loop
+from rdmakv.transport import tcp
+
+PIECES = ("tcp loop", "node index", "node EXISTS loop", "client lookup call")
+
+
+@pytest.mark.skipif(
+    any(e is not None for e in (tcp.NATIVE_ERROR, native_index.NATIVE_ERROR,
+                                native_loop.NATIVE_ERROR, protocol.NATIVE_CALL_ERROR)),
+    reason="a piece of the native core is not built here",
+)
+def test_doctor_says_which_native_pieces_run_and_which_switch_turned_one_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for env in (tcp.ENV_NATIVE, native_index.ENV_NATIVE, native_loop.ENV_NATIVE_LOOP,
+                protocol.ENV_NATIVE_CALL):
+        monkeypatch.delenv(env, raising=False)
+    assert doctor.native_pieces() == dict.fromkeys(PIECES, "on")
+    monkeypatch.setenv(native_index.ENV_NATIVE, "0")
+    monkeypatch.setenv(protocol.ENV_NATIVE_CALL, "0")
+    report = doctor.diagnose()
+    assert report.native_core == {
+        "tcp loop": "on",
+        "node index": "off (RDMAKV_INDEX_NATIVE=0)",
+        "node EXISTS loop": "off (it needs the native index)",
+        "client lookup call": "off (RDMAKV_CALL_NATIVE=0)",
+    }
+    assert ("native core: tcp loop on, node index off (RDMAKV_INDEX_NATIVE=0), "
+            "node EXISTS loop off (it needs the native index), client lookup call off "
+            "(RDMAKV_CALL_NATIVE=0)") in doctor.render(report)
+    assert report.to_dict()["native_core"] == report.native_core
+
+
+def test_doctor_says_why_a_piece_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "NATIVE_CALL_ERROR", "the native lookup call is not built")
+    assert doctor.native_pieces()["client lookup call"] == (
+        "not built (the native lookup call is not built)"
+    )
