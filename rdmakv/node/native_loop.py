@@ -20,6 +20,7 @@ from enum import IntEnum
 from typing import Any, NamedTuple
 
 from rdmakv import native_core
+from rdmakv.errors import RdmakvError
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.protocol import HEADER, MAX_KEYS_PER_REQUEST, RESPONSE_BIT, U16, U32, Op
 
@@ -75,7 +76,7 @@ class StoreLock:
 
     def __init__(self) -> None:
         if _lib is None:
-            raise RuntimeError(NATIVE_ERROR)
+            raise RdmakvError(NATIVE_ERROR or "the native index is not built")
         mutex = _lib.rk_store_lock_new()
         if mutex == _ffi.NULL:
             raise MemoryError("could not create the store's lock")
@@ -98,7 +99,7 @@ class ExistsLoop:
     It keeps the index and the lock it was made with alive (C holds their
     pointers), and its answer and block scratch are sized for the most keys
     a request that fits a read-ahead buffer of ``ahead_bytes`` can hold (a
-larger request is left to Python). Used by the session's own thread
+    larger request is left to Python). Used by the session's own thread
     only.
     """
 
