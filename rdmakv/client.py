@@ -667,22 +667,19 @@ class KVClient:
 
     def _flags_op(self, opcode: Op, keys: Sequence[bytes], what: str) -> list[bool]:
         # A scheduler waits for this answer. On an open connection, keys of one
-        # length go out and their answer comes back in one native call.
-        if keys:
-            with self._lock:
-                flags = self._native_flags(opcode, keys, what)
+        # length go out and their answer comes back in one native call; else
+        # the keys are checked and encoded in one set of passes (check_keys
+        # only names a bad key, or passes keys of several lengths to the
+        # per-key encoder).
+        def run() -> list[bool]:
+            flags = self._native_flags(opcode, keys, what) if keys else None
             if flags is not None:
                 return flags
-        # Else the keys are checked and encoded in one set of passes
-        # (check_keys only names a bad key, or passes keys of several lengths
-        # to the per-key encoder).
-        whole = encode_uniform_keys(keys)
-        if whole is None:
-            check_keys(keys)
-        if not keys:  # nothing to ask: no round trip (a stalled node must not delay it)
-            return []
-
-        def run() -> list[bool]:
+            whole = encode_uniform_keys(keys)
+            if whole is None:
+                check_keys(keys)
+            if not keys:  # nothing to ask: no round trip (a stalled node must not delay it)
+                return []
             try:
                 if self.info is not None and len(keys) <= self.info.max_keys:  # one request
                     payload = whole if whole is not None else encode_keys(keys)
@@ -704,27 +701,17 @@ class KVClient:
         """:meth:`_flags_op` of one request on the open connection in one native
         call (:meth:`Channel.call_flags`); None where that does not apply (no
         connection yet, more keys than one request takes, keys it leaves to
-        Python) and after finding the connection dead (the caller's path then
-        connects anew and asks again, as :meth:`_retrying` would)."""
+        Python). A connection found dead is a ConnectionLost, which
+        :meth:`_retrying` asks again on a new one."""
         ch = self._ch
         if ch is None or self.info is None or len(keys) > self.info.max_keys:
             return None
         try:
             return ch.call_flags(opcode, keys, what, self.timeout)
-        except OSError as e:  # ConnectionLost is one too
-            self._drop()
-            err = wrap_socket_errors(what, e)
-            if not isinstance(err, ConnectionLost):
-                raise err from e
-            log.info("connection to %s:%d lost; retrying on a new one", self.host, self.port)
-            return None
-        except (TransportError, ProtocolError):
-            self._drop()  # the stream can no longer be trusted
-            raise
-        except RdmakvError:  # the node's error answer, read whole: the stream is in sync
-            raise
-        except BaseException:  # a signal handler raised, the answer maybe unread
-            self._drop()
+        except BaseException as e:  # a signal handler raising too: the answer maybe unread
+            self._guard(e)  # the node's error answer, read whole, keeps the connection
+            if isinstance(e, OSError):  # ConnectionLost is one too
+                raise wrap_socket_errors(what, e) from e
             raise
 
     def stats(self) -> dict[str, Any]:

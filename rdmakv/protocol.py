@@ -96,7 +96,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -1383,6 +1383,16 @@ def _load_native_call() -> tuple[Callable[..., Any] | None, str | None]:
 _native_flags_call, NATIVE_CALL_ERROR = _load_native_call()
 
 
+class _HasHave(Protocol):
+    @property
+    def have(self) -> int: ...
+
+
+_Filled = TypeVar("_Filled", bound=_HasHave)
+"""What a :meth:`Channel.fill_ahead` filler returns: a result that says how
+many unread bytes it left in the buffer."""
+
+
 class Channel:
     """One framed connection (used by both the client and the node).
 
@@ -1458,17 +1468,20 @@ class Channel:
         while self._end < need:
             self._end += _recv_some(self.sock, [self._ahead_view[self._end :]])
 
-    def fill_ahead(self, fill: Callable[[bytearray, int], int]) -> None:
+    def fill_ahead(self, fill: Callable[[bytearray, int], _Filled]) -> _Filled:
         """Let ``fill`` read into the read-ahead buffer and consume from it: it
         is called with the buffer, its unread bytes moved to the front, and
-        their count, and returns how many unread bytes it left at the front
-        (a node's native loop, :mod:`rdmakv.node.native_loop`)."""
+        their count, and returns a result whose ``have`` says how many unread
+        bytes it left at the front (a node's native loop,
+        :mod:`rdmakv.node.native_loop`). Returns that result."""
         tail = self._end - self._pos
         if self._pos:
             self._ahead[:tail] = self._ahead_view[self._pos : self._end]
         self._pos = 0
         self._end = tail  # what is there if fill raises
-        self._end = fill(self._ahead, tail)
+        filled = fill(self._ahead, tail)
+        self._end = filled.have
+        return filled
 
     def take_buffered(self, limit: int) -> memoryview:
         """Consume up to ``limit`` read-ahead bytes (a view valid until the next read)."""
@@ -1629,7 +1642,7 @@ class Channel:
         self, opcode: int, payload: bytes, what: str, *, flags: int = 0
     ) -> tuple[Header, bytearray]:
         """One request/response round trip for a control op (no bulk)."""
-        if self._queue or self._pos != self._end:  # earlier answers are read first, in order
+        if not self._idle:  # earlier answers are read first, in order
             return self.wait(self.submit(opcode, payload, what, flags=flags))
         # An idle channel, as for a lookup a scheduler waits for (~30 us on the
         # 2-core VM): no Reply queued, and a wait for the answer's first bytes
@@ -1641,6 +1654,17 @@ class Channel:
         send_frame(self.sock, HEADER.pack(opcode, flags, 0, len(payload), 0, req_id), payload)
         self._pos = 0
         self._end = self._recv_waiting(self._ahead_view)
+        return self._answer_to(opcode, req_id, what)
+
+    @property
+    def _idle(self) -> bool:
+        """Nothing queued and nothing read ahead: the next bytes in are the
+        answer to the next request sent."""
+        return not self._queue and self._pos == self._end
+
+    def _answer_to(self, opcode: int, req_id: int, what: str) -> tuple[Header, bytearray]:
+        """The answer to request ``req_id`` on an idle channel, checked: an
+        error status raises the node's error, and no bulk may follow."""
         hdr, answer = self._read_response(opcode, req_id, what)
         if hdr.status != Status.OK:
             raise_for_status(hdr, answer, what)
@@ -1659,7 +1683,7 @@ class Channel:
         one valid length, or a request over :data:`NATIVE_CALL_FRAME_BYTES`.
         An answer other than the plain one gets :meth:`call`'s checks."""
         call = _native_flags_call
-        if call is None or self._queue or self._pos != self._end:
+        if call is None or not self._idle:
             return None
         if self._frame is None:
             self._frame = bytearray(NATIVE_CALL_FRAME_BYTES)
@@ -1675,10 +1699,7 @@ class Channel:
         if got < 0:
             raise ConnectionLost("peer closed the connection mid-frame")
         self._pos, self._end = 0, got
-        hdr, answer = self._read_response(opcode, req_id, what or f"opcode {opcode}")
-        if hdr.status != Status.OK:
-            raise_for_status(hdr, answer, what)
-        self._check_consumed(what)
+        _, answer = self._answer_to(opcode, req_id, what or f"opcode {opcode}")
         return decode_flags(answer, len(keys), what)
 
     def _recv_waiting(self, view: memoryview) -> int:

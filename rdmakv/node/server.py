@@ -33,7 +33,7 @@ from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvErro
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
 from rdmakv.node.admission import Admission, SessionLimits
-from rdmakv.node.native_loop import ExistsLoop, Outcome, Served
+from rdmakv.node.native_loop import ExistsLoop, Outcome
 from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK, KVStore
 from rdmakv.protocol import (
     BULK_REQUEST_OPCODES,
@@ -230,15 +230,9 @@ class Session:
         comes (left in the channel's read-ahead buffer for :meth:`_serve_one`)
         or its turn ends; False when the connection has ended."""
         fd = self.channel.sock.fileno()
-        result: list[Served] = []
-
-        def fill(ahead: bytearray, have: int) -> int:
-            served = native.serve(fd, ahead, have, POLL_INTERVAL, IO_TIMEOUT)
-            result.append(served)
-            return served.have
-
-        self.channel.fill_ahead(fill)
-        served = result[0]
+        served = self.channel.fill_ahead(
+            lambda ahead, have: native.serve(fd, ahead, have, POLL_INTERVAL, IO_TIMEOUT)
+        )
         if served.answered:
             self.requests += served.answered
             self.last_active = time.monotonic()
