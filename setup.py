@@ -66,7 +66,9 @@ else:
 if cffi_modules:
     kwargs["cffi_modules"] = cffi_modules
     kwargs["ext_modules"] = [
-        Extension("rdmakv._native_call", ["native/rk_call.c"],
+        # rk_tcp.c too: a get's answer is laid out, received and checked by the TCP loop's code
+        Extension("rdmakv._native_call", ["native/rk_call.c", "native/rk_tcp.c"],
+                  include_dirs=["native"],
                   extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"])
     ]
 

@@ -540,8 +540,8 @@ class KVClient:
             except OSError as e:
                 self._drop()
                 raise wrap_socket_errors("get", e) from e
-            except (TransportError, ProtocolError):
-                self._drop()
+            except BaseException as e:  # a signal handler's too: an answer may be half read
+                self._guard(e)
                 raise
 
         with self._lock:

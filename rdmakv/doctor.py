@@ -120,9 +120,9 @@ def _netdev_hint(info: verbs.PortInfo) -> str:
 
 
 def native_pieces() -> dict[str, str]:
-    """The TCP loop, the node's index and EXISTS loop, and the client's lookup
-    call (docs/operations.md, "The native core"): each falls back to Python
-    when it is off or not built, correct but slower."""
+    """The TCP loop, the node's index and EXISTS loop, and the client's calls
+    (a lookup, a one-request get; docs/operations.md, "The native core"):
+    each falls back to Python when it is off or not built, correct but slower."""
     index = native_core.state(native_index.NATIVE_ERROR, native_index.ENV_NATIVE)
     loop = native_core.state(native_loop.NATIVE_ERROR, native_loop.ENV_NATIVE_LOOP)
     if loop == "on" and index != "on":
@@ -131,8 +131,8 @@ def native_pieces() -> dict[str, str]:
         "tcp loop": native_core.state(tcp.NATIVE_ERROR, tcp.ENV_NATIVE),
         "node index": index,
         "node EXISTS loop": loop,
-        "client lookup call": native_core.state(protocol.NATIVE_CALL_ERROR,
-                                                protocol.ENV_NATIVE_CALL),
+        "client call": native_core.state(protocol.NATIVE_CALL_ERROR,
+                                         protocol.ENV_NATIVE_CALL),
     }
 
 

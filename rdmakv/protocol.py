@@ -1001,6 +1001,21 @@ def decode_get_answer_arrays(
     return get_answer_columns(get_answer_entries(payload, expected))
 
 
+def check_get_answer_layout(
+    lengths: npt.NDArray[np.uint32], bulk_len: int, block: int
+) -> int:
+    """The bytes a GET answer's hits name in all, once checked against its
+    bulk: ProtocolError where a value is longer than the reader's
+    ``block``-byte blocks (its bytes would overrun them) or the bulk is not
+    exactly the hits' bytes."""
+    if len(lengths) and int(lengths.max()) > block:
+        raise ProtocolError(f"GET response names a value longer than the {block}-byte blocks")
+    total = int(lengths.sum(dtype=np.uint64))
+    if bulk_len != total:
+        raise ProtocolError(f"GET response carries {bulk_len} bytes, its entries name {total}")
+    return total
+
+
 def get_answer_columns(
     entries: bytes,
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
@@ -1368,19 +1383,19 @@ class Reply:
         self.payload = bytearray()
 
 
-def _load_native_call() -> tuple[Callable[..., Any] | None, str | None]:
-    """``flags_call`` of the native call (native/rk_call.c), configured with
-    this module's numbers, or None where it is not built (and why) or
-    switched off."""
-    module, error = native_core.load_extension("_native_call", "native lookup call")
+def _load_native_call() -> tuple[Any, str | None]:
+    """The native call module (native/rk_call.c), configured with this
+    module's numbers, or None where it is not built (and why) or switched off."""
+    module, error = native_core.load_extension("_native_call", "native client call")
     if module is None or native_core.switched_off(ENV_NATIVE_CALL):
         return None, error
     module.configure(RESPONSE_BIT, MAX_KEY_LEN)
-    flags_call: Callable[..., Any] = module.flags_call
-    return flags_call, None
+    return module, None
 
 
-_native_flags_call, NATIVE_CALL_ERROR = _load_native_call()
+_native_call, NATIVE_CALL_ERROR = _load_native_call()
+_native_flags_call: Callable[..., Any] | None = getattr(_native_call, "flags_call", None)
+_native_get_call: Callable[..., Any] | None = getattr(_native_call, "get_call", None)
 
 
 class _HasHave(Protocol):
@@ -1701,6 +1716,58 @@ class Channel:
         self._pos, self._end = 0, got
         _, answer = self._answer_to(opcode, req_id, what or f"opcode {opcode}")
         return decode_flags(answer, len(keys), what)
+
+    def call_get(
+        self,
+        payload: bytes,
+        count: int,
+        slots: npt.NDArray[np.uint64],
+        base: int,
+        block: int,
+        hasher: int,
+        timeout: float | None,
+    ) -> tuple[list[int | None], list[int]] | None:
+        """One GET request of ``count`` keys (``payload``, as
+        :meth:`BatchEncoder.get` lays it out) and its whole answer, in one
+        native call on an idle channel (native/rk_call.c): each hit's value
+        lands in its slab block (key j's at ``base + slots[j] * block``, a
+        range the caller has checked) and is hashed as it arrives with the
+        ``rk_hasher`` at address ``hasher``, all with the GIL released.
+
+        Returns per key its value length, None for a miss; and the indices
+        of the keys whose bytes failed their checksum (misses too). None,
+        with nothing sent, where the call does not take it: not built or
+        switched off, the channel busy, a request over
+        :data:`NATIVE_CALL_FRAME_BYTES` or an answer over the read-ahead
+        buffer. Any answer but the plain one is checked here: the node's
+        error is raised as :meth:`call` raises it, anything else is a
+        :class:`ProtocolError` naming what is wrong. Its bulk is not read
+        then, nor the rest of an answer after a timeout or a signal handler
+        that raised: the connection is the caller's to drop."""
+        call = _native_get_call
+        if call is None or not self._idle:
+            return None
+        if self._frame is None:
+            self._frame = bytearray(NATIVE_CALL_FRAME_BYTES)
+        req_id = self._next_id
+        got = call(self.sock.fileno(), Op.GET, req_id, payload, count, slots, base, block,
+                   hasher, self._frame, self._ahead,
+                   -1 if timeout is None else max(1, round(timeout * 1000)))
+        if got is None:
+            return None
+        self._next_id += 1
+        if type(got) is tuple:
+            self._pos = self._end = 0
+            return got
+        if got < 0:
+            raise ConnectionLost("peer closed the connection mid-frame")
+        self._pos, self._end = 0, got
+        hdr, answer = self._read_response(Op.GET, req_id, "GET")
+        if hdr.status != Status.OK:
+            raise_for_status(hdr, answer, "GET")
+        lengths, _ = get_answer_columns(get_answer_entries(answer, count))
+        check_get_answer_layout(lengths, hdr.bulk_len, block)
+        raise ProtocolError("GET response not as asked")  # the checks above name every way
 
     def _recv_waiting(self, view: memoryview) -> int:
         """One receive into ``view`` that waits under the socket's timeout."""

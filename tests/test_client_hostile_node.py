@@ -8,12 +8,14 @@ replies into errors, all within its timeout.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from rdmakv import protocol
 from rdmakv.client import KVClient
 from rdmakv.errors import ProtocolError, RdmakvError, RemoteError, TransportTimeout
 from rdmakv.protocol import (
@@ -156,10 +158,28 @@ def test_oversized_lookup_extent_is_a_miss_and_lying_reads_are_errors(
         assert (slab.numpy(h)[100:] == 0x5A).all()
 
 
-@pytest.mark.parametrize("lie", ["too_long", "bulk_short", "bulk_long", "entries"])
+GET_PATHS = ["native_call", "python"]
+"""How a client reads a get of one request: in one native call
+(``Channel.call_get``), or answer by answer in Python (the call switched off)."""
+
+
+def _get_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "native_call" and (protocol._native_get_call is None
+                                  or not tcp.native_checksums()):
+        pytest.skip("the native get call is not built, switched off, or has no XXH3 C API")
+    if path == "python":
+        monkeypatch.setattr(protocol, "_native_get_call", None)
+
+
+@pytest.mark.parametrize("path", GET_PATHS)
+@pytest.mark.parametrize("lie", ["too_long", "bulk_short", "bulk_long", "entries", "req_id"])
 def test_lying_get_answers_are_errors_and_touch_no_other_block(
-    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], lie: str
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    lie: str,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    _get_path(path, monkeypatch)
     def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
         if hdr.opcode != Op.GET:
             ch.send(hdr.opcode | RESPONSE_BIT, b"\x00\x00\x00\x00", req_id=hdr.req_id)
@@ -170,22 +190,178 @@ def test_lying_get_answers_are_errors_and_touch_no_other_block(
         if lie == "entries":
             lengths, sums = lengths[1:], sums[1:]
         bulk = sum(lengths) + {"bulk_short": -5, "bulk_long": 5}.get(lie, 0)
-        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer(lengths, sums), req_id=hdr.req_id,
-                bulk=[memoryview(b"x" * bulk)], bulk_len=bulk)
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer(lengths, sums),
+                req_id=hdr.req_id + (lie == "req_id"), bulk=[memoryview(b"x" * bulk)],
+                bulk_len=bulk)
         return True
 
     addr = fake_node(GOOD_INFO, script)
+    error = "out of sync" if lie == "req_id" else "GET response"
     with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
         h, other = slab.alloc(), slab.alloc()
         slab.numpy(h)[:] = 0x5A
         slab.numpy(other)[:] = 0x33
-        with pytest.raises(ProtocolError, match="GET response"):
+        with pytest.raises(ProtocolError, match=error):
             c.get([b"a", b"b"], [h, h], [bytes(16)] * 2)
         assert (slab.numpy(other) == 0x33).all()  # nothing landed outside the asked blocks
         assert (slab.numpy(h)[100:] == 0x5A).all()
+        assert c._ch is None  # the stream is out of step: dropped
 
 
-@pytest.mark.parametrize("path", ["native", "native_loop_python_hash", "python"])
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_refused_get_is_the_nodes_error_and_keeps_the_connection(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error answer (with bulk the client must skip) raises the node's
+    error; the connection stays in step for the next get."""
+    _get_path(path, monkeypatch)
+    gets = 0
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal gets
+        gets += 1
+        keys, _ = decode_get(payload)
+        if gets == 1:
+            ch.send(hdr.opcode | RESPONSE_BIT, b"busy right now", status=Status.INTERNAL,
+                    req_id=hdr.req_id, bulk=[memoryview(b"y" * 7)], bulk_len=7)
+            return True
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([3] * len(keys), [
+            value_checksum(b"abc")] * len(keys)), req_id=hdr.req_id,
+            bulk=[memoryview(b"abc" * len(keys))], bulk_len=3 * len(keys))
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        h = slab.alloc()
+        with pytest.raises(RemoteError, match="busy right now"):
+            c.get([b"a"], [h], [bytes(16)])
+        assert c.get_sizes([b"a"], [h], [bytes(16)]) == [3]
+        assert bytes(slab.view(h)[:3]) == b"abc"
+        assert c.reconnects == 0
+
+
+def _half_a_value(ch: Channel, hdr: Header) -> None:
+    """Answer a 1-key GET with a 100-byte hit, of which only half is sent."""
+    ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"v" * 100)]),
+            req_id=hdr.req_id, bulk=[memoryview(b"v" * 50)], bulk_len=100)
+
+
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_node_that_stalls_mid_value_is_a_timeout_and_the_next_get_reconnects(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _get_path(path, monkeypatch)
+    gate = threading.Event()
+    gets = 0
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal gets
+        gets += 1
+        if gets == 1:
+            _half_a_value(ch, hdr)
+            gate.wait(30)  # the rest never comes while the test runs
+            return False
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"w" * 100)]),
+                req_id=hdr.req_id, bulk=[memoryview(b"w" * 100)], bulk_len=100)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with Slab(4 * BLOCK, BLOCK, lock=False) as slab, \
+            KVClient(*addr, slab, timeout=0.5, connect_retries=1) as c:
+        h = slab.alloc()
+        with pytest.raises(TransportTimeout):
+            c.get([b"a"], [h], [bytes(16)])
+        gate.set()  # the fake node serves one connection at a time: let it take the next
+        assert c.get_sizes([b"a"], [h], [bytes(16)]) == [100]
+        assert bytes(slab.view(h)[:100]) == b"w" * 100
+        assert c.reconnects == 1
+    gate.set()
+
+
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_node_that_closes_mid_value_is_asked_again_on_a_new_connection(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _get_path(path, monkeypatch)
+    gets = 0
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal gets
+        gets += 1
+        if gets == 1:
+            _half_a_value(ch, hdr)
+            return False  # and closes the connection
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"w" * 100)]),
+                req_id=hdr.req_id, bulk=[memoryview(b"w" * 100)], bulk_len=100)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab, connect_retries=1) as c:
+        h = slab.alloc()
+        assert c.get_sizes([b"a"], [h], [bytes(16)]) == [100]
+        assert bytes(slab.view(h)[:100]) == b"w" * 100
+        assert (gets, c.reconnects) == (2, 1)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_signal_handler_raising_mid_value_leaves_no_half_read_stream(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler that raises while the get waits for the rest of a value
+    (an engine's alarm) gets its exception through; the next get runs on a
+    new connection, not on the half-read one (where the rest of the value
+    arrives after the handler ran, and would be read as the next answer)."""
+    _get_path(path, monkeypatch)
+    gate = threading.Event()
+    gets = 0
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal gets
+        gets += 1
+        if gets == 1:
+            _half_a_value(ch, hdr)
+            gate.wait(30)
+            ch.sock.sendall(b"v" * 50)  # the rest of the value, late
+            return True
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"w" * 100)]),
+                req_id=hdr.req_id, bulk=[memoryview(b"w" * 100)], bulk_len=100)
+        return True
+
+    def alarm(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    addr = fake_node(GOOD_INFO, script)
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        with Slab(4 * BLOCK, BLOCK, lock=False) as slab, \
+                KVClient(*addr, slab, timeout=10, connect_retries=1) as c:
+            h = slab.alloc()
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(_Interrupted):
+                c.get([b"a"], [h], [bytes(16)])
+            gate.set()  # as above: the next connection is served once this one ends
+            assert c.get_sizes([b"a"], [h], [bytes(16)]) == [100]
+            assert bytes(slab.view(h)[:100]) == b"w" * 100
+            assert c.reconnects == 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        gate.set()
+
+
+@pytest.mark.parametrize("path", ["native_call", "native", "native_loop_python_hash", "python"])
 def test_a_get_answer_value_whose_bytes_fail_their_checksum_is_a_miss(
     fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
     path: str,
@@ -194,9 +370,14 @@ def test_a_get_answer_value_whose_bytes_fail_their_checksum_is_a_miss(
     """A node answers every ``good`` key with its value and checksum, every
     ``miss`` key as a miss and every ``bad`` key with bytes that are not the
     ones its checksum names. Each way the client may read an answer (the
-    native core laying it out and checking it, the native loop with Python
-    hashing, Python throughout) returns the good values and misses for the
-    rest, and deletes the bad ones on the node."""
+    whole get in one native call; answer by answer, the native core laying
+    it out and checking it; the native loop with Python hashing; Python
+    throughout) returns the good values and misses for the rest, and
+    deletes the bad ones on the node."""
+    if path == "native_call":
+        _get_path(path, monkeypatch)
+    else:
+        monkeypatch.setattr(protocol, "_native_get_call", None)
     if path == "native" and not tcp.native_checksums():
         pytest.skip(f"native checksums unavailable: {tcp.NATIVE_ERROR or 'no XXH3 C API'}")
     if path == "native_loop_python_hash" and not tcp.native_available():

@@ -1,11 +1,16 @@
-"""The client's native lookup call (native/rk_call.c, ``Channel.call_flags``)
-against a real node: on an open connection EXISTS and DELETE go out and come
-back in one call; keys it leaves to Python get the same answers, and bad ones
-the same errors, with the connection kept. Answers that do not fit their
-request are covered against a lying node in test_client_hostile_node.py.
+"""The client's native calls (native/rk_call.c) against a real node.
 
-Which path answered is read from what the real native call returned (a
-list: answered; None: left to Python), recorded by a wrapper around it.
+* The lookup call (``Channel.call_flags``): on an open connection EXISTS and
+  DELETE go out and come back in one call; keys it leaves to Python get the
+  same answers, and bad ones the same errors, with the connection kept.
+* The get call (``Channel.call_get``): a get of one request on an open
+  connection goes out, lands in the slab and is checked in one call, with
+  the same sizes and bytes as the per-answer Python path.
+
+Answers that do not fit their request are covered against a lying node in
+test_client_hostile_node.py. Which path answered is read from what the real
+native call returned (a list or tuple: answered; None: left to Python),
+recorded by a wrapper around it.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import NodeProcess
 
 from rdmakv import protocol
-from rdmakv.client import KVClient
+from rdmakv.client import MIN_SUB_BATCH, KVClient
 from rdmakv.errors import ConfigError
 from rdmakv.protocol import MAX_KEY_LEN, NATIVE_CALL_FRAME_BYTES
 from rdmakv.slab import Slab
@@ -32,10 +38,9 @@ BLOCK = 64 * 1024
 DIGEST = b"d" * 16
 
 
-@pytest.fixture
-def returned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """What each native call returned, in order."""
-    real = protocol._native_flags_call
+def _record(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
+    """What each call of the native function ``protocol.<name>`` returns, in order."""
+    real = getattr(protocol, name)
     assert real is not None
     out: list[Any] = []
 
@@ -44,8 +49,20 @@ def returned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
         out.append(got)
         return got
 
-    monkeypatch.setattr(protocol, "_native_flags_call", recording)
-    yield out
+    monkeypatch.setattr(protocol, name, recording)
+    return out
+
+
+@pytest.fixture
+def returned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """What each native lookup call returned, in order."""
+    yield _record(monkeypatch, "_native_flags_call")
+
+
+@pytest.fixture
+def got_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """What each native get call returned, in order."""
+    yield _record(monkeypatch, "_native_get_call")
 
 
 def _client_with(node: NodeProcess, slab: Slab, keys: list[bytes]) -> KVClient:
@@ -102,3 +119,50 @@ def test_bad_keys_on_an_open_connection_are_named_and_keep_it(
             assert c.exists([b"fine"]) == [True]
             assert c.reconnects == reconnects
         assert returned == [None, [True], None, [True]]
+
+
+def _filled(slab: Slab, handles: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for h in handles:
+        slab.numpy(h)[:] = rng.integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def test_a_small_get_on_an_open_connection_is_one_native_call(
+    node: NodeProcess, client_slab: Slab, got_back: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hits of whole and partial blocks and misses (an absent key, a digest
+    of other tokens), in one native call; the per-answer Python path
+    (the native call switched off) gets the same sizes and bytes; a batch of
+    more than one request does not use the call."""
+    keys = [b"get-%02d" % i for i in range(3)]
+    with KVClient(*node.address, client_slab) as c:
+        src = client_slab.alloc_many(3)
+        _filled(client_slab, src, 7)
+        assert c.put(keys[:2], src[:2], BLOCK, [DIGEST] * 2) == [True, True]
+        assert c.put(keys[2:], src[2:], 1000, [DIGEST]) == [True]
+        asked = [keys[2], b"absent", keys[0], keys[1], keys[0]]
+        digests = [DIGEST, DIGEST, DIGEST, DIGEST, b"e" * 16]
+        want = [1000, None, BLOCK, BLOCK, None]
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(protocol, "_native_get_call", None)
+            dst = client_slab.alloc_many(len(asked))
+            for h in dst:
+                client_slab.numpy(h)[:] = 0xEE
+            assert c.get_sizes(asked, dst, digests) == want
+            assert bytes(client_slab.view(dst[0])[:1000]) == bytes(client_slab.view(src[2])[:1000])
+            assert (client_slab.numpy(dst[0])[1000:] == 0xEE).all()  # nothing past the value
+            assert bytes(client_slab.view(dst[2])) == bytes(client_slab.view(src[0]))
+            assert bytes(client_slab.view(dst[3])) == bytes(client_slab.view(src[1]))
+            for miss in (dst[1], dst[4]):
+                assert (client_slab.numpy(miss) == 0xEE).all()
+            for h in dst:
+                client_slab.free(h)
+        assert got_back == [(want, [])]
+        monkeypatch.undo()
+        got_back.clear()
+        many = [keys[0]] * (MIN_SUB_BATCH + 1)  # more than one request: answered in Python
+        dst = client_slab.alloc()
+        assert c.get(many, [dst] * len(many), [DIGEST] * len(many)) == [True] * len(many)
+        assert got_back == []
+        assert c.reconnects == 0

@@ -11,7 +11,7 @@ from rdmakv import doctor, protocol
 from rdmakv.node import native_index, native_loop
 from rdmakv.transport import tcp
 
-PIECES = ("tcp loop", "node index", "node EXISTS loop", "client lookup call")
+PIECES = ("tcp loop", "node index", "node EXISTS loop", "client call")
 
 
 @pytest.mark.skipif(
@@ -33,16 +33,16 @@ def test_doctor_says_which_native_pieces_run_and_which_switch_turned_one_off(
         "tcp loop": "on",
         "node index": "off (RDMAKV_INDEX_NATIVE=0)",
         "node EXISTS loop": "off (it needs the native index)",
-        "client lookup call": "off (RDMAKV_CALL_NATIVE=0)",
+        "client call": "off (RDMAKV_CALL_NATIVE=0)",
     }
     assert ("native core: tcp loop on, node index off (RDMAKV_INDEX_NATIVE=0), "
-            "node EXISTS loop off (it needs the native index), client lookup call off "
+            "node EXISTS loop off (it needs the native index), client call off "
             "(RDMAKV_CALL_NATIVE=0)") in doctor.render(report)
     assert report.to_dict()["native_core"] == report.native_core
 
 
 def test_doctor_says_why_a_piece_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "NATIVE_CALL_ERROR", "the native lookup call is not built")
-    assert doctor.native_pieces()["client lookup call"] == (
-        "not built (the native lookup call is not built)"
+    monkeypatch.setattr(protocol, "NATIVE_CALL_ERROR", "the native client call is not built")
+    assert doctor.native_pieces()["client call"] == (
+        "not built (the native client call is not built)"
     )

@@ -81,6 +81,7 @@ from rdmakv.protocol import (
     Op,
     Reply,
     Status,
+    check_get_answer_layout,
     chunk_ops,
     decode_alloc_request,
     decode_data_ops,
@@ -144,6 +145,11 @@ _ffi, _lib, NATIVE_ERROR = native_core.load("_native_tcp", "native TCP core")
 
 use_native: bool = _lib is not None and not native_core.switched_off(ENV_NATIVE)
 """Whether bulk bytes move through the native loop (tests may flip it)."""
+
+_HASHER_ADDRESS = 0 if HASHER is None else int(_ffi.cast("uintptr_t", HASHER))
+"""The address of :data:`~rdmakv.transport.checksum.HASHER`, which
+:meth:`Channel.call_get` hashes with (0: none). The struct lives as long as
+this process: the checksum module holds it."""
 
 _RK_TCP_OK = 0
 _RK_TCP_TIMEOUT = 1
@@ -548,7 +554,12 @@ class TcpTransport(Transport):
         :data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD` of requests behind
         an unread answer (the node may be blocked sending it). Each answer's
         values land straight in their slab blocks; a value whose bytes fail
-        its checksum is a miss and reported in ``corrupt``."""
+        its checksum is a miss and reported in ``corrupt``.
+
+        A batch of one request on an idle connection goes out, and its answer
+        comes in, in one native call (:meth:`Channel.call_get`): a get of a
+        few blocks, which an engine waits for, spends no time in this
+        module's per-answer Python."""
         slab = self._slab
         if slab is None:
             raise ProtocolError("fetch before register_local")
@@ -556,6 +567,10 @@ class TcpTransport(Transport):
         bs = slab.block_size
         per_answer = max(1, self._info.max_bulk // bs)
         handle_table = np.asarray(handles, dtype=np.uint64)
+        if len(batches) == 1 and batches[0][1] - batches[0][0] == len(keys) <= per_answer:
+            at_once = self._fetch_at_once(slab, keys, handle_table, encoder, timeout)
+            if at_once is not None:
+                return at_once
         out: list[int | None] = [None] * len(keys)
         corrupt: list[bytes] = []
         refused: list[RemoteError] = []
@@ -586,6 +601,30 @@ class TcpTransport(Transport):
         except OSError as e:
             raise wrap_socket_errors("GET", e) from e
         return Fetched(out, corrupt, refused[0] if refused else None)
+
+    def _fetch_at_once(
+        self,
+        slab: Slab,
+        keys: Sequence[bytes],
+        handle_table: npt.NDArray[np.uint64],
+        encoder: BatchEncoder,
+        timeout: float,
+    ) -> Fetched | None:
+        """:meth:`fetch` of one request in one native call; None where that
+        call does not take it (nothing was sent then)."""
+        if _HASHER_ADDRESS == 0 or not native_checksums():
+            return None
+        ch = self._ch
+        try:
+            ch.set_timeout(timeout)
+            got = ch.call_get(encoder.get(0, len(keys)), len(keys), handle_table,
+                              slab.base_addr, slab.block_size, _HASHER_ADDRESS, timeout)
+        except OSError as e:
+            raise wrap_socket_errors("GET", e) from e
+        if got is None:
+            return None
+        sizes, corrupt = got
+        return Fetched(sizes, [keys[j] for j in corrupt], None)
 
     stores_by_key = True
 
@@ -809,17 +848,6 @@ class _GetReceiver:
             elif n == _RK_TCP_CORRUPT:  # corrupted on the way or in the pool
                 self.corrupt.append(self.keys[j])
 
-    def _oversized(self) -> ProtocolError:
-        return ProtocolError(
-            f"GET response names a value longer than the {self.slab.block_size}-byte blocks"
-        )
-
-    def _check_bulk(self, hdr: Header, total: int) -> None:
-        if hdr.bulk_len != total:
-            raise ProtocolError(
-                f"GET response carries {hdr.bulk_len} bytes, its entries name {total}"
-            )
-
     def _receive_native(self, hdr: Header, entries: bytes) -> tuple[list[int], int]:
         """Per key its length (a match), :data:`_RK_TCP_MISSED` or :data:`_RK_TCP_CORRUPT`;
         and the number of matches."""
@@ -833,9 +861,9 @@ class _GetReceiver:
             raw, m, _ffi.cast("uint64_t *", slots), slab.base_addr, slab.block_size,
             _ffi.cast("uint64_t *", _ffi.from_buffer(iov)), hit, total, bad,
         )
-        if hits < 0:
-            raise self._oversized()
-        self._check_bulk(hdr, total[0])
+        if hits < 0 or total[0] != hdr.bulk_len:  # the check names what is wrong
+            check_get_answer_layout(get_answer_columns(entries)[0], hdr.bulk_len,
+                                    slab.block_size)
         got = np.empty(hits, dtype=np.uint64)
         recv_iov_from(self.ch, iov[:hits], total[0], got)  # the slab is mapped while we run
         sizes = np.empty(m, dtype=np.int64)
@@ -852,12 +880,9 @@ class _GetReceiver:
         Python hashes them."""
         bs = self.slab.block_size
         lengths, sums = get_answer_columns(entries)
+        total = check_get_answer_layout(lengths, hdr.bulk_len, bs)
         hits = np.flatnonzero(lengths)
         sizes = lengths[hits]
-        if len(sizes) and int(sizes.max()) > bs:
-            raise self._oversized()
-        total = int(sizes.sum(dtype=np.uint64))
-        self._check_bulk(hdr, total)
         offsets = self.handles[self.start + hits] * np.uint64(bs)
         if use_native:
             recv_iov_from(self.ch, iov_at(self.slab.base_addr, offsets, sizes), total)
