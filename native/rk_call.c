@@ -1,6 +1,7 @@
-/* rdmakv native client call (rdmakv._native_call, a CPython extension): a
- * keys request answered by one flag per key (EXISTS, DELETE) in one call
- * from Python, on a client connection with nothing else in flight.
+/* rdmakv native client calls (rdmakv._native_call, a CPython extension), on
+ * a client connection with nothing else in flight: a keys request answered
+ * by one flag per key (EXISTS, DELETE), and a get's GET requests with their
+ * answers, each in one call from Python.
  *
  * A scheduler waits for EXISTS before each engine step. With the node's
  * answer in C (rk_serve.h), the client's Python was most of what a 64-key
@@ -27,14 +28,43 @@
  * (then, as when Python's own socket calls are interrupted, the answer may
  * be unread and the connection is the caller's to drop).
  * fd may be blocking or not: every call here is non-blocking, and waits are
- * polls. configure(response_bit, max_key_len) sets the protocol's numbers
- * (rdmakv/protocol.py, the one place they are written) before any call. */
+ * polls. configure(response_bit, max_key_len, max_bulk) sets the protocol's
+ * numbers (rdmakv/protocol.py, the one place they are written) before any
+ * call.
+ *
+ * A get (GET in rdmakv/protocol.py) answered in Python cost ~25 us of the
+ * client's per answer: a 1-block get took 87 us on one CPU of the 2-core
+ * bench host, against 37 us for a minimal client of the same node. So
+ * get_call(fd, opcode, first_req_id, payloads, ends, counts, slots, base,
+ * block, hasher, scratch, ahead, ahead_limit, timeout_ms) runs a whole get:
+ * m requests whose payloads lie back to back in payloads (request i's ending
+ * at ends[i], a uint64 array; counts[i], uint32, its keys; req_ids from
+ * first_req_id on), sent under the tcp transport's flow control (at most
+ * ahead_limit bytes of requests behind an unread answer); and their answers
+ * read in order, each hit's value received straight into its slab block
+ * (key j's at base + slots[j] * block, uint64 slots the caller has checked)
+ * and hashed as it lands with the rk_hasher at address hasher
+ * (native/rk_tcp.c's receive, compiled into this module). It returns
+ *   - (sizes, corrupt, refusal): every answer consumed. sizes: per key its
+ *     value's length, None for a miss; corrupt: the indices of the keys
+ *     whose bytes failed their checksum (misses too); refusal: the bytes
+ *     (header and payload) of the first error answer, whose keys are
+ *     misses, or None;
+ *   - None: the call does not take these arguments (a request over scratch,
+ *     an answer's entries over ahead, inconsistent arrays). Nothing was sent;
+ *   - (k, n): answer k is not one this call reads (out of step, malformed,
+ *     values longer than a block or not matching its bulk); its first n
+ *     bytes are in ahead for the caller's checks, which say what is wrong,
+ *     and the connection is the caller's to drop;
+ *   - -1: the peer closed the connection before the last answer was in.
+ * Timeouts, failed calls and signal handlers as for flags_call. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
@@ -57,6 +87,7 @@
 
 static unsigned response_bit = 0;
 static Py_ssize_t max_key_len = 0;
+static uint64_t max_bulk = 0;
 
 static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, sizeof v); return v; }
 static uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, sizeof v); return v; }
@@ -238,8 +269,8 @@ static PyObject *flags_call(PyObject *self, PyObject *args) {
 
 /* Receive the head of one answer into buf: the header and, as the header
  * announces, its payload, `expect` bytes in all until the header is in, and
- * never more than `cap` (GIL released). Nothing past the payload is read:
- * a GET answer's bulk stays in the socket, for the slab. */
+ * never more than `cap`. Nothing past the payload is read: a GET answer's
+ * bulk stays in the socket, for the slab. */
 static enum io recv_head(int fd, uint8_t *buf, size_t cap, size_t expect, size_t *have,
                          int timeout_ms) {
     for (;;) {
@@ -268,6 +299,28 @@ static enum io recv_head(int fd, uint8_t *buf, size_t cap, size_t expect, size_t
     }
 }
 
+/* Read and drop `*left` bytes (an error answer's bulk) through buf. */
+static enum io drain(int fd, uint8_t *buf, size_t cap, uint64_t *left, int timeout_ms) {
+    while (*left) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int r = poll(&p, 1, timeout_ms);
+        if (r == 0)
+            return IO_TIMEOUT;
+        if (r < 0)
+            return errno == EINTR ? IO_AGAIN_AFTER_SIGNAL : IO_ERRNO;
+        ssize_t k = recv(fd, buf, *left < cap ? (size_t)*left : cap, MSG_DONTWAIT);
+        if (k > 0)
+            *left -= (uint64_t)k;
+        else if (k == 0)
+            return IO_CLOSED;
+        else if (errno == EINTR)
+            return IO_AGAIN_AFTER_SIGNAL;
+        else if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return IO_ERRNO;
+    }
+    return IO_DONE;
+}
+
 /* An exception for a failed wait or system call, or -1 (closed); NULL with
  * the exception set where Python raises. */
 static PyObject *io_failure(enum io io, int err, int timeout_ms) {
@@ -282,183 +335,303 @@ static PyObject *io_failure(enum io io, int err, int timeout_ms) {
     }
 }
 
-/* Per-key scratch of one get_call (one allocation). */
-struct get_scratch {
-    uint64_t *iov;  /* 2 per key: (address, length) of each hit */
-    uint32_t *hit;  /* key index of each hit */
-    uint64_t *got;  /* hash of each hit's bytes as received */
-    int64_t *sizes; /* per key: length, RK_TCP_MISSED or RK_TCP_CORRUPT */
-    void *block;
-};
-
-static int get_scratch_alloc(struct get_scratch *g, size_t n) {
-    g->block = PyMem_Malloc(n * (2 * sizeof *g->iov + sizeof *g->hit + sizeof *g->got +
-                                 sizeof *g->sizes));
-    if (g->block == NULL)
-        return -1;
-    g->iov = g->block;
-    g->got = g->iov + 2 * n;
-    g->sizes = (int64_t *)(g->got + n);
-    g->hit = (uint32_t *)(g->sizes + n);
-    return 0;
+static enum io from_tcp(int rc) {
+    switch (rc) {
+    case RK_TCP_OK: return IO_DONE;
+    case RK_TCP_EINTR: return IO_AGAIN_AFTER_SIGNAL;
+    case RK_TCP_TIMEOUT: return IO_TIMEOUT;
+    case RK_TCP_CLOSED: return IO_CLOSED;
+    default: return IO_ERRNO;
+    }
 }
 
-/* (sizes, corrupt) of a checked answer: per key its length or None, and
- * the indices of the keys whose bytes failed their checksum. */
-static PyObject *get_result(const int64_t *sizes, size_t n) {
-    PyObject *out = PyList_New((Py_ssize_t)n), *corrupt = PyList_New(0);
+/* One get_call: m GET requests (their payloads back to back, request i's
+ * ending at ends[i], counts[i] keys each) and their answers, keys numbered
+ * across the requests. Everything here runs with the GIL released; `run`
+ * returns to Python only to run signal handlers (IO_AGAIN_AFTER_SIGNAL) and
+ * is called again to resume where it stopped. */
+struct gets {
+    /* the call's arguments */
+    int fd, timeout_ms;
+    unsigned opcode;
+    uint64_t first_id, ahead_limit, base, block;
+    const uint8_t *payloads;
+    const uint64_t *ends, *slots;
+    const uint32_t *counts;
+    size_t m;
+    const rk_hasher *hasher;
+    uint8_t *frame, *buf;
+    size_t frame_cap, buf_cap;
+    /* per key: length, RK_TCP_MISSED or RK_TCP_CORRUPT; and the scratch of one answer */
+    int64_t *sizes;
+    uint64_t *iov, *got;
+    uint32_t *hit;
+    /* progress */
+    size_t sent, answered, key0; /* requests sent / answered; first key of the next answer */
+    uint64_t in_flight;          /* request bytes sent whose answers are not read */
+    int step;                    /* within the answer being read (see run) */
+    size_t frame_len, frame_sent, have;
+    int64_t hits;
+    uint64_t moved, hashed, left;
+    /* the first error answer (header and payload), for Python to raise */
+    uint8_t *refusal;
+    size_t refusal_len;
+    int err;
+};
+
+enum { STEP_HEAD, STEP_BULK, STEP_DRAIN };
+enum gets_end { GETS_DONE, GETS_OFF_PLAN, GETS_IO };
+
+static size_t payload_start(const struct gets *g, size_t i) { return i ? g->ends[i - 1] : 0; }
+
+/* Send request g->sent (its frame built in g->frame once). */
+static enum io send_next(struct gets *g) {
+    if (g->frame_sent == 0 && g->frame_len == 0) {
+        const size_t at = payload_start(g, g->sent), len = (size_t)(g->ends[g->sent] - at);
+        const uint32_t pl = (uint32_t)len;
+        const uint64_t no_bulk = 0, id = g->first_id + g->sent;
+        memset(g->frame, 0, HEADER_BYTES);
+        g->frame[H_OPCODE] = (uint8_t)g->opcode;
+        memcpy(g->frame + H_PAYLOAD_LEN, &pl, sizeof pl);
+        memcpy(g->frame + H_BULK_LEN, &no_bulk, sizeof no_bulk);
+        memcpy(g->frame + H_REQ_ID, &id, sizeof id);
+        memcpy(g->frame + HEADER_BYTES, g->payloads + at, len);
+        g->frame_len = HEADER_BYTES + len;
+    }
+    enum io io = send_rest(g->fd, g->frame, g->frame_len, &g->frame_sent, g->timeout_ms);
+    g->err = errno;
+    if (io == IO_DONE) {
+        g->in_flight += g->frame_len;
+        g->sent++;
+        g->frame_len = g->frame_sent = 0;
+    }
+    return io;
+}
+
+/* Send what the flow control allows (REQUEST_BYTES_AHEAD in
+ * rdmakv/transport/base.py: at most ahead_limit bytes of requests behind an
+ * unread answer, or one request when none is unread), then read the next
+ * answer, until every answer is in. GETS_OFF_PLAN: answer g->answered is
+ * not one this call reads (g->have bytes of it in g->buf). */
+static enum gets_end run(struct gets *g, enum io *io) {
+    while (g->answered < g->m) {
+        while (g->step == STEP_HEAD && g->have == 0 && g->sent < g->m) {
+            const size_t next = HEADER_BYTES + (size_t)(g->ends[g->sent] - payload_start(g, g->sent));
+            if (g->sent > g->answered && g->in_flight + next > g->ahead_limit)
+                break;
+            if ((*io = send_next(g)) != IO_DONE)
+                return GETS_IO;
+        }
+        const size_t k = g->answered, count = g->counts[k];
+        const size_t head = HEADER_BYTES + COUNT_BYTES + count * GET_ENTRY_BYTES;
+        uint8_t *b = g->buf;
+        if (g->step == STEP_HEAD) {
+            *io = recv_head(g->fd, b, g->buf_cap, head, &g->have, g->timeout_ms);
+            g->err = errno;
+            if (*io != IO_DONE)
+                return GETS_IO;
+            if (b[H_OPCODE] != (g->opcode | response_bit) || rd64(b + H_REQ_ID) != g->first_id + k)
+                return GETS_OFF_PLAN;
+            if (rd16(b + H_STATUS) != 0) { /* refused: its keys are misses */
+                const size_t len = HEADER_BYTES + (size_t)rd32(b + H_PAYLOAD_LEN);
+                if (g->have != len || rd64(b + H_BULK_LEN) > max_bulk)
+                    return GETS_OFF_PLAN;
+                if (g->refusal == NULL) {
+                    if ((g->refusal = malloc(len)) == NULL) {
+                        *io = IO_ERRNO;
+                        g->err = ENOMEM;
+                        return GETS_IO;
+                    }
+                    memcpy(g->refusal, b, len);
+                    g->refusal_len = len;
+                }
+                for (size_t j = 0; j < count; j++)
+                    g->sizes[g->key0 + j] = RK_TCP_MISSED;
+                g->left = rd64(b + H_BULK_LEN);
+                g->step = STEP_DRAIN;
+            } else {
+                uint64_t total = 0;
+                size_t bad = 0;
+                if (g->have != head || rd32(b + H_PAYLOAD_LEN) != head - HEADER_BYTES ||
+                    rd32(b + HEADER_BYTES) != (uint64_t)count)
+                    return GETS_OFF_PLAN;
+                g->hits = rk_tcp_get_answer_layout(b + HEADER_BYTES + COUNT_BYTES, count,
+                                                   g->slots + g->key0, g->base, g->block, g->iov,
+                                                   g->hit, &total, &bad);
+                if (g->hits < 0 || rd64(b + H_BULK_LEN) != total)
+                    return GETS_OFF_PLAN;
+                g->moved = g->hashed = 0;
+                g->step = STEP_BULK;
+            }
+        }
+        if (g->step == STEP_DRAIN) {
+            *io = drain(g->fd, b + g->have, g->buf_cap - g->have, &g->left, g->timeout_ms);
+            g->err = errno;
+            if (*io != IO_DONE)
+                return GETS_IO;
+        } else if (g->step == STEP_BULK && g->hits > 0) {
+            int rc = rk_tcp_recvv_hashed(g->fd, g->iov, (size_t)g->hits, g->moved, g->timeout_ms,
+                                         g->hasher, g->got, &g->hashed, &g->moved, &g->err);
+            if ((*io = from_tcp(rc)) != IO_DONE)
+                return GETS_IO;
+        }
+        if (g->step == STEP_BULK)
+            rk_tcp_get_answer_check(b + HEADER_BYTES + COUNT_BYTES, count, g->hit,
+                                    (size_t)g->hits, g->got, g->sizes + g->key0);
+        g->in_flight -= HEADER_BYTES + (size_t)(g->ends[k] - payload_start(g, k));
+        g->answered++;
+        g->key0 += count;
+        g->have = 0;
+        g->step = STEP_HEAD;
+    }
+    return GETS_DONE;
+}
+
+/* (sizes, corrupt, refusal) once every answer is in: per key its length or
+ * None; the indices of the keys whose bytes failed their checksum; the
+ * first error answer's bytes, or None. */
+static PyObject *gets_result(const struct gets *g, size_t n) {
+    PyObject *out = PyList_New((Py_ssize_t)n), *corrupt = PyList_New(0), *refusal;
     if (out == NULL || corrupt == NULL)
         goto fail;
     for (size_t j = 0; j < n; j++) {
         PyObject *v;
-        if (sizes[j] > 0) {
-            v = PyLong_FromLongLong(sizes[j]);
-            if (v == NULL)
+        if (g->sizes[j] > 0) {
+            if ((v = PyLong_FromLongLong(g->sizes[j])) == NULL)
                 goto fail;
         } else {
             v = Py_NewRef(Py_None);
-            if (sizes[j] == RK_TCP_CORRUPT) {
+            if (g->sizes[j] == RK_TCP_CORRUPT) {
                 PyObject *idx = PyLong_FromSize_t(j);
-                if (idx == NULL || PyList_Append(corrupt, idx) < 0) {
-                    Py_XDECREF(idx);
+                int bad = idx == NULL || PyList_Append(corrupt, idx) < 0;
+                Py_XDECREF(idx);
+                if (bad) {
                     Py_DECREF(v);
                     goto fail;
                 }
-                Py_DECREF(idx);
             }
         }
         PyList_SET_ITEM(out, (Py_ssize_t)j, v);
     }
-    return Py_BuildValue("(NN)", out, corrupt);
+    refusal = g->refusal == NULL
+                  ? Py_NewRef(Py_None)
+                  : PyBytes_FromStringAndSize((const char *)g->refusal, (Py_ssize_t)g->refusal_len);
+    if (refusal == NULL)
+        goto fail;
+    return Py_BuildValue("(NNN)", out, corrupt, refusal);
 fail:
     Py_XDECREF(out);
     Py_XDECREF(corrupt);
     return NULL;
 }
 
-/* get_call once its arguments are parsed and fit (see get_call below). */
-static PyObject *get(int fd, unsigned opcode, uint64_t req_id, const Py_buffer *payload,
-                     size_t n, const uint64_t *slots, uint64_t base, uint64_t block,
-                     const rk_hasher *hasher, Py_buffer *scratch, Py_buffer *ahead,
-                     int timeout_ms) {
-    uint8_t *frame = scratch->buf, *buf = ahead->buf;
-    const size_t frame_len = HEADER_BYTES + (size_t)payload->len;
-    const size_t answer_len = HEADER_BYTES + COUNT_BYTES + n * GET_ENTRY_BYTES;
-    const uint32_t pl = (uint32_t)payload->len;
-    const uint64_t no_bulk = 0;
-    memset(frame, 0, HEADER_BYTES);
-    frame[H_OPCODE] = (uint8_t)opcode;
-    memcpy(frame + H_PAYLOAD_LEN, &pl, sizeof pl);
-    memcpy(frame + H_BULK_LEN, &no_bulk, sizeof no_bulk);
-    memcpy(frame + H_REQ_ID, &req_id, sizeof req_id);
-    memcpy(frame + HEADER_BYTES, payload->buf, (size_t)payload->len);
-    struct get_scratch g;
-    if (get_scratch_alloc(&g, n) < 0)
+static PyObject *gets(struct gets *g, size_t n) {
+    size_t most = 0;
+    for (size_t i = 0; i < g->m; i++)
+        if (g->counts[i] > most)
+            most = g->counts[i];
+    void *block = PyMem_Malloc(n * sizeof *g->sizes +
+                               most * (2 * sizeof *g->iov + sizeof *g->got + sizeof *g->hit));
+    if (block == NULL)
         return PyErr_NoMemory();
+    g->sizes = block;
+    g->iov = (uint64_t *)(g->sizes + n);
+    g->got = g->iov + 2 * most;
+    g->hit = (uint32_t *)(g->got + most);
     PyObject *result = NULL;
-    size_t sent = 0, have = 0;
-    enum io io;
-    int err = 0;
+    enum io io = IO_DONE;
+    enum gets_end end;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
-        io = send_rest(fd, frame, frame_len, &sent, timeout_ms);
-        if (io == IO_DONE)
-            io = recv_head(fd, buf, (size_t)ahead->len, answer_len, &have, timeout_ms);
-        err = errno;
+        end = run(g, &io);
         Py_END_ALLOW_THREADS
-        if (io != IO_AGAIN_AFTER_SIGNAL)
+        if (end != GETS_IO || io != IO_AGAIN_AFTER_SIGNAL)
             break;
         if (PyErr_CheckSignals() < 0)
             goto out;
     }
-    if (io != IO_DONE) {
-        result = io_failure(io, err, timeout_ms);
-        goto out;
-    }
-    const uint8_t *entries = buf + HEADER_BYTES + COUNT_BYTES;
-    uint64_t total = 0;
-    size_t bad = 0;
-    int64_t hits = -1;
-    if (have == answer_len && buf[H_OPCODE] == (opcode | response_bit) &&
-        rd16(buf + H_STATUS) == 0 && rd64(buf + H_REQ_ID) == req_id &&
-        rd32(buf + H_PAYLOAD_LEN) == answer_len - HEADER_BYTES &&
-        rd32(buf + HEADER_BYTES) == (uint64_t)n)
-        hits = rk_tcp_get_answer_layout(entries, n, slots, base, block, g.iov, g.hit, &total,
-                                        &bad);
-    if (hits < 0 || rd64(buf + H_BULK_LEN) != total) { /* not the plain answer */
-        result = PyLong_FromSize_t(have);
-        goto out;
-    }
-    uint64_t done = 0, hashed = 0;
-    int rc = RK_TCP_OK;
-    while (hits > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = rk_tcp_recvv_hashed(fd, g.iov, (size_t)hits, done, timeout_ms, hasher, g.got,
-                                 &hashed, &done, &err);
-        Py_END_ALLOW_THREADS
-        if (rc != RK_TCP_EINTR)
-            break;
-        if (PyErr_CheckSignals() < 0)
-            goto out;
-    }
-    if (rc == RK_TCP_TIMEOUT) {
-        result = io_failure(IO_TIMEOUT, 0, timeout_ms);
-    } else if (rc == RK_TCP_CLOSED) {
-        result = io_failure(IO_CLOSED, 0, timeout_ms);
-    } else if (rc != RK_TCP_OK) {
-        result = io_failure(IO_ERRNO, err, timeout_ms);
-    } else {
-        rk_tcp_get_answer_check(entries, n, g.hit, (size_t)hits, g.got, g.sizes);
-        result = get_result(g.sizes, n);
-    }
+    if (end == GETS_DONE)
+        result = gets_result(g, n);
+    else if (end == GETS_OFF_PLAN)
+        result = Py_BuildValue("(nn)", (Py_ssize_t)g->answered, (Py_ssize_t)g->have);
+    else
+        result = io_failure(io, g->err, g->timeout_ms);
 out:
-    PyMem_Free(g.block);
+    free(g->refusal);
+    PyMem_Free(block);
     return result;
 }
 
 static PyObject *get_call(PyObject *self, PyObject *args) {
-    int fd, timeout_ms;
-    unsigned opcode;
-    unsigned long long req_id, base, block, hasher;
-    Py_ssize_t n;
-    Py_buffer payload, slots, scratch, ahead;
-    if (!PyArg_ParseTuple(args, "iIKy*ny*KKKw*w*i", &fd, &opcode, &req_id, &payload, &n, &slots,
-                          &base, &block, &hasher, &scratch, &ahead, &timeout_ms))
+    struct gets g;
+    memset(&g, 0, sizeof g);
+    unsigned long long first_id, base, block, hasher, ahead_limit;
+    Py_buffer payloads, ends, counts, slots, scratch, ahead;
+    if (!PyArg_ParseTuple(args, "iIKy*y*y*y*KKKw*w*Ki", &g.fd, &g.opcode, &first_id, &payloads,
+                          &ends, &counts, &slots, &base, &block, &hasher, &scratch, &ahead,
+                          &ahead_limit, &g.timeout_ms))
         return NULL;
-    PyObject *result;
+    PyObject *result = NULL;
+    const size_t m = (size_t)ends.len / sizeof(uint64_t), n = (size_t)slots.len / sizeof(uint64_t);
+    const uint64_t *end_at = ends.buf;
+    const uint32_t *count = counts.buf;
+    int fits = response_bit != 0 && m >= 1 && hasher != 0 && block != 0 &&
+               (size_t)counts.len == m * sizeof(uint32_t) && ends.len % sizeof(uint64_t) == 0 &&
+               slots.len % sizeof(uint64_t) == 0 && end_at[m - 1] == (uint64_t)payloads.len;
+    size_t keys = 0;
+    for (size_t i = 0; fits && i < m; i++) {
+        const uint64_t from = i ? end_at[i - 1] : 0;
+        keys += count[i];
+        fits = count[i] >= 1 && end_at[i] >= from &&
+               HEADER_BYTES + (end_at[i] - from) <= (uint64_t)scratch.len &&
+               HEADER_BYTES + COUNT_BYTES + (uint64_t)count[i] * GET_ENTRY_BYTES <= (uint64_t)ahead.len;
+    }
     if (response_bit == 0) {
         PyErr_SetString(PyExc_RuntimeError, "configure() was not called");
-        result = NULL;
-    } else if (n < 1 || n > UINT32_MAX || hasher == 0 || block == 0 ||
-               slots.len != n * (Py_ssize_t)sizeof(uint64_t) ||
-               HEADER_BYTES + (size_t)payload.len > (size_t)scratch.len ||
-               payload.len > UINT32_MAX ||
-               HEADER_BYTES + COUNT_BYTES + (size_t)n * GET_ENTRY_BYTES > (size_t)ahead.len) {
+    } else if (!fits || keys != n) {
         result = Py_NewRef(Py_None);
     } else {
-        result = get(fd, opcode, (uint64_t)req_id, &payload, (size_t)n, slots.buf, (uint64_t)base,
-                     (uint64_t)block, (const rk_hasher *)(uintptr_t)hasher, &scratch, &ahead,
-                     timeout_ms);
+        g.first_id = first_id;
+        g.ahead_limit = ahead_limit;
+        g.base = base;
+        g.block = block;
+        g.payloads = payloads.buf;
+        g.ends = end_at;
+        g.counts = count;
+        g.slots = slots.buf;
+        g.m = m;
+        g.hasher = (const rk_hasher *)(uintptr_t)hasher;
+        g.frame = scratch.buf;
+        g.frame_cap = (size_t)scratch.len;
+        g.buf = ahead.buf;
+        g.buf_cap = (size_t)ahead.len;
+        result = gets(&g, n);
     }
-    PyBuffer_Release(&payload);
+    PyBuffer_Release(&payloads);
+    PyBuffer_Release(&ends);
+    PyBuffer_Release(&counts);
     PyBuffer_Release(&slots);
     PyBuffer_Release(&scratch);
     PyBuffer_Release(&ahead);
     return result;
 }
 
+
 static PyObject *configure(PyObject *self, PyObject *args) {
     unsigned bit;
     Py_ssize_t max_key;
-    if (!PyArg_ParseTuple(args, "In", &bit, &max_key))
+    unsigned long long bulk;
+    if (!PyArg_ParseTuple(args, "InK", &bit, &max_key, &bulk))
         return NULL;
-    if (bit == 0 || bit > 0xFF || max_key < 1 || max_key > 0xFFFF) {
-        PyErr_Format(PyExc_ValueError, "response bit %u / max key length %zd out of range", bit,
-                     max_key);
+    if (bit == 0 || bit > 0xFF || max_key < 1 || max_key > 0xFFFF || bulk == 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "response bit %u / max key length %zd / max bulk %llu out of range", bit,
+                     max_key, bulk);
         return NULL;
     }
     response_bit = bit;
     max_key_len = max_key;
+    max_bulk = (uint64_t)bulk;
     Py_RETURN_NONE;
 }
 
@@ -466,10 +639,10 @@ static PyMethodDef methods[] = {
     {"flags_call", flags_call, METH_VARARGS,
      "flags_call(fd, opcode, req_id, keys, scratch, ahead, timeout_ms): see native/rk_call.c"},
     {"get_call", get_call, METH_VARARGS,
-     "get_call(fd, opcode, req_id, payload, n, slots, base, block, hasher, scratch, ahead, "
-     "timeout_ms): see native/rk_call.c"},
+     "get_call(fd, opcode, first_req_id, payloads, ends, counts, slots, base, block, hasher, "
+     "scratch, ahead, ahead_limit, timeout_ms): see native/rk_call.c"},
     {"configure", configure, METH_VARARGS,
-     "configure(response_bit, max_key_len): the protocol's numbers, before any call"},
+     "configure(response_bit, max_key_len, max_bulk): the protocol's numbers, before any call"},
     {NULL, NULL, 0, NULL},
 };
 

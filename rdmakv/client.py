@@ -803,7 +803,25 @@ def check_get(
     same_len(keys, handles=handles, digests=digests)
     encoder = _checked_encoder(keys, digests)
     slab.check_handles(handles)
+    _check_distinct(handles)
     return encoder
+
+
+def _check_distinct(handles: Sequence[int]) -> None:
+    """ConfigError naming a block that two keys of a get would land in: each
+    value is checked against its checksum once its bytes are in, and another
+    value landing in the same block first would fail that check, so a good
+    value would be reported corrupt (and deleted on the node)."""
+    if len(set(handles)) == len(handles):
+        return
+    first: dict[int, int] = {}
+    for i, h in enumerate(handles):
+        if h in first:
+            raise ConfigError(
+                f"block handle {h} is named twice (#{first[h]} and #{i}): "
+                "each key of a get needs a block of its own"
+            )
+        first[h] = i
 
 
 def _checked_encoder(

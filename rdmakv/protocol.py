@@ -1389,7 +1389,7 @@ def _load_native_call() -> tuple[Any, str | None]:
     module, error = native_core.load_extension("_native_call", "native client call")
     if module is None or native_core.switched_off(ENV_NATIVE_CALL):
         return None, error
-    module.configure(RESPONSE_BIT, MAX_KEY_LEN)
+    module.configure(RESPONSE_BIT, MAX_KEY_LEN, MAX_BULK_BYTES)
     return module, None
 
 
@@ -1719,55 +1719,72 @@ class Channel:
 
     def call_get(
         self,
-        payload: bytes,
-        count: int,
+        payloads: Sequence[bytes],
+        counts: Sequence[int],
         slots: npt.NDArray[np.uint64],
         base: int,
         block: int,
         hasher: int,
+        ahead_limit: int,
         timeout: float | None,
-    ) -> tuple[list[int | None], list[int]] | None:
-        """One GET request of ``count`` keys (``payload``, as
-        :meth:`BatchEncoder.get` lays it out) and its whole answer, in one
-        native call on an idle channel (native/rk_call.c): each hit's value
-        lands in its slab block (key j's at ``base + slots[j] * block``, a
-        range the caller has checked) and is hashed as it arrives with the
-        ``rk_hasher`` at address ``hasher``, all with the GIL released.
+    ) -> tuple[list[int | None], list[int], RemoteError | None] | None:
+        """A get's GET requests (``payloads``, as :meth:`BatchEncoder.get` lays
+        them out, ``counts[i]`` keys each) and their answers, in one native
+        call on an idle channel (native/rk_call.c): requests go out under the
+        tcp transport's flow control (at most ``ahead_limit`` bytes of them
+        behind an unread answer), and each hit's value lands in its slab
+        block (key j's at ``base + slots[j] * block``, ranges the caller has
+        checked), hashed as it arrives with the ``rk_hasher`` at address
+        ``hasher``, all with the GIL released.
 
-        Returns per key its value length, None for a miss; and the indices
-        of the keys whose bytes failed their checksum (misses too). None,
-        with nothing sent, where the call does not take it: not built or
-        switched off, the channel busy, a request over
-        :data:`NATIVE_CALL_FRAME_BYTES` or an answer over the read-ahead
-        buffer. Any answer but the plain one is checked here: the node's
-        error is raised as :meth:`call` raises it, anything else is a
-        :class:`ProtocolError` naming what is wrong. Its bulk is not read
-        then, nor the rest of an answer after a timeout or a signal handler
-        that raised: the connection is the caller's to drop."""
+        Returns per key its value length, None for a miss; the indices of
+        the keys whose bytes failed their checksum (misses too); and the
+        node's error for the first request it refused (its keys are misses),
+        or None. None, with nothing sent, where the call does not take it:
+        not built or switched off, the channel busy, a request over
+        :data:`NATIVE_CALL_FRAME_BYTES` or an answer's entries over the
+        read-ahead buffer. An answer out of step or malformed is a
+        :class:`ProtocolError` naming what is wrong; the rest of the stream
+        is not read then, nor after a timeout or a signal handler that
+        raised: the connection is the caller's to drop."""
         call = _native_get_call
         if call is None or not self._idle:
             return None
         if self._frame is None:
             self._frame = bytearray(NATIVE_CALL_FRAME_BYTES)
-        req_id = self._next_id
-        got = call(self.sock.fileno(), Op.GET, req_id, payload, count, slots, base, block,
-                   hasher, self._frame, self._ahead,
+        ends = np.cumsum([len(p) for p in payloads], dtype=np.uint64)
+        first = self._next_id
+        got = call(self.sock.fileno(), Op.GET, first, b"".join(payloads), ends,
+                   np.asarray(counts, dtype=np.uint32), slots, base, block, hasher,
+                   self._frame, self._ahead, ahead_limit,
                    -1 if timeout is None else max(1, round(timeout * 1000)))
         if got is None:
             return None
-        self._next_id += 1
-        if type(got) is tuple:
-            self._pos = self._end = 0
-            return got
-        if got < 0:
+        self._next_id += len(payloads)
+        if type(got) is int:
             raise ConnectionLost("peer closed the connection mid-frame")
-        self._pos, self._end = 0, got
-        hdr, answer = self._read_response(Op.GET, req_id, "GET")
+        if len(got) == 3:
+            self._pos = self._end = 0
+            sizes, corrupt, refusal = got
+            return sizes, corrupt, None if refusal is None else self._refusal(refusal)
+        answered, have = got
+        self._pos, self._end = 0, have
+        hdr, answer = self._read_response(Op.GET, first + answered, "GET")
         if hdr.status != Status.OK:
             raise_for_status(hdr, answer, "GET")
-        lengths, _ = get_answer_columns(get_answer_entries(answer, count))
+        lengths, _ = get_answer_columns(get_answer_entries(answer, counts[answered]))
         check_get_answer_layout(lengths, hdr.bulk_len, block)
         raise ProtocolError("GET response not as asked")  # the checks above name every way
+
+    @staticmethod
+    def _refusal(frame: bytes) -> RemoteError:
+        """The node's error in an error answer (header and payload)."""
+        hdr = Header(*HEADER.unpack_from(frame))
+        try:
+            raise_for_status(hdr, frame[HEADER.size :], "GET")
+        except RemoteError as e:
+            return e
+        raise ProtocolError(f"GET: status {hdr.status} names no error")
 
     def _recv_waiting(self, view: memoryview) -> int:
         """One receive into ``view`` that waits under the socket's timeout."""

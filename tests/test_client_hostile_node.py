@@ -150,12 +150,14 @@ def test_oversized_lookup_extent_is_a_miss_and_lying_reads_are_errors(
 
     addr = fake_node(GOOD_INFO, script)
     with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
-        h = slab.alloc()
+        h, h2 = slab.alloc(), slab.alloc()
         slab.numpy(h)[:] = 0x5A
+        slab.numpy(h2)[:] = 0x5A
         with pytest.raises(ProtocolError, match="READ response carries 5 bytes"):
-            c.get([b"big", b"ok"], [h, h], [bytes(16)] * 2)
+            c.get([b"big", b"ok"], [h, h2], [bytes(16)] * 2)
         # the oversized one never became a read op: only "ok"'s 100 bytes were asked for
-        assert (slab.numpy(h)[100:] == 0x5A).all()
+        assert (slab.numpy(h) == 0x5A).all()
+        assert (slab.numpy(h2)[100:] == 0x5A).all()
 
 
 GET_PATHS = ["native_call", "python"]
@@ -198,13 +200,15 @@ def test_lying_get_answers_are_errors_and_touch_no_other_block(
     addr = fake_node(GOOD_INFO, script)
     error = "out of sync" if lie == "req_id" else "GET response"
     with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
-        h, other = slab.alloc(), slab.alloc()
-        slab.numpy(h)[:] = 0x5A
+        h, h2, other = slab.alloc(), slab.alloc(), slab.alloc()
+        for b in (h, h2):
+            slab.numpy(b)[:] = 0x5A
         slab.numpy(other)[:] = 0x33
         with pytest.raises(ProtocolError, match=error):
-            c.get([b"a", b"b"], [h, h], [bytes(16)] * 2)
+            c.get([b"a", b"b"], [h, h2], [bytes(16)] * 2)
         assert (slab.numpy(other) == 0x33).all()  # nothing landed outside the asked blocks
-        assert (slab.numpy(h)[100:] == 0x5A).all()
+        for b in (h, h2):
+            assert (slab.numpy(b)[100:] == 0x5A).all()
         assert c._ch is None  # the stream is out of step: dropped
 
 

@@ -23,9 +23,14 @@ import pytest
 from conftest import NodeProcess
 
 from rdmakv import protocol
-from rdmakv.client import MIN_SUB_BATCH, KVClient
+from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient
 from rdmakv.errors import ConfigError
-from rdmakv.protocol import MAX_KEY_LEN, NATIVE_CALL_FRAME_BYTES
+from rdmakv.protocol import (
+    GET_ENTRY_BYTES,
+    MAX_KEY_LEN,
+    NATIVE_CALL_FRAME_BYTES,
+    RECV_AHEAD_BYTES,
+)
 from rdmakv.slab import Slab
 
 pytestmark = [
@@ -132,8 +137,9 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
 ) -> None:
     """Hits of whole and partial blocks and misses (an absent key, a digest
     of other tokens), in one native call; the per-answer Python path
-    (the native call switched off) gets the same sizes and bytes; a batch of
-    more than one request does not use the call."""
+    (the native call switched off) gets the same sizes and bytes. A get of
+    several requests is one call too; one whose answers are too big for the
+    call is answered in Python."""
     keys = [b"get-%02d" % i for i in range(3)]
     with KVClient(*node.address, client_slab) as c:
         src = client_slab.alloc_many(3)
@@ -144,12 +150,13 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
         digests = [DIGEST, DIGEST, DIGEST, DIGEST, b"e" * 16]
         want = [1000, None, BLOCK, BLOCK, None]
         for native in (True, False):
-            if not native:
-                monkeypatch.setattr(protocol, "_native_get_call", None)
             dst = client_slab.alloc_many(len(asked))
             for h in dst:
                 client_slab.numpy(h)[:] = 0xEE
-            assert c.get_sizes(asked, dst, digests) == want
+            with monkeypatch.context() as mp:
+                if not native:
+                    mp.setattr(protocol, "_native_get_call", None)
+                assert c.get_sizes(asked, dst, digests) == want
             assert bytes(client_slab.view(dst[0])[:1000]) == bytes(client_slab.view(src[2])[:1000])
             assert (client_slab.numpy(dst[0])[1000:] == 0xEE).all()  # nothing past the value
             assert bytes(client_slab.view(dst[2])) == bytes(client_slab.view(src[0]))
@@ -158,11 +165,39 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
                 assert (client_slab.numpy(miss) == 0xEE).all()
             for h in dst:
                 client_slab.free(h)
-        assert got_back == [(want, [])]
-        monkeypatch.undo()
+        assert got_back == [(want, [], None)]
         got_back.clear()
-        many = [keys[0]] * (MIN_SUB_BATCH + 1)  # more than one request: answered in Python
-        dst = client_slab.alloc()
-        assert c.get(many, [dst] * len(many), [DIGEST] * len(many)) == [True] * len(many)
-        assert got_back == []
+        # several requests (MIN_SUB_BATCH keys each), their answers read in the same call
+        many = [keys[0], keys[1], b"absent"] * MIN_SUB_BATCH
+        dst = client_slab.alloc_many(len(many))
+        assert c.get(many, dst, [DIGEST] * len(many)) == [True, True, False] * MIN_SUB_BATCH
+        for i in range(0, len(many), 3):
+            assert bytes(client_slab.view(dst[i])) == bytes(client_slab.view(src[0]))
+            assert bytes(client_slab.view(dst[i + 1])) == bytes(client_slab.view(src[1]))
+        assert got_back == [([BLOCK, BLOCK, None] * MIN_SUB_BATCH, [], None)]
+        for h in dst:
+            client_slab.free(h)
+        # requests whose answers' entries are over the read-ahead buffer: left to Python
+        small = 4096  # room for the 1000-byte value, and the slab stays small
+        with Slab(small * (RECV_AHEAD_BYTES // GET_ENTRY_BYTES * PIPELINE_WINDOW + 1),
+                  small, lock=False) as big:
+            many = [b"absent-%05d" % i for i in range(big.num_blocks - 1)] + [keys[2]]
+            with KVClient(*node.address, big) as c2:
+                got = c2.get_sizes(many, big.alloc_many(len(many)), [DIGEST] * len(many))
+            assert got == [None] * (len(many) - 1) + [1000]
+        assert got_back[1:] == [None]
         assert c.reconnects == 0
+
+
+def test_a_get_naming_a_block_twice_is_refused_before_anything_is_sent(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    """Two values cannot land in one block: the second would overwrite the
+    first before its checksum is checked, and the first, a good value, would
+    be reported corrupt and deleted on the node."""
+    with _client_with(node, client_slab, [b"one", b"two"]) as c:
+        h, h2 = client_slab.alloc_many(2)
+        with pytest.raises(ConfigError, match=rf"block handle {h} is named twice \(#0 and #2\)"):
+            c.get([b"one", b"two", b"one"], [h, h2, h], [DIGEST] * 3)
+        assert c.get([b"one", b"two"], [h, h2], [DIGEST] * 2) == [True, True]
+        assert c.checksum_mismatches == 0

@@ -556,10 +556,9 @@ class TcpTransport(Transport):
         values land straight in their slab blocks; a value whose bytes fail
         its checksum is a miss and reported in ``corrupt``.
 
-        A batch of one request on an idle connection goes out, and its answer
-        comes in, in one native call (:meth:`Channel.call_get`): a get of a
-        few blocks, which an engine waits for, spends no time in this
-        module's per-answer Python."""
+        On an idle connection the whole get runs in one native call
+        (:meth:`Channel.call_get`, the same requests, flow control and
+        checks): no Python per answer, and the GIL released throughout."""
         slab = self._slab
         if slab is None:
             raise ProtocolError("fetch before register_local")
@@ -567,10 +566,11 @@ class TcpTransport(Transport):
         bs = slab.block_size
         per_answer = max(1, self._info.max_bulk // bs)
         handle_table = np.asarray(handles, dtype=np.uint64)
-        if len(batches) == 1 and batches[0][1] - batches[0][0] == len(keys) <= per_answer:
-            at_once = self._fetch_at_once(slab, keys, handle_table, encoder, timeout)
-            if at_once is not None:
-                return at_once
+        requests = [(s, min(end, s + per_answer))
+                    for start, end in batches for s in range(start, end, per_answer)]
+        at_once = self._fetch_at_once(slab, keys, handle_table, encoder, requests, timeout)
+        if at_once is not None:
+            return at_once
         out: list[int | None] = [None] * len(keys)
         corrupt: list[bytes] = []
         refused: list[RemoteError] = []
@@ -587,15 +587,13 @@ class TcpTransport(Transport):
 
         try:
             ch.set_timeout(timeout)
-            for start, end in batches:
-                for s in range(start, end, per_answer):
-                    e = min(end, s + per_answer)
-                    payload = encoder.get(s, e)
-                    while ahead and sum(n for _, n in ahead) + len(payload) > REQUEST_BYTES_AHEAD:
-                        collect()
-                    receiver = _GetReceiver(ch, slab, keys, handle_table, s, e, out, corrupt)
-                    receiver.reply = ch.submit(Op.GET, payload, "GET", on_ok=receiver)
-                    ahead.append((receiver.reply, len(payload) + HEADER.size))
+            for s, e in requests:
+                payload = encoder.get(s, e)
+                while ahead and sum(n for _, n in ahead) + len(payload) > REQUEST_BYTES_AHEAD:
+                    collect()
+                receiver = _GetReceiver(ch, slab, keys, handle_table, s, e, out, corrupt)
+                receiver.reply = ch.submit(Op.GET, payload, "GET", on_ok=receiver)
+                ahead.append((receiver.reply, len(payload) + HEADER.size))
             while ahead:
                 collect()
         except OSError as e:
@@ -608,23 +606,25 @@ class TcpTransport(Transport):
         keys: Sequence[bytes],
         handle_table: npt.NDArray[np.uint64],
         encoder: BatchEncoder,
+        requests: Sequence[tuple[int, int]],
         timeout: float,
     ) -> Fetched | None:
-        """:meth:`fetch` of one request in one native call; None where that
-        call does not take it (nothing was sent then)."""
+        """:meth:`fetch` of ``requests`` (each a run of keys) in one native
+        call; None where that call does not take it (nothing was sent then)."""
         if _HASHER_ADDRESS == 0 or not native_checksums():
             return None
         ch = self._ch
         try:
             ch.set_timeout(timeout)
-            got = ch.call_get(encoder.get(0, len(keys)), len(keys), handle_table,
-                              slab.base_addr, slab.block_size, _HASHER_ADDRESS, timeout)
+            got = ch.call_get([encoder.get(s, e) for s, e in requests],
+                              [e - s for s, e in requests], handle_table, slab.base_addr,
+                              slab.block_size, _HASHER_ADDRESS, REQUEST_BYTES_AHEAD, timeout)
         except OSError as e:
             raise wrap_socket_errors("GET", e) from e
         if got is None:
             return None
-        sizes, corrupt = got
-        return Fetched(sizes, [keys[j] for j in corrupt], None)
+        sizes, corrupt, refused = got
+        return Fetched(sizes, [keys[j] for j in corrupt], refused)
 
     stores_by_key = True
 
