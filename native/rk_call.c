@@ -267,27 +267,34 @@ static PyObject *flags_call(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* Receive the head of one answer into buf: the header and, as the header
- * announces, its payload, `expect` bytes in all until the header is in, and
- * never more than `cap`. Nothing past the payload is read: a GET answer's
- * bulk stays in the socket, for the slab. */
+/* Receive the head of one answer into buf, after the *have bytes already
+ * there: its header and the payload the header announces, `expect` bytes
+ * in all while the header is not in, never more than `cap`. An answer of
+ * the expected length is read in one call; a shorter one (an error answer)
+ * leaves bytes of what follows it in buf, for the caller. The answer is
+ * hardly ever in when this starts: it polls first, and then reads before
+ * it polls again. */
 static enum io recv_head(int fd, uint8_t *buf, size_t cap, size_t expect, size_t *have,
                          int timeout_ms) {
+    int ready = 0;
     for (;;) {
-        size_t want = expect;
+        size_t want = expect < cap ? expect : cap;
         if (*have >= HEADER_BYTES) {
             const uint64_t whole = HEADER_BYTES + (uint64_t)rd32(buf + H_PAYLOAD_LEN);
             want = whole < cap ? (size_t)whole : cap;
         }
         if (*have >= want)
             return IO_DONE;
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int r = poll(&p, 1, timeout_ms);
-        if (r == 0)
-            return IO_TIMEOUT;
-        if (r < 0)
-            return errno == EINTR ? IO_AGAIN_AFTER_SIGNAL : IO_ERRNO;
+        if (!ready) {
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            int r = poll(&p, 1, timeout_ms);
+            if (r == 0)
+                return IO_TIMEOUT;
+            if (r < 0)
+                return errno == EINTR ? IO_AGAIN_AFTER_SIGNAL : IO_ERRNO;
+        }
         ssize_t k = recv(fd, buf + *have, want - *have, MSG_DONTWAIT);
+        ready = k > 0;
         if (k > 0)
             *have += (size_t)k;
         else if (k == 0)
@@ -370,7 +377,10 @@ struct gets {
     size_t sent, answered, key0; /* requests sent / answered; first key of the next answer */
     uint64_t in_flight;          /* request bytes sent whose answers are not read */
     int step;                    /* within the answer being read (see run) */
-    size_t frame_len, frame_sent, have;
+    size_t frame_len, frame_sent;
+    size_t have; /* bytes in buf: the answer being read, from its first byte on, and
+                    after its head maybe bytes that follow it (recv_head) */
+    size_t len;  /* its head's length (header and payload) */
     int64_t hits;
     uint64_t moved, hashed, left;
     /* the first error answer (header and payload), for Python to raise */
@@ -415,7 +425,7 @@ static enum io send_next(struct gets *g) {
  * not one this call reads (g->have bytes of it in g->buf). */
 static enum gets_end run(struct gets *g, enum io *io) {
     while (g->answered < g->m) {
-        while (g->step == STEP_HEAD && g->have == 0 && g->sent < g->m) {
+        while (g->step == STEP_HEAD && g->sent < g->m) {
             const size_t next = HEADER_BYTES + (size_t)(g->ends[g->sent] - payload_start(g, g->sent));
             if (g->sent > g->answered && g->in_flight + next > g->ahead_limit)
                 break;
@@ -434,7 +444,7 @@ static enum gets_end run(struct gets *g, enum io *io) {
                 return GETS_OFF_PLAN;
             if (rd16(b + H_STATUS) != 0) { /* refused: its keys are misses */
                 const size_t len = HEADER_BYTES + (size_t)rd32(b + H_PAYLOAD_LEN);
-                if (g->have != len || rd64(b + H_BULK_LEN) > max_bulk)
+                if (g->have < len || rd64(b + H_BULK_LEN) > max_bulk)
                     return GETS_OFF_PLAN;
                 if (g->refusal == NULL) {
                     if ((g->refusal = malloc(len)) == NULL) {
@@ -447,12 +457,15 @@ static enum gets_end run(struct gets *g, enum io *io) {
                 }
                 for (size_t j = 0; j < count; j++)
                     g->sizes[g->key0 + j] = RK_TCP_MISSED;
-                g->left = rd64(b + H_BULK_LEN);
+                const uint64_t extra = g->have - len, bulk = rd64(b + H_BULK_LEN);
+                const size_t take = (size_t)(extra < bulk ? extra : bulk);
+                g->left = bulk - take;
+                g->len = len + take; /* the bulk read with the head is dropped with it */
                 g->step = STEP_DRAIN;
             } else {
                 uint64_t total = 0;
                 size_t bad = 0;
-                if (g->have != head || rd32(b + H_PAYLOAD_LEN) != head - HEADER_BYTES ||
+                if (g->have < head || rd32(b + H_PAYLOAD_LEN) != head - HEADER_BYTES ||
                     rd32(b + HEADER_BYTES) != (uint64_t)count)
                     return GETS_OFF_PLAN;
                 g->hits = rk_tcp_get_answer_layout(b + HEADER_BYTES + COUNT_BYTES, count,
@@ -460,11 +473,19 @@ static enum gets_end run(struct gets *g, enum io *io) {
                                                    g->hit, &total, &bad);
                 if (g->hits < 0 || rd64(b + H_BULK_LEN) != total)
                     return GETS_OFF_PLAN;
-                g->moved = g->hashed = 0;
+                /* bulk read with the head goes to its blocks first (only after
+                 * a short answer before this one can the head have come with any) */
+                const uint64_t extra = g->have - head;
+                g->moved = extra < total ? extra : total;
+                g->hashed = 0;
+                if (g->moved)
+                    rk_tcp_copy_in(g->iov, (size_t)g->hits, b + head, g->moved);
+                g->len = head + (size_t)g->moved;
                 g->step = STEP_BULK;
             }
         }
         if (g->step == STEP_DRAIN) {
+            /* through buf past everything in it: what follows the answer stays */
             *io = drain(g->fd, b + g->have, g->buf_cap - g->have, &g->left, g->timeout_ms);
             g->err = errno;
             if (*io != IO_DONE)
@@ -481,7 +502,8 @@ static enum gets_end run(struct gets *g, enum io *io) {
         g->in_flight -= HEADER_BYTES + (size_t)(g->ends[k] - payload_start(g, k));
         g->answered++;
         g->key0 += count;
-        g->have = 0;
+        g->have -= g->len; /* what follows the answer moves to the front */
+        memmove(b, b + g->len, g->have);
         g->step = STEP_HEAD;
     }
     return GETS_DONE;

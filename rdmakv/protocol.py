@@ -91,10 +91,12 @@ import logging
 import os
 import socket
 import struct
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import accumulate
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -1752,11 +1754,11 @@ class Channel:
             return None
         if self._frame is None:
             self._frame = bytearray(NATIVE_CALL_FRAME_BYTES)
-        ends = np.cumsum([len(p) for p in payloads], dtype=np.uint64)
         first = self._next_id
-        got = call(self.sock.fileno(), Op.GET, first, b"".join(payloads), ends,
-                   np.asarray(counts, dtype=np.uint32), slots, base, block, hasher,
-                   self._frame, self._ahead, ahead_limit,
+        # array.array, not numpy: a tenth of the Python time for a 1-block get
+        got = call(self.sock.fileno(), Op.GET, first, b"".join(payloads),
+                   array("Q", accumulate(map(len, payloads))), array("I", counts), slots, base,
+                   block, hasher, self._frame, self._ahead, ahead_limit,
                    -1 if timeout is None else max(1, round(timeout * 1000)))
         if got is None:
             return None

@@ -11,14 +11,16 @@ import dataclasses
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from rdmakv import protocol
-from rdmakv.client import KVClient
+from rdmakv.client import MIN_SUB_BATCH, KVClient
 from rdmakv.errors import ProtocolError, RdmakvError, RemoteError, TransportTimeout
 from rdmakv.protocol import (
+    MAX_KEY_LEN,
     PROTOCOL_VERSION,
     RESPONSE_BIT,
     Channel,
@@ -37,6 +39,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import tcp
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD
 from rdmakv.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -218,8 +221,10 @@ def test_a_refused_get_is_the_nodes_error_and_keeps_the_connection(
     path: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An error answer (with bulk the client must skip) raises the node's
-    error; the connection stays in step for the next get."""
+    """A get of two requests whose first is refused with an error answer
+    (with bulk the client must skip): the second request's values land,
+    the node's error is raised, and the connection stays in step for the
+    next get."""
     _get_path(path, monkeypatch)
     gets = 0
 
@@ -236,14 +241,56 @@ def test_a_refused_get_is_the_nodes_error_and_keeps_the_connection(
             bulk=[memoryview(b"abc" * len(keys))], bulk_len=3 * len(keys))
         return True
 
-    addr = fake_node(GOOD_INFO, script)
-    with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
-        h = slab.alloc()
+    addr = fake_node(dataclasses.replace(GOOD_INFO, max_keys=MIN_SUB_BATCH), script)
+    keys = [b"k%03d" % i for i in range(2 * MIN_SUB_BATCH)]
+    with Slab((len(keys) + 1) * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        blocks = slab.alloc_many(len(keys))
         with pytest.raises(RemoteError, match="busy right now"):
-            c.get([b"a"], [h], [bytes(16)])
+            c.get(keys, blocks, [bytes(16)] * len(keys))
+        for h in blocks[MIN_SUB_BATCH:]:  # the second request's values
+            assert bytes(slab.view(h)[:3]) == b"abc"
+        h = slab.alloc()
         assert c.get_sizes([b"a"], [h], [bytes(16)]) == [3]
         assert bytes(slab.view(h)[:3]) == b"abc"
-        assert c.reconnects == 0
+        assert (gets, c.reconnects) == (3, 0)
+
+
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_get_sends_no_more_requests_than_the_flow_control_allows(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests of long keys, each over REQUEST_BYTES_AHEAD: the next one goes
+    out only once the answer before it is read (a node blocked sending a
+    big answer must not find its receive buffer filling up meanwhile). The
+    node looks, before each answer, for bytes of a request after it."""
+    _get_path(path, monkeypatch)
+    early: list[int] = []
+    answers = 0
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        nonlocal answers
+        keys, _ = decode_get(payload)
+        time.sleep(0.2)  # time for a request sent too early to arrive
+        try:
+            waiting = ch.buffered + len(ch.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            waiting = ch.buffered
+        early.append(waiting)
+        answers += 1
+        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([0] * len(keys), [0] * len(keys)),
+                req_id=hdr.req_id)
+        return True
+
+    info = dataclasses.replace(GOOD_INFO, max_keys=MIN_SUB_BATCH)
+    addr = fake_node(info, script)
+    keys = [b"%0*d" % (MAX_KEY_LEN, i) for i in range(3 * MIN_SUB_BATCH)]
+    assert MIN_SUB_BATCH * (MAX_KEY_LEN + 18) > REQUEST_BYTES_AHEAD
+    with Slab(len(keys) * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        assert c.get(keys, slab.alloc_many(len(keys)), [bytes(16)] * len(keys)) == (
+            [False] * len(keys))
+    assert (answers, early) == (3, [0, 0, 0])
 
 
 def _half_a_value(ch: Channel, hdr: Header) -> None:

@@ -32,6 +32,7 @@ from rdmakv.protocol import (
     RECV_AHEAD_BYTES,
 )
 from rdmakv.slab import Slab
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -201,3 +202,27 @@ def test_a_get_naming_a_block_twice_is_refused_before_anything_is_sent(
             c.get([b"one", b"two", b"one"], [h, h2, h], [DIGEST] * 3)
         assert c.get([b"one", b"two"], [h, h2], [DIGEST] * 2) == [True, True]
         assert c.checksum_mismatches == 0
+
+
+def test_a_get_of_requests_over_the_flow_control_window_is_one_native_call(
+    node: NodeProcess, client_slab: Slab, got_back: list[Any]
+) -> None:
+    """Requests of long keys, each over REQUEST_BYTES_AHEAD on its own, all
+    answered in the one call (that each goes out only once the answer
+    before it is in is checked against a fake node in
+    test_client_hostile_node.py)."""
+    long_keys = [b"%0*d" % (MAX_KEY_LEN, i) for i in range(3 * MIN_SUB_BATCH)]
+    assert MIN_SUB_BATCH * (MAX_KEY_LEN + 18) > REQUEST_BYTES_AHEAD
+    with KVClient(*node.address, client_slab) as c:
+        src = client_slab.alloc_many(2)
+        _filled(client_slab, src, 11)
+        stored = [long_keys[5], long_keys[-1]]
+        assert c.put(stored, src, BLOCK, [DIGEST] * 2) == [True, True]
+        dst = client_slab.alloc_many(len(long_keys))
+        got = c.get_sizes(long_keys, dst, [DIGEST] * len(long_keys))
+        want: list[int | None] = [None] * len(long_keys)
+        want[5] = want[-1] = BLOCK
+        assert got == want
+        assert bytes(client_slab.view(dst[5])) == bytes(client_slab.view(src[0]))
+        assert bytes(client_slab.view(dst[-1])) == bytes(client_slab.view(src[1]))
+        assert got_back == [(want, [], None)]
