@@ -14,12 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from rdmakv import protocol
 from rdmakv.client import MIN_SUB_BATCH, KVClient
 from rdmakv.errors import ProtocolError, RdmakvError, RemoteError, TransportTimeout
 from rdmakv.protocol import (
+    HEADER,
     MAX_KEY_LEN,
     PROTOCOL_VERSION,
     RESPONSE_BIT,
@@ -32,6 +34,7 @@ from rdmakv.protocol import (
     Status,
     decode_get,
     decode_keys,
+    encode_get,
     encode_get_answer,
     encode_lookup_results,
     encode_node_info,
@@ -291,6 +294,48 @@ def test_a_get_sends_no_more_requests_than_the_flow_control_allows(
         assert c.get(keys, slab.alloc_many(len(keys)), [bytes(16)] * len(keys)) == (
             [False] * len(keys))
     assert (answers, early) == (3, [0, 0, 0])
+
+
+def test_bytes_read_past_a_short_error_answer_are_the_next_answers(
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
+) -> None:
+    """The native get call reads an answer's head in one call of the length it
+    expects; an error answer is shorter, and that call may take what follows
+    it: here the error's bulk, then the next answer's head and value, sent
+    together. Each lands where it belongs (a request of one key after one of
+    many, as the client's own sub-batches never are, reaches the value)."""
+    if protocol._native_get_call is None or not tcp.native_checksums():
+        pytest.skip("the native get call is not built, switched off, or has no XXH3 C API")
+    first: list[int] = []
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        if hdr.opcode == Op.EXISTS:
+            ch.send(hdr.opcode | RESPONSE_BIT, b"\x01\x00\x00\x00\x00", req_id=hdr.req_id)
+            return True
+        if not first:
+            first.append(hdr.req_id)  # answered below, together with the next one
+            return True
+        refusal = HEADER.pack(hdr.opcode | RESPONSE_BIT, 0, Status.INTERNAL, 4, 7, first[0])
+        answer = encode_get_answer([100], [value_checksum(b"w" * 100)])
+        ch.sock.sendall(refusal + b"busy" + b"y" * 7 + HEADER.pack(
+            hdr.opcode | RESPONSE_BIT, 0, 0, len(answer), 100, hdr.req_id) + answer + b"w" * 100)
+        return True
+
+    addr = fake_node(GOOD_INFO, script)
+    many = [b"m%03d" % i for i in range(MIN_SUB_BATCH)]
+    with Slab((len(many) + 1) * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab) as c:
+        blocks = slab.alloc_many(len(many) + 1)
+        assert c._ch is not None
+        got = c._ch.call_get(
+            [encode_get(many, [bytes(16)] * len(many)), encode_get([b"one"], [bytes(16)])],
+            [len(many), 1], np.asarray(blocks, dtype=np.uint64), slab.base_addr, BLOCK,
+            tcp._HASHER_ADDRESS, REQUEST_BYTES_AHEAD, 5.0)
+        assert got is not None
+        sizes, corrupt, refused = got
+        assert (sizes, corrupt) == ([None] * len(many) + [100], [])
+        assert isinstance(refused, RemoteError) and "busy" in str(refused)
+        assert bytes(slab.view(blocks[-1])[:100]) == b"w" * 100
+        assert c.exists([b"one"]) == [False]  # the stream is in step after it
 
 
 def _half_a_value(ch: Channel, hdr: Header) -> None:
