@@ -70,8 +70,8 @@ pass of its own before ALLOC.
 
 The native core writes some of these frames in C, each file naming this one
 as its source: the tcp transport's GET answer (native/rk_tcp.h), the node's
-EXISTS answers (native/rk_serve.h) and the client's EXISTS / DELETE requests
-and their answers (native/rk_call.c). A change here is a change there.
+EXISTS answers (native/rk_serve.h) and the client's EXISTS / DELETE / GET
+requests and their answers (native/rk_call.c). A change here is a change there.
 
 Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP;
 3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET and PUT.
