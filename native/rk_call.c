@@ -485,8 +485,9 @@ static enum gets_end run(struct gets *g, enum io *io) {
             }
         }
         if (g->step == STEP_DRAIN) {
-            /* through buf past everything in it: what follows the answer stays */
-            *io = drain(g->fd, b + g->have, g->buf_cap - g->have, &g->left, g->timeout_ms);
+            /* through all of buf: while bulk is left, every byte read past the
+             * head was bulk (taken above), and the refusal is copied out */
+            *io = drain(g->fd, b, g->buf_cap, &g->left, g->timeout_ms);
             g->err = errno;
             if (*io != IO_DONE)
                 return GETS_IO;

@@ -24,6 +24,7 @@ from rdmakv.protocol import (
     HEADER,
     MAX_KEY_LEN,
     PROTOCOL_VERSION,
+    RECV_AHEAD_BYTES,
     RESPONSE_BIT,
     Channel,
     Extent,
@@ -219,15 +220,19 @@ def test_lying_get_answers_are_errors_and_touch_no_other_block(
 
 
 @pytest.mark.parametrize("path", GET_PATHS)
+@pytest.mark.parametrize("message", [0, RECV_AHEAD_BYTES - HEADER.size],
+                         ids=["short", "fills_read_ahead"])
 def test_a_refused_get_is_the_nodes_error_and_keeps_the_connection(
     fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
     path: str,
+    message: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A get of two requests whose first is refused with an error answer
-    (with bulk the client must skip): the second request's values land,
-    the node's error is raised, and the connection stays in step for the
-    next get."""
+    (with bulk the client must skip; its message short, or as long as the
+    client's read-ahead buffer): the second request's values land, the
+    node's error is raised, and the connection stays in step for the next
+    get."""
     _get_path(path, monkeypatch)
     gets = 0
 
@@ -236,7 +241,8 @@ def test_a_refused_get_is_the_nodes_error_and_keeps_the_connection(
         gets += 1
         keys, _ = decode_get(payload)
         if gets == 1:
-            ch.send(hdr.opcode | RESPONSE_BIT, b"busy right now", status=Status.INTERNAL,
+            text = b"busy right now".ljust(message, b".")
+            ch.send(hdr.opcode | RESPONSE_BIT, text, status=Status.INTERNAL,
                     req_id=hdr.req_id, bulk=[memoryview(b"y" * 7)], bulk_len=7)
             return True
         ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([3] * len(keys), [
