@@ -499,7 +499,8 @@ class KVClient:
     def get(
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
     ) -> list[bool]:
-        """Fetch ``keys`` into slab blocks ``handles``; True per hit.
+        """Fetch ``keys`` into slab blocks ``handles``, a block of its own per
+        key (two keys naming one block are a ConfigError); True per hit.
 
         A stored digest different from ``digests[i]`` is a miss (block left as is).
         """
