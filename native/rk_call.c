@@ -118,6 +118,32 @@ static enum io send_rest(int fd, const uint8_t *data, size_t len, size_t *sent, 
     return IO_DONE;
 }
 
+/* One receive of at most len bytes into buf (GIL released), polling first
+ * when `wait` is set: IO_DONE with *got bytes read, which is 0 when none
+ * had come (the caller polls before its next read), or why it failed. */
+static enum io recv_some(int fd, uint8_t *buf, size_t len, int wait, int timeout_ms,
+                         size_t *got) {
+    *got = 0;
+    if (wait) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int r = poll(&p, 1, timeout_ms);
+        if (r == 0)
+            return IO_TIMEOUT;
+        if (r < 0)
+            return errno == EINTR ? IO_AGAIN_AFTER_SIGNAL : IO_ERRNO;
+    }
+    ssize_t k = recv(fd, buf, len, MSG_DONTWAIT);
+    if (k > 0)
+        *got = (size_t)k;
+    else if (k == 0)
+        return IO_CLOSED;
+    else if (errno == EINTR)
+        return IO_AGAIN_AFTER_SIGNAL;
+    else if (errno != EAGAIN && errno != EWOULDBLOCK)
+        return IO_ERRNO;
+    return IO_DONE;
+}
+
 /* Receive into buf until a whole answer (header and payload) is in, or buf
  * is full (GIL released). The answer is hardly ever in when this starts:
  * poll first, then read. */
@@ -128,21 +154,11 @@ static enum io recv_answer(int fd, uint8_t *buf, size_t cap, size_t *have, int t
             if (*have >= whole || *have == cap)
                 return IO_DONE;
         }
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int r = poll(&p, 1, timeout_ms);
-        if (r == 0)
-            return IO_TIMEOUT;
-        if (r < 0)
-            return errno == EINTR ? IO_AGAIN_AFTER_SIGNAL : IO_ERRNO;
-        ssize_t k = recv(fd, buf + *have, cap - *have, MSG_DONTWAIT);
-        if (k > 0)
-            *have += (size_t)k;
-        else if (k == 0)
-            return IO_CLOSED;
-        else if (errno == EINTR)
-            return IO_AGAIN_AFTER_SIGNAL;
-        else if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return IO_ERRNO;
+        size_t got;
+        enum io io = recv_some(fd, buf + *have, cap - *have, 1, timeout_ms, &got);
+        if (io != IO_DONE)
+            return io;
+        *have += got;
     }
 }
 
@@ -285,45 +301,23 @@ static enum io recv_head(int fd, uint8_t *buf, size_t cap, size_t expect, size_t
         }
         if (*have >= want)
             return IO_DONE;
-        if (!ready) {
-            struct pollfd p = {.fd = fd, .events = POLLIN};
-            int r = poll(&p, 1, timeout_ms);
-            if (r == 0)
-                return IO_TIMEOUT;
-            if (r < 0)
-                return errno == EINTR ? IO_AGAIN_AFTER_SIGNAL : IO_ERRNO;
-        }
-        ssize_t k = recv(fd, buf + *have, want - *have, MSG_DONTWAIT);
-        ready = k > 0;
-        if (k > 0)
-            *have += (size_t)k;
-        else if (k == 0)
-            return IO_CLOSED;
-        else if (errno == EINTR)
-            return IO_AGAIN_AFTER_SIGNAL;
-        else if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return IO_ERRNO;
+        size_t got;
+        enum io io = recv_some(fd, buf + *have, want - *have, !ready, timeout_ms, &got);
+        if (io != IO_DONE)
+            return io;
+        ready = got > 0;
+        *have += got;
     }
 }
 
 /* Read and drop `*left` bytes (an error answer's bulk) through buf. */
 static enum io drain(int fd, uint8_t *buf, size_t cap, uint64_t *left, int timeout_ms) {
     while (*left) {
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int r = poll(&p, 1, timeout_ms);
-        if (r == 0)
-            return IO_TIMEOUT;
-        if (r < 0)
-            return errno == EINTR ? IO_AGAIN_AFTER_SIGNAL : IO_ERRNO;
-        ssize_t k = recv(fd, buf, *left < cap ? (size_t)*left : cap, MSG_DONTWAIT);
-        if (k > 0)
-            *left -= (uint64_t)k;
-        else if (k == 0)
-            return IO_CLOSED;
-        else if (errno == EINTR)
-            return IO_AGAIN_AFTER_SIGNAL;
-        else if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return IO_ERRNO;
+        size_t got;
+        enum io io = recv_some(fd, buf, *left < cap ? (size_t)*left : cap, 1, timeout_ms, &got);
+        if (io != IO_DONE)
+            return io;
+        *left -= got;
     }
     return IO_DONE;
 }

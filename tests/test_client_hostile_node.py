@@ -344,10 +344,17 @@ def test_bytes_read_past_a_short_error_answer_are_the_next_answers(
         assert c.exists([b"one"]) == [False]  # the stream is in step after it
 
 
-def _half_a_value(ch: Channel, hdr: Header) -> None:
-    """Answer a 1-key GET with a 100-byte hit, of which only half is sent."""
-    ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"v" * 100)]),
-            req_id=hdr.req_id, bulk=[memoryview(b"v" * 50)], bulk_len=100)
+def _a_value(ch: Channel, hdr: Header, fill: bytes, sent: int = 100) -> None:
+    """Answer a 1-key GET with a 100-byte hit of ``fill``, of which only the
+    first ``sent`` bytes are sent."""
+    ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(fill * 100)]),
+            req_id=hdr.req_id, bulk=[memoryview(fill * sent)], bulk_len=100)
+
+
+def _gets_the_whole_value(c: KVClient, slab: Slab, h: int) -> None:
+    """The next get of that key, on whichever connection, gets all of it."""
+    assert c.get_sizes([b"a"], [h], [bytes(16)]) == [100]
+    assert bytes(slab.view(h)[:100]) == b"w" * 100
 
 
 @pytest.mark.parametrize("path", GET_PATHS)
@@ -364,11 +371,10 @@ def test_a_node_that_stalls_mid_value_is_a_timeout_and_the_next_get_reconnects(
         nonlocal gets
         gets += 1
         if gets == 1:
-            _half_a_value(ch, hdr)
+            _a_value(ch, hdr, b"v", sent=50)
             gate.wait(30)  # the rest never comes while the test runs
             return False
-        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"w" * 100)]),
-                req_id=hdr.req_id, bulk=[memoryview(b"w" * 100)], bulk_len=100)
+        _a_value(ch, hdr, b"w")
         return True
 
     addr = fake_node(GOOD_INFO, script)
@@ -378,8 +384,7 @@ def test_a_node_that_stalls_mid_value_is_a_timeout_and_the_next_get_reconnects(
         with pytest.raises(TransportTimeout):
             c.get([b"a"], [h], [bytes(16)])
         gate.set()  # the fake node serves one connection at a time: let it take the next
-        assert c.get_sizes([b"a"], [h], [bytes(16)]) == [100]
-        assert bytes(slab.view(h)[:100]) == b"w" * 100
+        _gets_the_whole_value(c, slab, h)
         assert c.reconnects == 1
     gate.set()
 
@@ -397,17 +402,15 @@ def test_a_node_that_closes_mid_value_is_asked_again_on_a_new_connection(
         nonlocal gets
         gets += 1
         if gets == 1:
-            _half_a_value(ch, hdr)
+            _a_value(ch, hdr, b"v", sent=50)
             return False  # and closes the connection
-        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"w" * 100)]),
-                req_id=hdr.req_id, bulk=[memoryview(b"w" * 100)], bulk_len=100)
+        _a_value(ch, hdr, b"w")
         return True
 
     addr = fake_node(GOOD_INFO, script)
     with Slab(4 * BLOCK, BLOCK, lock=False) as slab, KVClient(*addr, slab, connect_retries=1) as c:
         h = slab.alloc()
-        assert c.get_sizes([b"a"], [h], [bytes(16)]) == [100]
-        assert bytes(slab.view(h)[:100]) == b"w" * 100
+        _gets_the_whole_value(c, slab, h)
         assert (gets, c.reconnects) == (2, 1)
 
 
@@ -433,12 +436,11 @@ def test_a_signal_handler_raising_mid_value_leaves_no_half_read_stream(
         nonlocal gets
         gets += 1
         if gets == 1:
-            _half_a_value(ch, hdr)
+            _a_value(ch, hdr, b"v", sent=50)
             gate.wait(30)
             ch.sock.sendall(b"v" * 50)  # the rest of the value, late
             return True
-        ch.send(hdr.opcode | RESPONSE_BIT, encode_get_answer([100], [value_checksum(b"w" * 100)]),
-                req_id=hdr.req_id, bulk=[memoryview(b"w" * 100)], bulk_len=100)
+        _a_value(ch, hdr, b"w")
         return True
 
     def alarm(signum: int, frame: object) -> None:
@@ -454,8 +456,7 @@ def test_a_signal_handler_raising_mid_value_leaves_no_half_read_stream(
             with pytest.raises(_Interrupted):
                 c.get([b"a"], [h], [bytes(16)])
             gate.set()  # as above: the next connection is served once this one ends
-            assert c.get_sizes([b"a"], [h], [bytes(16)]) == [100]
-            assert bytes(slab.view(h)[:100]) == b"w" * 100
+            _gets_the_whole_value(c, slab, h)
             assert c.reconnects == 1
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

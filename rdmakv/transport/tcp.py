@@ -611,7 +611,7 @@ class TcpTransport(Transport):
     ) -> Fetched | None:
         """:meth:`fetch` of ``requests`` (each a run of keys) in one native
         call; None where that call does not take it (nothing was sent then)."""
-        if _HASHER_ADDRESS == 0 or not native_checksums():
+        if not native_checksums():  # its hasher is the one _HASHER_ADDRESS names
             return None
         ch = self._ch
         try:
