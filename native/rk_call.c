@@ -57,7 +57,10 @@
  *     bytes are in ahead for the caller's checks, which say what is wrong,
  *     and the connection is the caller's to drop;
  *   - -1: the peer closed the connection before the last answer was in.
- * Timeouts, failed calls and signal handlers as for flags_call. */
+ * Timeouts, failed calls and signal handlers as for flags_call.
+ *
+ * join_uniform and live_handles (below, before configure) check a batch's
+ * keys, digests and block handles in one pass each, before any call. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -634,6 +637,82 @@ static PyObject *get_call(PyObject *self, PyObject *args) {
 }
 
 
+/* Batch argument scans. A client call checks its batch's keys, digests and
+ * block handles before anything is sent, and an engine's batch holds
+ * thousands of them. In Python the cheapest checks are C-level passes such
+ * as set(map(len, keys)), ~25 us per 1000 items each, and a 1000-key put
+ * made six of them: ~0.12 ms of the ~0.4 ms of Python around a 16 KiB put's
+ * send on the 2-core bench host, where the client's CPU is what the put
+ * waits for. These make one pass each. Each takes only the plain case and
+ * answers "not taken" otherwise; the caller's Python then checks again and
+ * names a bad item, so a batch is never refused here. */
+
+/* join_uniform(items, min_len, max_len): (n, b"".join(items)) when items is
+ * a list or tuple of one or more bytes objects (exactly bytes) all n long,
+ * min_len <= n <= max_len; else None. */
+static PyObject *join_uniform(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    Py_ssize_t lo, hi;
+    if (!PyArg_ParseTuple(args, "Onn", &seq, &lo, &hi))
+        return NULL;
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
+        Py_RETURN_NONE;
+    /* no Python code runs below, so a list cannot change under the loops */
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (n < 1 || !PyBytes_CheckExact(items[0]))
+        Py_RETURN_NONE;
+    const Py_ssize_t len = PyBytes_GET_SIZE(items[0]);
+    if (len < lo || len > hi || (len > 0 && n > PY_SSIZE_T_MAX / len))
+        Py_RETURN_NONE;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) != len)
+            Py_RETURN_NONE;
+    PyObject *blob = PyBytes_FromStringAndSize(NULL, n * len);
+    if (blob == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(blob);
+    for (Py_ssize_t i = 0; i < n; i++, p += len)
+        memcpy(p, PyBytes_AS_STRING(items[i]), (size_t)len);
+    return Py_BuildValue("(nN)", len, blob);
+}
+
+/* live_handles(handles, refs): True when handles is a list or tuple of ints
+ * (exactly int), each h in [0, len(refs)) with refs[h] an int other than 0,
+ * refs a list (a slab's reference counts); else False. */
+static PyObject *live_handles(PyObject *self, PyObject *args) {
+    PyObject *seq, *refs;
+    if (!PyArg_ParseTuple(args, "OO", &seq, &refs))
+        return NULL;
+    if ((!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) || !PyList_CheckExact(refs))
+        Py_RETURN_FALSE;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), blocks = PyList_GET_SIZE(refs);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_CheckExact(items[i]))
+            Py_RETURN_FALSE;
+        const Py_ssize_t h = PyLong_AsSsize_t(items[i]);
+        if (h == -1 && PyErr_Occurred()) { /* beyond a Py_ssize_t: no block */
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (h < 0 || h >= blocks)
+            Py_RETURN_FALSE;
+        PyObject *ref = PyList_GET_ITEM(refs, h);
+        if (!PyLong_CheckExact(ref))
+            Py_RETURN_FALSE;
+        const long count = PyLong_AsLong(ref);
+        if (count == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (count == 0)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+
 static PyObject *configure(PyObject *self, PyObject *args) {
     unsigned bit;
     Py_ssize_t max_key;
@@ -658,6 +737,10 @@ static PyMethodDef methods[] = {
     {"get_call", get_call, METH_VARARGS,
      "get_call(fd, opcode, first_req_id, payloads, ends, counts, slots, base, block, hasher, "
      "scratch, ahead, ahead_limit, timeout_ms): see native/rk_call.c"},
+    {"join_uniform", join_uniform, METH_VARARGS,
+     "join_uniform(items, min_len, max_len): (n, joined) or None: see native/rk_call.c"},
+    {"live_handles", live_handles, METH_VARARGS,
+     "live_handles(handles, refs): whether every handle is a live block: see native/rk_call.c"},
     {"configure", configure, METH_VARARGS,
      "configure(response_bit, max_key_len, max_bulk): the protocol's numbers, before any call"},
     {NULL, NULL, 0, NULL},
@@ -666,7 +749,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "rdmakv._native_call",
-    .m_doc = "A keys request answered by per-key flags, in one call: see native/rk_call.c.",
+    .m_doc = "Client calls in one native call each, and their batch scans: see native/rk_call.c.",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rdmakv import native_core, protocol
+from rdmakv import native_call, native_core
 from rdmakv.errors import RdmakvError
 from rdmakv.node import native_index, native_loop
 from rdmakv.streams import default_streams, usable_cpus
@@ -131,8 +131,7 @@ def native_pieces() -> dict[str, str]:
         "tcp loop": native_core.state(tcp.NATIVE_ERROR, tcp.ENV_NATIVE),
         "node index": index,
         "node EXISTS loop": loop,
-        "client call": native_core.state(protocol.NATIVE_CALL_ERROR,
-                                         protocol.ENV_NATIVE_CALL),
+        "client call": native_core.state(native_call.ERROR, native_call.ENV),
     }
 
 

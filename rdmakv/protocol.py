@@ -104,7 +104,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from rdmakv import native_core
+from rdmakv import native_call
 from rdmakv.errors import (
     AuthError,
     ConnectionLost,
@@ -150,8 +150,6 @@ RESPONSE_BIT = 0x80
 NATIVE_CALL_FRAME_BYTES = 64 * 1024
 """The largest request :meth:`Channel.call_flags` frames in C (larger ones are
 framed in Python): 64 KiB holds ~1900 keys of 32 bytes."""
-ENV_NATIVE_CALL = "RDMAKV_CALL_NATIVE"
-"""Set to 0 to frame every request in Python even where the native call is built."""
 LOOKUP_FLAG_LEASE = 0x01
 COMMIT_FLAG_REQUIRE_WRITTEN = 0x01
 """Commit only extents the node itself received in full through WRITE (tcp).
@@ -383,17 +381,18 @@ def check_digest(digest: bytes) -> None:
         )
 
 
-def _one_key_len(keys: Sequence[bytes]) -> int | None:
-    """The length of ``keys`` when there are some and all are ``bytes`` of one
-    valid length (an engine's keys are one digest size), checked in C-level
-    passes; None sends an encoder to its per-key path, which names a bad key."""
-    if not keys or set(map(type, keys)) != {bytes}:
+def _uniform_len(items: Sequence[bytes], lo: int, hi: int) -> int | None:
+    """The length ``n`` of ``items`` when there are some and every one is
+    ``bytes`` of that one length, ``lo <= n <= hi`` (an engine's keys are one
+    digest size), checked in C-level passes; None sends an encoder to its
+    per-key path, which names a bad item."""
+    if not items or set(map(type, items)) != {bytes}:
         return None
-    lengths = set(map(len, keys))
+    lengths = set(map(len, items))
     if len(lengths) != 1:
         return None
     (n,) = lengths
-    return n if 0 < n <= MAX_KEY_LEN else None
+    return n if lo <= n <= hi else None
 
 
 def encode_uniform_keys(keys: Sequence[bytes]) -> bytes | None:
@@ -401,7 +400,7 @@ def encode_uniform_keys(keys: Sequence[bytes]) -> bytes | None:
     (C-level passes and one join, no per-key Python); None for any other
     list, which the caller checks and sends to :func:`encode_keys`. A client
     that checks its keys anyway checks them here once, not twice."""
-    n = _one_key_len(keys)
+    n = _uniform_len(keys, 1, MAX_KEY_LEN)
     if n is None:
         return None
     prefix = U16.pack(n)
@@ -663,20 +662,20 @@ class BatchEncoder:
         """Set ``_key_len`` (and the joined keys and digests) when the fast path holds."""
         keys, digests, sizes = self._keys, self._digests, self._sizes
         n = len(keys)
-        if digests is not None and not _uniform_digests(digests, n):
-            return
+        if digests is not None:
+            joined = _join_uniform(digests, DIGEST_LEN, DIGEST_LEN)
+            if joined is None or len(digests) != n:
+                return
+            self._digest_blob = joined[1]
         if sizes is not None:
             distinct = _distinct_sizes(sizes, n)
             if distinct is None:
                 return
             self._distinct_sizes = distinct
-        klen = _one_key_len(keys)
-        if klen is None:
+        joined = _join_uniform(keys, 1, MAX_KEY_LEN)
+        if joined is None:
             return
-        if digests is not None:
-            self._digest_blob = b"".join(digests)
-        self._key_blob = b"".join(keys)
-        self._key_len = klen
+        self._key_len, self._key_blob = joined
 
     @property
     def uniform(self) -> bool:
@@ -731,10 +730,15 @@ class BatchEncoder:
         return encode_keys(self._keys[start:end])
 
 
-def _uniform_digests(digests: Sequence[bytes], n: int) -> bool:
-    """``n`` digests, every one ``bytes`` of DIGEST_LEN (C-level passes)."""
-    return (len(digests) == n and set(map(type, digests)) == {bytes}
-            and set(map(len, digests)) == {DIGEST_LEN})
+def _join_uniform(items: Sequence[bytes], lo: int, hi: int) -> tuple[int, bytes] | None:
+    """``(n, b"".join(items))`` when there are some items and every one is
+    ``bytes`` of one length ``n``, ``lo <= n <= hi``; else None. One native
+    pass for a list or tuple (rk_call.c's ``join_uniform``), else C-level
+    passes of Python's."""
+    if _native_join_uniform is not None and type(items) in (list, tuple):
+        return _native_join_uniform(items, lo, hi)  # type: ignore[no-any-return]
+    n = _uniform_len(items, lo, hi)
+    return None if n is None else (n, b"".join(items))
 
 
 def _distinct_sizes(sizes: Sequence[int], n: int) -> set[int] | None:
@@ -1385,19 +1389,19 @@ class Reply:
         self.payload = bytearray()
 
 
-def _load_native_call() -> tuple[Any, str | None]:
-    """The native call module (native/rk_call.c), configured with this
-    module's numbers, or None where it is not built (and why) or switched off."""
-    module, error = native_core.load_extension("_native_call", "native client call")
-    if module is None or native_core.switched_off(ENV_NATIVE_CALL):
-        return None, error
-    module.configure(RESPONSE_BIT, MAX_KEY_LEN, MAX_BULK_BYTES)
-    return module, None
+def _configured_native_call() -> Any:
+    """The native call module (:mod:`rdmakv.native_call`), configured with
+    this module's numbers, or None where it is not built or switched off."""
+    module = native_call.MODULE
+    if module is not None:
+        module.configure(RESPONSE_BIT, MAX_KEY_LEN, MAX_BULK_BYTES)
+    return module
 
 
-_native_call, NATIVE_CALL_ERROR = _load_native_call()
+_native_call = _configured_native_call()
 _native_flags_call: Callable[..., Any] | None = getattr(_native_call, "flags_call", None)
 _native_get_call: Callable[..., Any] | None = getattr(_native_call, "get_call", None)
+_native_join_uniform: Callable[..., Any] | None = getattr(_native_call, "join_uniform", None)
 
 
 class _HasHave(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rdmakv import doctor, protocol
+from rdmakv import doctor, native_call
 from rdmakv.node import native_index, native_loop
 from rdmakv.transport import tcp
 
@@ -16,18 +16,18 @@ PIECES = ("tcp loop", "node index", "node EXISTS loop", "client call")
 
 @pytest.mark.skipif(
     any(e is not None for e in (tcp.NATIVE_ERROR, native_index.NATIVE_ERROR,
-                                native_loop.NATIVE_ERROR, protocol.NATIVE_CALL_ERROR)),
+                                native_loop.NATIVE_ERROR, native_call.ERROR)),
     reason="a piece of the native core is not built here",
 )
 def test_doctor_says_which_native_pieces_run_and_which_switch_turned_one_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for env in (tcp.ENV_NATIVE, native_index.ENV_NATIVE, native_loop.ENV_NATIVE_LOOP,
-                protocol.ENV_NATIVE_CALL):
+                native_call.ENV):
         monkeypatch.delenv(env, raising=False)
     assert doctor.native_pieces() == dict.fromkeys(PIECES, "on")
     monkeypatch.setenv(native_index.ENV_NATIVE, "0")
-    monkeypatch.setenv(protocol.ENV_NATIVE_CALL, "0")
+    monkeypatch.setenv(native_call.ENV, "0")
     report = doctor.diagnose()
     assert report.native_core == {
         "tcp loop": "on",
@@ -42,7 +42,7 @@ def test_doctor_says_which_native_pieces_run_and_which_switch_turned_one_off(
 
 
 def test_doctor_says_why_a_piece_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "NATIVE_CALL_ERROR", "the native client call is not built")
+    monkeypatch.setattr(native_call, "ERROR", "the native client call is not built")
     assert doctor.native_pieces()["client call"] == (
         "not built (the native client call is not built)"
     )
