@@ -5,8 +5,9 @@
   it cannot be built, :mod:`rdmakv.transport.tcp` falls back to its
   pure-Python socket loop.
 * ``index_ffibuilder`` -> ``rdmakv._native_index`` (the node's committed-key
-  index, and the request loop that answers EXISTS with it, rk_serve): plain
-  libc and pthreads only, built on every host; without it the node keeps its
+  index, and the request loop that answers EXISTS and GET with it, rk_serve,
+  which sends a GET's values with the tcp loop's rk_tcp_sendv): plain libc
+  and pthreads only, built on every host; without it the node keeps its
   keys in :class:`rdmakv.node.index.Index` (Python) and serves every request
   in Python.
 * ``verbs_ffibuilder`` -> ``rdmakv._native_verbs`` (the RDMA hot loop): built
@@ -63,7 +64,7 @@ def _builder(module: str, stems: Sequence[str], libraries: Sequence[str] = ()) -
 
 
 tcp_ffibuilder = _builder("_native_tcp", ["rk_tcp"])
-index_ffibuilder = _builder("_native_index", ["rk_index", "rk_serve"])
+index_ffibuilder = _builder("_native_index", ["rk_tcp", "rk_index", "rk_serve"])
 verbs_ffibuilder = _builder("_native_verbs", ["rk_verbs"], libraries=["ibverbs"])
 
 if __name__ == "__main__":

@@ -120,8 +120,9 @@ def _netdev_hint(info: verbs.PortInfo) -> str:
 
 
 def native_pieces() -> dict[str, str]:
-    """The TCP loop, the node's index and EXISTS loop, and the client's calls
-    (a lookup, a one-request get; docs/operations.md, "The native core"):
+    """The TCP loop, the node's index and request loop (EXISTS, GET), and the
+    client's calls (a lookup, a whole get, a batch's checks; docs/operations.md,
+    "The native core"):
     each falls back to Python when it is off or not built, correct but slower."""
     index = native_core.state(native_index.NATIVE_ERROR, native_index.ENV_NATIVE)
     loop = native_core.state(native_loop.NATIVE_ERROR, native_loop.ENV_NATIVE_LOOP)
@@ -130,7 +131,7 @@ def native_pieces() -> dict[str, str]:
     return {
         "tcp loop": native_core.state(tcp.NATIVE_ERROR, tcp.ENV_NATIVE),
         "node index": index,
-        "node EXISTS loop": loop,
+        "node request loop": loop,
         "client call": native_core.state(native_call.ERROR, native_call.ENV),
     }
 

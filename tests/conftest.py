@@ -93,8 +93,14 @@ def client_slab() -> Iterator[Slab]:
 class Raw:
     """A hand-driven connection: send any bytes, read one response."""
 
-    def __init__(self, node: NodeProcess) -> None:
-        self.sock = socket.create_connection(node.address, timeout=IO_TIMEOUT_S)
+    def __init__(self, node: NodeProcess, rcvbuf: int | None = None) -> None:
+        """``rcvbuf``: a fixed receive buffer (SO_RCVBUF, set before connecting),
+        so that a large answer the test does not read yet holds its sender up."""
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.settimeout(IO_TIMEOUT_S)
+        if rcvbuf is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.connect(node.address)
         self.ch = Channel(self.sock)
         self.rid = 0
 

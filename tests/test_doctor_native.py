@@ -11,7 +11,7 @@ from rdmakv import doctor, native_call
 from rdmakv.node import native_index, native_loop
 from rdmakv.transport import tcp
 
-PIECES = ("tcp loop", "node index", "node EXISTS loop", "client call")
+PIECES = ("tcp loop", "node index", "node request loop", "client call")
 
 
 @pytest.mark.skipif(
@@ -32,11 +32,11 @@ def test_doctor_says_which_native_pieces_run_and_which_switch_turned_one_off(
     assert report.native_core == {
         "tcp loop": "on",
         "node index": "off (RDMAKV_INDEX_NATIVE=0)",
-        "node EXISTS loop": "off (it needs the native index)",
+        "node request loop": "off (it needs the native index)",
         "client call": "off (RDMAKV_CALL_NATIVE=0)",
     }
     assert ("native core: tcp loop on, node index off (RDMAKV_INDEX_NATIVE=0), "
-            "node EXISTS loop off (it needs the native index), client call off "
+            "node request loop off (it needs the native index), client call off "
             "(RDMAKV_CALL_NATIVE=0)") in doctor.render(report)
     assert report.to_dict()["native_core"] == report.native_core
 

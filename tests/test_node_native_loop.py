@@ -1,4 +1,4 @@
-"""The node's native EXISTS loop (rdmakv/node/native_loop.py, native/rk_serve.c)
+"""The node's native request loop answering EXISTS (rdmakv/node/native_loop.py, native/rk_serve.c)
 against real nodes: it answers what the Python handler would, in order with
 every other frame on the connection, under the store's lock, and hands the
 rest (other opcodes, malformed or oversized EXISTS, frames that come in

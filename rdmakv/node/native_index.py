@@ -151,6 +151,15 @@ class NativeIndex(IndexBase):
         lock itself (:mod:`rdmakv.node.native_loop`); valid while this lives."""
         return self._ix
 
+    def get_columns(self) -> tuple[Any, Any]:
+        """The per-block value lengths and checksums (``uint32_t[]``,
+        ``uint64_t[]``) that a GET's answer is read from, as
+        :meth:`pin_request` passes them to C, for native code that takes the
+        store's lock itself; each keeps its column from being resized while
+        it lives."""
+        return (_ffi.from_buffer("uint32_t[]", self._lengths),
+                _ffi.from_buffer("uint64_t[]", self._checksums))
+
     def __len__(self) -> int:
         return int(_lib.rk_index_count(self._ix))
 

@@ -33,7 +33,7 @@ from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvErro
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
 from rdmakv.node.admission import Admission, SessionLimits
-from rdmakv.node.native_loop import ExistsLoop, Outcome
+from rdmakv.node.native_loop import Outcome, RequestLoop
 from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK, KVStore
 from rdmakv.protocol import (
     BULK_REQUEST_OPCODES,
@@ -201,8 +201,10 @@ class Session:
             limits = self.node.admission.limits
             if not self._wait_readable(limits.handshake_timeout_s) or not self._handshake():
                 return
-            native = self.node.store.exists_loop(
-                RECV_AHEAD_BYTES, timed=Op.EXISTS in self.node.request_timers
+            timers = self.node.request_timers
+            native = self.node.store.request_loop(
+                RECV_AHEAD_BYTES, timed=Op.EXISTS in timers or Op.GET in timers,
+                get=self.node.native_get,
             )
             while True:
                 if native is not None:
@@ -225,21 +227,24 @@ class Session:
         finally:
             self.node.session_ended(self)
 
-    def _serve_natively(self, native: ExistsLoop) -> bool:
-        """Let the native loop answer EXISTS requests until another frame
-        comes (left in the channel's read-ahead buffer for :meth:`_serve_one`)
-        or its turn ends; False when the connection has ended."""
+    def _serve_natively(self, native: RequestLoop) -> bool:
+        """Let the native loop answer EXISTS (and GET) requests until another
+        frame comes (left in the channel's read-ahead buffer for
+        :meth:`_serve_one`) or its turn ends; False when the connection has ended."""
         fd = self.channel.sock.fileno()
         served = self.channel.fill_ahead(
             lambda ahead, have: native.serve(fd, ahead, have, POLL_INTERVAL, IO_TIMEOUT)
         )
+        self.node.store.settle_native_gets(served.gets)  # whatever the outcome
         if served.answered:
             self.requests += served.answered
             self.last_active = time.monotonic()
-            self.node.count("exists_native", served.answered)
-            observe = self.node.request_timers.get(Op.EXISTS)
-            if observe is not None:
-                for seconds in served.durations_s:
+            if served.answered > served.gets.sent:  # the store counts the GETs itself
+                self.node.count("exists_native", served.answered - served.gets.sent)
+            timers = self.node.request_timers
+            for opcode, seconds in served.timed:
+                observe = timers.get(opcode)
+                if observe is not None:
                     observe(seconds)
         if served.outcome == Outcome.CLOSED:
             log.debug("session %d (%s) ended: closed by the peer", self.session_id, self.peer)
@@ -484,6 +489,8 @@ class KVNode:
                     raise
                 log.warning("transport %s unavailable, serving without it: %s", name, e)
         self.transports = tuple(dp.name for dp in self.datapaths)
+        self.native_get = any(dp.native_get for dp in self.datapaths)
+        """Whether sessions' native loops may answer GET (see NodeDataPath.native_get)."""
 
     def _init_handlers(self) -> None:
         self.handlers: dict[int, NodeHandler] = {

@@ -48,7 +48,7 @@ from rdmakv.node.index import NO_BLOCK, Index, IndexBase, Refcounts, Reserved
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.native_index import enabled as native_index_enabled
-from rdmakv.node.native_loop import ExistsLoop, StoreLock
+from rdmakv.node.native_loop import GetCounts, GetSource, GetTally, RequestLoop, StoreLock
 from rdmakv.node.native_loop import enabled as native_loop_enabled
 from rdmakv.protocol import (
     EXTENT_DTYPE,
@@ -179,6 +179,8 @@ class KVStore:
             self._get_in_c = self._index, refs
         self._leases = LeaseTable()
         self.counters = Counters()
+        self._native_gets = GetCounts() if isinstance(self._lock, StoreLock) else None
+        """What native loops' GETs did; :meth:`stats` adds it to :attr:`counters`."""
 
     # -- helpers (lock held) ------------------------------------------------------
     def _expire(self) -> None:
@@ -460,13 +462,26 @@ class KVStore:
         with self._lock:
             return self._index.touch_keys_flags(request)
 
-    def exists_loop(self, ahead_bytes: int, timed: bool) -> ExistsLoop | None:
-        """A native loop answering EXISTS through a session's read-ahead buffer
-        of ``ahead_bytes`` (``timed``: it reports each answer's time), or None
-        where this store's requests are all served in Python."""
+    def request_loop(self, ahead_bytes: int, timed: bool, get: bool) -> RequestLoop | None:
+        """A native loop answering EXISTS, and GET if ``get``, through a
+        session's read-ahead buffer of ``ahead_bytes`` (``timed``: it reports
+        each answer's time), or None where this store's requests are all
+        served in Python. The caller gives each call's GET tally to
+        :meth:`settle_native_gets`."""
         if not isinstance(self._lock, StoreLock) or not isinstance(self._index, NativeIndex):
             return None
-        return ExistsLoop(self._index, self._lock, ahead_bytes, timed)
+        source = None
+        if get and self._get_in_c is not None and self._native_gets is not None:
+            source = GetSource(self._get_in_c[1], self._base, self.block_size,
+                               self._native_gets)
+        return RequestLoop(self._index, self._lock, ahead_bytes, timed, source)
+
+    def settle_native_gets(self, tally: GetTally) -> None:
+        """Free the blocks whose last pin a native loop's GET dropped (their
+        keys were deleted or evicted while the values went out)."""
+        if tally.last:
+            with self._lock:
+                self.pool.decref_many(tally.last)
 
     def session_closed(self, session: int) -> None:
         """Reclaim everything a departed session held: uncommitted extents and leases."""
@@ -634,6 +649,13 @@ class KVStore:
             c = self.counters
             out: dict[str, Any] = {k: v for k, v in vars(c).items() if k != "extra"}
             out.update(c.extra)
+            native = self._native_gets.read() if self._native_gets is not None else None
+            if native is not None:
+                out["lookups"] += native["lookups"]
+                out["hits"] += native["hits"]
+                out["misses"] += native["lookups"] - native["hits"]
+                out["bytes_read"] += native["bytes"]
+            out["get_native"] = native["gets"] if native is not None else 0
             out.update(
                 entries=len(self._index),
                 pending=self._index.pending_count,

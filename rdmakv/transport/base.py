@@ -411,6 +411,13 @@ class NodeDataPath(ABC):
         """Remote key of the pool for this transport (0 when not applicable)."""
         return 0
 
+    @property
+    def native_get(self) -> bool:
+        """Whether the node's native request loop may answer this data path's
+        GET (rdmakv/node/native_loop.py): true where its own GET sends the
+        answer and the values straight from the pool in native code too."""
+        return False
+
     @abstractmethod
     def handlers(self) -> Mapping[int, NodeHandler]:
         """Opcodes this data path serves."""

@@ -903,6 +903,10 @@ class TcpNodeDataPath(NodeDataPath):
 
     name = "tcp"
 
+    @property
+    def native_get(self) -> bool:
+        return use_native  # RDMAKV_TCP_NATIVE=0 keeps every GET in Python too
+
     def handlers(self) -> Mapping[int, NodeHandler]:
         return {Op.WRITE: self._write, Op.READ: self._read, Op.GET: self._get, Op.PUT: self._put}
 

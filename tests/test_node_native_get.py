@@ -1,0 +1,269 @@
+"""GET answered by the node's native request loop (native/rk_serve.c,
+rdmakv/node/native_loop.py) against real nodes: the same answers and bytes as
+the Python handler, in order with every other frame on the connection, the
+same counts in the node's stats and metrics, and the pins it takes hold a
+value whose key is deleted while the value goes out, and are given back.
+
+Which path answered is read from the node's ``get_native`` stat.
+``RDMAKV_LOOP_NATIVE=0`` nodes (and ``RDMAKV_TCP_NATIVE=0`` ones) serve every
+GET in Python, and each test that compares runs against both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import pytest
+from conftest import NodeProcess, Raw
+from test_metrics import scrape
+
+from rdmakv.client import KVClient
+from rdmakv.node import native_loop
+from rdmakv.protocol import (
+    DIGEST_LEN,
+    GET_ENTRY_BYTES,
+    HEADER,
+    RESPONSE_BIT,
+    U32,
+    Op,
+    Status,
+    decode_get_answer,
+    encode_get,
+    encode_keys,
+)
+from rdmakv.slab import Slab
+from rdmakv.transport import tcp
+
+pytestmark = pytest.mark.timeout(90)
+
+native_only = pytest.mark.skipif(
+    not native_loop.enabled() or not tcp.use_native,
+    reason=native_loop.NATIVE_ERROR or "RDMAKV_LOOP_NATIVE=0 or RDMAKV_TCP_NATIVE=0",
+)
+BLOCK = 64 * 1024
+DIGEST = b"g" * DIGEST_LEN
+PATHS = ["native", "python"]
+
+
+def _node(node_factory: Callable[..., NodeProcess], monkeypatch: pytest.MonkeyPatch,
+          path: str, **options: str) -> NodeProcess:
+    if path == "native" and (not native_loop.enabled() or not tcp.use_native):
+        pytest.skip(native_loop.NATIVE_ERROR or "RDMAKV_LOOP_NATIVE=0 or RDMAKV_TCP_NATIVE=0")
+    monkeypatch.setenv(native_loop.ENV_NATIVE_LOOP, "1" if path == "native" else "0")
+    return node_factory(**options)
+
+
+def _stats(r: Raw) -> dict[str, int]:
+    status, payload, _ = r.call(Op.STATS)
+    assert status == Status.OK
+    stats: dict[str, int] = json.loads(payload)
+    return stats
+
+
+def _values(c: KVClient, slab: Slab, keys: list[bytes], sizes: list[int]) -> dict[bytes, bytes]:
+    """Put a random value of each size under each key; the values."""
+    src = slab.alloc_many(len(keys))
+    values = {}
+    for key, h, n in zip(keys, src, sizes, strict=True):
+        values[key] = os.urandom(n)
+        slab.numpy(h)[:n] = memoryview(values[key])
+    assert c.put(keys, src, sizes, [DIGEST] * len(keys)) == [True] * len(keys)
+    for h in src:
+        slab.free(h)
+    return values
+
+
+def _answer(payload: bytes, bulk: bytes, n: int) -> list[bytes | None]:
+    """A GET answer's values, per key (None: a miss)."""
+    lengths, _ = decode_get_answer(payload, n)
+    out: list[bytes | None] = []
+    at = 0
+    for length in lengths:
+        out.append(None if length == 0 else bulk[at : at + length])
+        at += length
+    assert at == len(bulk)
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_get_is_answered_with_the_stored_values_and_counted(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab,
+    monkeypatch: pytest.MonkeyPatch, path: str,
+) -> None:
+    """Whole and partial values, absent keys and a key asked with another
+    digest (a miss), through a client and over a raw connection: the values
+    as stored, and lookups, hits, misses and bytes counted as the Python
+    handler counts them."""
+    node = _node(node_factory, monkeypatch, path)
+    keys = [b"get-%03d" % i for i in range(40)]
+    sizes = [BLOCK if i % 3 else 1 + i * 997 for i in range(len(keys))]
+    with KVClient(*node.address, client_slab) as c:
+        values = _values(c, client_slab, keys, sizes)
+        asked = [*keys[:20], b"get-999", *keys[20:]]
+        digests = [DIGEST] * len(asked)
+        digests[5] = b"x" * DIGEST_LEN  # stored under another digest: a miss
+        dst = client_slab.alloc_many(len(asked))
+        got = c.get_sizes(asked, dst, digests)
+        want = [None if i == 5 or k == b"get-999" else len(values[k])
+                for i, k in enumerate(asked)]
+        assert got == want
+        for k, h, n in zip(asked, dst, got, strict=True):
+            if n is not None:
+                assert bytes(client_slab.numpy(h)[:n]) == values[k]
+        before = c.stats()
+    r = Raw(node)
+    r.hello()
+    status, payload, bulk = r.call(Op.GET, encode_get(asked, digests))
+    assert status == Status.OK
+    assert _answer(payload, bulk, len(asked)) == [
+        None if n is None else values[k] for k, n in zip(asked, want, strict=True)
+    ]
+    after = _stats(r)
+    hits = sum(n is not None for n in want)
+    assert after["lookups"] - before["lookups"] == len(asked)
+    assert after["hits"] - before["hits"] == hits
+    assert after["misses"] - before["misses"] == len(asked) - hits
+    assert after["bytes_read"] - before["bytes_read"] == sum(filter(None, want))
+    assert (after["get_native"] > before["get_native"]) == (path == "native")
+    assert after["get_native"] - before["get_native"] == (1 if path == "native" else 0)
+    r.close()
+
+
+@native_only
+def test_frames_pipelined_around_native_gets_are_answered_in_order(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    """One send of GETs the loop answers mixed with GETs it leaves to Python
+    (keys of two lengths, a count that does not fit the payload, a GET with
+    bulk), EXISTS and a DELETE: every answer comes back in order, each the
+    right one, and the loop answered exactly the well-formed one-length GETs."""
+    with KVClient(*node.address, client_slab) as c:
+        values = _values(c, client_slab, [b"pipe-1", b"pipe-2"], [BLOCK, 300])
+    r = Raw(node)
+    r.hello()
+    frames = [
+        (Op.GET, encode_get([b"pipe-1", b"pipe-0", b"pipe-2"], [DIGEST] * 3), b""),  # native
+        (Op.GET, encode_get([b"pipe-1", b"longer-key"], [DIGEST] * 2), b""),  # Python
+        (Op.GET, U32.pack(5) + encode_get([b"pipe-1"], [DIGEST])[U32.size :], b""),  # error
+        (Op.GET, encode_get([b"pipe-2"], [DIGEST]), b"bulk"),  # Python: error, bulk skipped
+        (Op.EXISTS, encode_keys([b"pipe-1", b"pipe-2"]), b""),  # native EXISTS
+        (Op.DELETE, encode_keys([b"pipe-2"]), b""),
+        (Op.GET, encode_get([b"pipe-2", b"pipe-1"], [DIGEST] * 2), b""),  # native
+    ]
+    first = r.rid + 1
+    r.sock.sendall(b"".join(
+        HEADER.pack(op, 0, 0, len(p), len(b), first + i) + p + b
+        for i, (op, p, b) in enumerate(frames)
+    ))
+    answers = []
+    for i, (op, _, _) in enumerate(frames):
+        hdr, payload, bulk = r.response()
+        assert (hdr.opcode, hdr.req_id) == (op | RESPONSE_BIT, first + i), i
+        answers.append((hdr.status, payload, bulk))
+    r.rid = first + len(frames) - 1
+    ok = Status.OK
+    assert answers[0][0] == ok
+    assert _answer(answers[0][1], answers[0][2], 3) == [values[b"pipe-1"], None,
+                                                       values[b"pipe-2"]]
+    assert answers[1][0] == ok
+    assert _answer(answers[1][1], answers[1][2], 2) == [values[b"pipe-1"], None]
+    assert answers[2][0] == Status.BAD_REQUEST and answers[2][2] == b""
+    assert answers[3][0] == Status.BAD_REQUEST and b"carries no bulk" in answers[3][1]
+    assert answers[4][:2] == (ok, U32.pack(2) + b"\x01\x01")
+    assert answers[5][:2] == (ok, U32.pack(1) + b"\x01")
+    assert answers[6][0] == ok
+    assert _answer(answers[6][1], answers[6][2], 2) == [None, values[b"pipe-1"]]
+    stats = _stats(r)
+    assert (stats["get_native"], stats["exists_native"]) == (2, 1)
+    r.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_value_deleted_while_it_goes_out_arrives_whole_and_its_block_is_freed_after(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab,
+    monkeypatch: pytest.MonkeyPatch, path: str,
+) -> None:
+    """A GET of 8 MiB to a reader with a small receive buffer that reads only
+    the answer's head: the node is held up mid-send with the values pinned.
+    Meanwhile another client deletes every key and puts as many new ones. The
+    reader then gets every value as it was (no pinned block was reused), and
+    once the send is done the pins, the blocks' last references, are given
+    back: the pool holds the new keys' blocks and no others."""
+    node = _node(node_factory, monkeypatch, path, pool_size=str(512 * BLOCK))
+    n = 128
+    keys = [b"held-%03d" % i for i in range(n)]
+    with KVClient(*node.address, client_slab) as c:
+        values = _values(c, client_slab, keys, [BLOCK] * n)
+        r = Raw(node, rcvbuf=64 * 1024)
+        r.hello()
+        r.frame(Op.GET, encode_get(keys, [DIGEST] * n))
+        hdr = r.ch.recv_header()
+        assert (hdr.status, hdr.bulk_len) == (Status.OK, n * BLOCK)
+        payload = bytes(r.ch.recv_payload(hdr))
+        assert len(payload) == U32.size + GET_ENTRY_BYTES * n
+        assert c.delete(keys) == [True] * n  # while the values are still going out
+        fresh = [b"new-%03d" % i for i in range(n)]
+        new_values = _values(c, client_slab, fresh, [BLOCK] * n)
+        bulk = bytearray(hdr.bulk_len)
+        r.ch.recv_bulk([memoryview(bulk)])
+        assert _answer(payload, bytes(bulk), n) == [values[k] for k in keys]
+        stats = _stats(r)  # the same session: its loop (if any) has settled
+        assert stats["blocks_used"] == n
+        assert stats["entries"] == n
+        dst = client_slab.alloc_many(n)
+        assert c.get(fresh, dst, [DIGEST] * n) == [True] * n
+        assert all(bytes(client_slab.numpy(h)) == new_values[k]
+                   for k, h in zip(fresh, dst, strict=True))
+        assert (stats["get_native"] == 1) == (path == "native")
+    r.close()
+
+
+@native_only
+def test_a_get_too_big_for_the_read_ahead_is_answered_in_python(
+    node: NodeProcess, client_slab: Slab
+) -> None:
+    """The loop reads into the session's 8 KiB read-ahead buffer; a GET of 300
+    keys (15 KB of items) is the Python handler's, answered the same way."""
+    with KVClient(*node.address, client_slab) as c:
+        values = _values(c, client_slab, [b"%031d" % 7], [BLOCK])
+    keys = [b"%031d" % i for i in range(300)]
+    r = Raw(node)
+    r.hello()
+    status, payload, bulk = r.call(Op.GET, encode_get(keys, [DIGEST] * len(keys)))
+    assert status == Status.OK
+    assert _answer(payload, bulk, len(keys)) == [values.get(k) for k in keys]
+    assert _stats(r)["get_native"] == 0
+    r.close()
+
+
+def test_tcp_native_off_keeps_every_get_in_python(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(tcp.ENV_NATIVE, "0")
+    node = node_factory()
+    with KVClient(*node.address, client_slab) as c:
+        _values(c, client_slab, [b"off-1"], [BLOCK])
+        dst = client_slab.alloc_many(1)
+        assert c.get([b"off-1"], dst, [DIGEST]) == [True]
+        assert c.stats()["get_native"] == 0
+
+
+@native_only
+def test_natively_answered_gets_are_timed_in_the_metrics(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab
+) -> None:
+    node = node_factory(metrics_port="0")
+    assert node.metrics_url is not None
+    with KVClient(*node.address, client_slab) as c:
+        _values(c, client_slab, [b"timed"], [BLOCK])
+        dst = client_slab.alloc_many(1)
+        for _ in range(5):
+            assert c.get([b"timed"], dst, [DIGEST]) == [True]
+        assert c.stats()["get_native"] == 5
+    m = scrape(node.metrics_url)
+    assert m[("rdmakv_node_request_seconds_count", (("op", "get"),))] == 5
+    assert m[("rdmakv_node_lookups_total", ())] >= 5
+
