@@ -176,7 +176,7 @@ static int answer_get(const rk_serve_ctx *ctx, int fd, const uint8_t *frame, uin
     }
     if (rc == RK_TCP_TIMEOUT)
         return RK_SERVE_TIMEOUT;
-    return RK_SERVE_ERRNO; /* *err set; a send never reports a closed peer but as an errno */
+    return rc == RK_TCP_CLOSED ? RK_SERVE_CLOSED : RK_SERVE_ERRNO; /* ERRNO: *err set */
 }
 
 /* Wait until the deadline for input and read what there is into buf[*have, cap). */
