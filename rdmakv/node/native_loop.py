@@ -218,10 +218,6 @@ class RequestLoop:
         ctx.get_answer, ctx.iov, ctx.hit_blocks, ctx.last = answer, iov, hit_blocks, last
         ctx.counts = get.counts.native
 
-    @property
-    def answers_get(self) -> bool:
-        return bool(self._get)
-
     def serve(self, fd: int, ahead: bytearray, have: int, wait_s: float,
               io_timeout_s: float) -> Served:
         """Answer EXISTS (and GET) requests from ``fd`` until another frame,
