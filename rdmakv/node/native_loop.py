@@ -197,6 +197,12 @@ class RequestLoop:
     def _get_scratch(self, index: NativeIndex, get: GetSource, ahead_bytes: int,
                      max_bulk: int) -> None:
         """The ctx's GET fields: the columns, refcounts and scratch it answers from."""
+        native = (_lib.RK_SERVE_HEADER, _lib.RK_SERVE_DIGEST, _lib.RK_SERVE_GET_ENTRY)
+        if native != (HEADER.size, DIGEST_LEN, GET_ENTRY_BYTES):  # a build out of step
+            raise RdmakvError(
+                f"native/rk_serve.h lays GET out with header, digest and entry sizes {native}, "
+                f"rdmakv/protocol.py with {(HEADER.size, DIGEST_LEN, GET_ENTRY_BYTES)}"
+            )
         smallest = U16.size + 1 + DIGEST_LEN  # a GET item of a one-byte key
         max_keys = min((ahead_bytes - HEADER.size - U32.size) // smallest,
                        max_bulk // get.block_size)
