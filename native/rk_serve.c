@@ -161,9 +161,11 @@ static int answer_get(const rk_serve_ctx *ctx, int fd, const uint8_t *frame, uin
     ctx->iov[1] = RK_SERVE_HEADER + payload_len;
     uint64_t done = 0;
     int rc;
+    __atomic_store_n(ctx->sending, 1, __ATOMIC_RELAXED);
     do /* a signal for Python's handlers (another thread runs them): go on */
         rc = rk_tcp_sendv(fd, ctx->iov, hits + 1, done, io_timeout_ms, &done, err);
     while (rc == RK_TCP_EINTR);
+    __atomic_store_n(ctx->sending, 0, __ATOMIC_RELAXED);
 
     rk_store_lock_acquire(ctx->lock);
     tally->last = rk_index_unpin(ctx->refs, ctx->hit_blocks, hits, ctx->last);

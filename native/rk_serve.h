@@ -111,6 +111,8 @@ typedef struct {
     uint32_t *hit_blocks; /* max_get_keys */
     uint32_t *last;       /* max_get_keys: see rk_serve_tally */
     rk_serve_counts *counts; /* the store's */
+    int *sending; /* 1 while a GET's answer goes out: the session is busy then, not
+                     idle (read by the node's admission, without the lock) */
 } rk_serve_ctx;
 
 /* What one call's GETs left for the caller: the answers it sent whole, and

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import yaml
 from conftest import NodeProcess, Raw
 from test_metrics import scrape
 
 from rdmakv.client import KVClient
 from rdmakv.node import native_loop
+from rdmakv.node.admission import MIN_IDLE_TO_SHED_S
 from rdmakv.protocol import (
     DIGEST_LEN,
     GET_ENTRY_BYTES,
@@ -218,6 +222,45 @@ def test_a_value_deleted_while_it_goes_out_arrives_whole_and_its_block_is_freed_
                    for k, h in zip(fresh, dst, strict=True))
         assert (stats["get_native"] == 1) == (path == "native")
     r.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_session_sending_an_answer_is_not_shed_as_idle_from_a_full_node(
+    node_factory: Callable[..., NodeProcess], client_slab: Slab,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: str,
+) -> None:
+    """A node of two connection slots. A's 8 MiB GET is held mid-send by a
+    reader that does not drain; B has asked one request and gone idle. Past
+    the node's idle floor a third client connects: the node sheds B, and A's
+    answer arrives whole. A session sending an answer is busy, not idle, in
+    the native loop as in Python."""
+    limits = tmp_path / "limits.yaml"
+    limits.write_text(yaml.safe_dump({"node": {"max_sessions": 2,
+                                               "max_sessions_per_source": 2}}))
+    node = _node(node_factory, monkeypatch, path, pool_size=str(512 * BLOCK),
+                 config=str(limits))
+    n = 128
+    keys = [b"busy-%03d" % i for i in range(n)]
+    with KVClient(*node.address, client_slab) as c:
+        values = _values(c, client_slab, keys, [BLOCK] * n)
+    time.sleep(1.0)  # the client's session ends: its slot is free
+    a = Raw(node, rcvbuf=64 * 1024)
+    a.hello()
+    a.frame(Op.GET, encode_get(keys, [DIGEST] * n))
+    hdr = a.ch.recv_header()
+    payload = bytes(a.ch.recv_payload(hdr))
+    b = Raw(node)
+    b.hello()
+    _stats(b)
+    time.sleep(MIN_IDLE_TO_SHED_S + 0.5)
+    third = Raw(node)
+    third.hello()  # a full node made room
+    assert b.closed_by_peer()
+    bulk = bytearray(hdr.bulk_len)
+    a.ch.recv_bulk([memoryview(bulk)])
+    assert _answer(payload, bytes(bulk), n) == [values[k] for k in keys]
+    for r in (a, b, third):
+        r.close()
 
 
 @native_only

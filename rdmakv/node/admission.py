@@ -94,9 +94,12 @@ class Tracked(Protocol):
     opened: float
     last_active: float
     authenticated: bool
-    busy: bool
     closing: bool
     requests: int  # served since HELLO
+
+    @property
+    def busy(self) -> bool:
+        """Serving a request now (never idle then)."""
 
     def shed(self) -> None:
         """Close the connection (from any thread)."""

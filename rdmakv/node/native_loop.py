@@ -185,6 +185,7 @@ class RequestLoop:
         ctx.blocks = self._blocks
         ctx.max_keys = max_keys
         self._get: tuple[Any, ...] = ()
+        self._sending = _ffi.new("int *")
         if get is not None:
             self._get_scratch(index, get, ahead_bytes, max_bulk)
         self._durations = _ffi.new("uint64_t[]", MAX_SERVED_PER_CALL) if timed else _ffi.NULL
@@ -223,6 +224,13 @@ class RequestLoop:
         ctx.max_get_keys = max_keys
         ctx.get_answer, ctx.iov, ctx.hit_blocks, ctx.last = answer, iov, hit_blocks, last
         ctx.counts = get.counts.native
+        ctx.sending = self._sending
+
+    @property
+    def sending(self) -> bool:
+        """Whether a GET's answer is going out now (any thread may ask: a stale
+        answer only delays a shed by one sweep)."""
+        return bool(self._sending[0])
 
     def serve(self, fd: int, ahead: bytearray, have: int, wait_s: float,
               io_timeout_s: float) -> Served:

@@ -123,12 +123,19 @@ class Session:
         """True while an RDMA data path has a QP for this session (set by it)."""
         self.opened = self.last_active = time.monotonic()
         self.authenticated = False
-        self.busy = False
+        self._serving = False
+        self._native: RequestLoop | None = None
         self.closing = False
         self.requests = 0
         self._poller = select.poll()
         """The session thread's own (a poll object is not shared across threads)."""
         self._poller.register(sock, select.POLLIN)
+
+    @property
+    def busy(self) -> bool:
+        """Serving a request: in Python, or in the native loop sending a GET's
+        answer (its other waits are for a request: idle)."""
+        return self._serving or (self._native is not None and self._native.sending)
 
     def shed(self) -> None:
         """Close the connection from another thread: the session's blocked read returns."""
@@ -202,7 +209,7 @@ class Session:
             if not self._wait_readable(limits.handshake_timeout_s) or not self._handshake():
                 return
             timers = self.node.request_timers
-            native = self.node.store.request_loop(
+            native = self._native = self.node.store.request_loop(
                 RECV_AHEAD_BYTES, timed=Op.EXISTS in timers or Op.GET in timers,
                 get=self.node.native_get,
             )
@@ -216,10 +223,10 @@ class Session:
                         continue
                 elif not self._wait_readable(None):
                     return
-                self.busy = True
+                self._serving = True
                 if not self._serve_one():
                     return
-                self.busy = False
+                self._serving = False
                 self.requests += 1
                 self.last_active = time.monotonic()
         except (OSError, ConnectionLost) as e:
