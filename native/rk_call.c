@@ -223,6 +223,20 @@ static PyObject *plain_answer(const uint8_t *buf, size_t have, unsigned opcode, 
     return flags;
 }
 
+/* An exception for a failed wait or system call, or -1 (closed); NULL with
+ * the exception set where Python raises. */
+static PyObject *io_failure(enum io io, int err, int timeout_ms) {
+    switch (io) {
+    case IO_CLOSED:
+        return PyLong_FromLong(-1);
+    case IO_TIMEOUT:
+        return PyErr_Format(PyExc_TimeoutError, "no answer for %d ms", timeout_ms);
+    default:
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+}
+
 /* flags_call once its arguments are parsed: keys a list or tuple. */
 static PyObject *call(int fd, unsigned opcode, uint64_t req_id, PyObject *keys,
                       Py_buffer *scratch, Py_buffer *ahead, int timeout_ms) {
@@ -246,19 +260,10 @@ static PyObject *call(int fd, unsigned opcode, uint64_t req_id, PyObject *keys,
         if (PyErr_CheckSignals() < 0)
             return NULL;
     }
-    switch (io) {
-    case IO_DONE: {
-        PyObject *flags = plain_answer(buf, have, opcode, req_id, n);
-        return flags != NULL || PyErr_Occurred() ? flags : PyLong_FromSize_t(have);
-    }
-    case IO_CLOSED:
-        return PyLong_FromLong(-1);
-    case IO_TIMEOUT:
-        return PyErr_Format(PyExc_TimeoutError, "no answer for %d ms", timeout_ms);
-    default:
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    if (io != IO_DONE)
+        return io_failure(io, err, timeout_ms);
+    PyObject *flags = plain_answer(buf, have, opcode, req_id, n);
+    return flags != NULL || PyErr_Occurred() ? flags : PyLong_FromSize_t(have);
 }
 
 static PyObject *flags_call(PyObject *self, PyObject *args) {
@@ -323,20 +328,6 @@ static enum io drain(int fd, uint8_t *buf, size_t cap, uint64_t *left, int timeo
         *left -= got;
     }
     return IO_DONE;
-}
-
-/* An exception for a failed wait or system call, or -1 (closed); NULL with
- * the exception set where Python raises. */
-static PyObject *io_failure(enum io io, int err, int timeout_ms) {
-    switch (io) {
-    case IO_CLOSED:
-        return PyLong_FromLong(-1);
-    case IO_TIMEOUT:
-        return PyErr_Format(PyExc_TimeoutError, "no answer for %d ms", timeout_ms);
-    default:
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
 }
 
 static enum io from_tcp(int rc) {

@@ -87,31 +87,21 @@ static void put_header(uint8_t *out, uint8_t opcode, uint32_t payload_len, uint6
     memcpy(out + H_REQ_ID, &req_id, sizeof req_id);
 }
 
-/* Send all of data; RK_SERVE_* code. */
-static int send_all(int fd, const uint8_t *data, size_t len, int io_timeout_ms, int *err) {
-    while (len > 0) {
-        ssize_t k = send(fd, data, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (k > 0) {
-            data += k;
-            len -= (size_t)k;
-            continue;
-        }
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-            *err = errno;
-            return RK_SERVE_ERRNO;
-        }
-        struct pollfd p = {.fd = fd, .events = POLLOUT};
-        int r = poll(&p, 1, io_timeout_ms);
-        if (r == 0)
-            return RK_SERVE_TIMEOUT;
-        if (r < 0 && errno != EINTR) {
-            *err = errno;
-            return RK_SERVE_ERRNO;
-        }
+/* Send iov's n (address, length) rows whole with the tcp loop's send:
+ * RK_SERVE_IDLE, or RK_SERVE_TIMEOUT, _CLOSED or _ERRNO (*err set). A signal
+ * only interrupts it: Python runs its handlers on another thread. */
+static int send_rows(int fd, const uint64_t *iov, size_t n, int io_timeout_ms, int *err) {
+    uint64_t done = 0;
+    int rc;
+    do
+        rc = rk_tcp_sendv(fd, iov, n, done, io_timeout_ms, &done, err);
+    while (rc == RK_TCP_EINTR);
+    switch (rc) {
+    case RK_TCP_OK: return RK_SERVE_IDLE;
+    case RK_TCP_TIMEOUT: return RK_SERVE_TIMEOUT;
+    case RK_TCP_CLOSED: return RK_SERVE_CLOSED;
+    default: return RK_SERVE_ERRNO;
     }
-    return RK_SERVE_IDLE;
 }
 
 /* Answer the EXISTS frame at buf (its header and payload all there). */
@@ -131,7 +121,8 @@ static int answer(const rk_serve_ctx *ctx, int fd, const uint8_t *frame, uint32_
     uint8_t *flags = out + RK_SERVE_HEADER + COUNT_BYTES;
     for (uint32_t i = 0; i < n; i++)
         flags[i] = ctx->blocks[i] != RK_INDEX_NONE;
-    return send_all(fd, out, RK_SERVE_HEADER + payload_len, io_timeout_ms, err);
+    const uint64_t row[2] = {(uint64_t)(uintptr_t)out, RK_SERVE_HEADER + payload_len};
+    return send_rows(fd, row, 1, io_timeout_ms, err);
 }
 
 /* Answer the GET frame at buf (its header and payload all there): the hits
@@ -159,26 +150,18 @@ static int answer_get(const rk_serve_ctx *ctx, int fd, const uint8_t *frame, uin
     memcpy(out + RK_SERVE_HEADER, &n, sizeof n);
     ctx->iov[0] = (uint64_t)(uintptr_t)out;
     ctx->iov[1] = RK_SERVE_HEADER + payload_len;
-    uint64_t done = 0;
-    int rc;
     __atomic_store_n(ctx->sending, 1, __ATOMIC_RELAXED);
-    do /* a signal for Python's handlers (another thread runs them): go on */
-        rc = rk_tcp_sendv(fd, ctx->iov, hits + 1, done, io_timeout_ms, &done, err);
-    while (rc == RK_TCP_EINTR);
+    const int rc = send_rows(fd, ctx->iov, hits + 1, io_timeout_ms, err);
     __atomic_store_n(ctx->sending, 0, __ATOMIC_RELAXED);
 
     rk_store_lock_acquire(ctx->lock);
     tally->last = rk_index_unpin(ctx->refs, ctx->hit_blocks, hits, ctx->last);
-    if (rc == RK_TCP_OK)
+    if (rc == RK_SERVE_IDLE)
         ctx->counts->gets++;
     rk_store_lock_release(ctx->lock);
-    if (rc == RK_TCP_OK) {
+    if (rc == RK_SERVE_IDLE)
         tally->sent++;
-        return RK_SERVE_IDLE;
-    }
-    if (rc == RK_TCP_TIMEOUT)
-        return RK_SERVE_TIMEOUT;
-    return rc == RK_TCP_CLOSED ? RK_SERVE_CLOSED : RK_SERVE_ERRNO; /* ERRNO: *err set */
+    return rc;
 }
 
 /* Wait until the deadline for input and read what there is into buf[*have, cap). */

@@ -649,13 +649,14 @@ class KVStore:
             c = self.counters
             out: dict[str, Any] = {k: v for k, v in vars(c).items() if k != "extra"}
             out.update(c.extra)
-            native = self._native_gets.read() if self._native_gets is not None else None
-            if native is not None:
+            out["get_native"] = 0
+            if self._native_gets is not None:
+                native = self._native_gets.read()
                 out["lookups"] += native["lookups"]
                 out["hits"] += native["hits"]
                 out["misses"] += native["lookups"] - native["hits"]
                 out["bytes_read"] += native["bytes"]
-            out["get_native"] = native["gets"] if native is not None else 0
+                out["get_native"] = native["gets"]
             out.update(
                 entries=len(self._index),
                 pending=self._index.pending_count,
