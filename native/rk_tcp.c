@@ -184,6 +184,21 @@ static int reads_hashes(const struct hashing *h, const uint64_t *iov, size_t j) 
     return len && a < hi && a + len > lo;
 }
 
+/* Whether ranges [i, stop] (from offset `off` of range i on) fit one window
+ * of `cap` bytes and RK_TCP_IOV_MAX ranges whole; *before: their bytes ahead
+ * of range `stop`. */
+static int window_reaches(const uint64_t *iov, size_t i, uint64_t off, size_t stop, uint64_t cap,
+                          uint64_t *before) {
+    if (stop - i >= RK_TCP_IOV_MAX) return 0;
+    uint64_t total = 0;
+    for (size_t j = i; j < stop; j++, off = 0) {
+        total += iov[2 * j + 1] - off;
+        if (total > cap) return 0;
+    }
+    *before = total;
+    return total + iov[2 * stop + 1] <= cap;
+}
+
 /* The first range at or after i that is hashes[] entries (see
  * rk_tcp_sendv_hashed), or n. */
 static size_t next_hashes_range(const struct hashing *h, const uint64_t *iov, size_t n,
@@ -257,14 +272,6 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             return RK_TCP_OK;
         }
         size_t end = n;
-        if (h && sending) {
-            /* Ranges are hashed right after they go out (below), so a range
-             * of hashes[] entries may only start a window: every range before
-             * it has gone out and been hashed by then. A window ends before
-             * the next such range after its first. */
-            if (stop == NO_STOP || stop <= i) stop = next_hashes_range(h, iov, n, i + 1);
-            end = stop;
-        }
         int which = measures ? probe_next() : -1; /* the probe size this window measures */
         int64_t t0 = 0;
         if (which >= 0) {
@@ -273,6 +280,23 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
         } else if (h && sending) {
             cap = chosen_window();
             if (!cap) cap = RK_TCP_HASHED_WINDOW_SMALL;
+        }
+        if (h && sending) {
+            /* Ranges are hashed right after they go out (below), so a range
+             * of hashes[] entries may only start a window: every range before
+             * it has gone out and been hashed by then. A window ends before
+             * the next such range after its first, unless that range and
+             * everything before it fit this window: then the ranges before
+             * it are hashed first (the copy then finds them in the cache
+             * instead of the hash) and it goes out in the same call, so a
+             * small put's frames leave in one segment. */
+            if (stop == NO_STOP || stop <= i) stop = next_hashes_range(h, iov, n, i + 1);
+            uint64_t before = 0; /* bytes of this window ahead of range `stop` */
+            if (stop < n && window_reaches(iov, i, off, stop, cap, &before)) {
+                if (hash_to(h, iov, n, moved + before)) goto nomem;
+                stop = next_hashes_range(h, iov, n, stop + 1);
+            }
+            end = stop;
         }
         int k = fill_window(win, iov, end, i, off, cap, &bytes);
         ssize_t r;

@@ -97,8 +97,12 @@ typedef struct {
  * *hashed == n.
  * A range of sendv may be hashes[] entries of ranges before it (the tcp
  * transport sends a COMMIT's checksums right behind their values in the same
- * call): such a range goes out only once every range before it has gone out
- * and been hashed, so it holds their final values. */
+ * call): such a range goes out only once every range before it has been
+ * hashed, so it holds their final values. As a rule those ranges went out in
+ * earlier system calls; when they and it fit one window, they are hashed just
+ * before that window's sendmsg and it goes out with them (a small put's
+ * frames then leave in one segment, and the node reads them in one wake-up:
+ * over loopback on the 2-core bench host a 1-block put sent in two). */
 int rk_tcp_sendv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
                         const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err);

@@ -1447,6 +1447,11 @@ class Channel:
         self._queue: deque[Reply] = deque()
         self._frame: bytearray | None = None
         """A request framed by :meth:`call_flags` (allocated on its first use)."""
+        self._held = bytearray()
+        """Frames :meth:`send` was asked to hold back (``hold``): they go out
+        ahead of the next frame sent, in the same system call, or at
+        :meth:`flush`. Whoever holds one sends again before it waits for
+        anything; whoever writes to the socket itself flushes first."""
 
     def set_timeout(self, timeout: float | None) -> None:
         """The socket's timeout for the waits that follow. ``settimeout`` is a
@@ -1469,9 +1474,62 @@ class Channel:
         req_id: int = 0,
         bulk: Sequence[memoryview] = (),
         bulk_len: int = 0,
+        hold: bool = False,
     ) -> None:
         hdr = HEADER.pack(opcode, flags, status, len(payload), bulk_len, req_id)
+        if hold and not bulk:
+            self._held += hdr
+            self._held += payload
+            return
+        if self._held:  # in order, and in the same system call
+            hdr = bytes(self._held + hdr)
+            self._held.clear()
         send_frame(self.sock, hdr, payload, bulk)
+
+    @property
+    def held(self) -> int:
+        """Bytes of frames held back by ``send(hold=True)``, not yet sent."""
+        return len(self._held)
+
+    def flush(self) -> None:
+        """Send the frames held back, if any."""
+        if self._held:
+            data = bytes(self._held)
+            self._held.clear()
+            send_frame(self.sock, data, b"")
+
+    def next_frame_here(self) -> Header | None:
+        """The next frame's header when the frame is whole in the read-ahead
+        buffer and carries no bulk, after at most one non-blocking read for
+        more (nothing is consumed); else None. A socket with no timeout (a
+        read on it would block) is left unread."""
+        hdr = self._whole_frame()
+        if hdr is None and self.sock.gettimeout() is not None:
+            self._top_up()
+            hdr = self._whole_frame()
+        return hdr if hdr is not None and not hdr.bulk_len else None
+
+    def _whole_frame(self) -> Header | None:
+        """The next frame's header if its header and payload are buffered."""
+        have = self._end - self._pos
+        if have < HEADER.size:
+            return None
+        hdr = Header(*HEADER.unpack_from(self._ahead, self._pos))
+        return hdr if hdr.payload_len <= have - HEADER.size else None
+
+    def _top_up(self) -> None:
+        """Whatever the socket has now, into the read-ahead buffer (no wait)."""
+        if self._pos:
+            tail = self._end - self._pos
+            self._ahead[:tail] = self._ahead_view[self._pos : self._end]
+            self._pos, self._end = 0, tail
+        if self._end == len(self._ahead):
+            return
+        try:
+            got = os.readv(self.sock.fileno(), [self._ahead_view[self._end :]])
+        except OSError:  # nothing yet, or a failure the next read reports
+            return
+        self._end += got  # 0 at the end of the stream: the next read reports it
 
     @property
     def buffered(self) -> int:

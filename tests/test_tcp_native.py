@@ -14,7 +14,7 @@ import platform
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -348,9 +348,9 @@ def test_a_range_that_is_the_hashes_of_earlier_ranges_goes_out_holding_them(
 ) -> None:
     """What the tcp transport's PUT relies on: ranges are hashed as they go
     out, and a COMMIT's checksum row (pointing into the call's own hashes)
-    goes out only once the values before it are out and hashed, holding
-    their hashes, though the values and the row fit one window; here three
-    groups, values both side of window edges."""
+    goes out only once the values before it are hashed, holding their
+    hashes, whether they went out in earlier calls or go with it in one
+    window; here three groups, values both side of window edges."""
     a, b = pair
     a.settimeout(10)
     b.settimeout(10)
@@ -382,6 +382,57 @@ def test_a_range_that_is_the_hashes_of_earlier_ranges_goes_out_holding_them(
         assert trailer.tolist() == [value_checksum(v.tobytes()) for v in vs]
         pos += 8 * len(vs)
     assert pos == len(wire)
+
+
+@pytest.fixture
+def records_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A SOCK_SEQPACKET pair: each sendmsg arrives as one record."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@needs_checksums
+@pytest.mark.parametrize(("sizes", "calls"), [
+    (lambda w: [16384], 1),
+    (lambda w: [3000, 16384, 5], 1),
+    (lambda w: [w // 2, w // 2 + 1], 2),  # the second value and the row: one call
+])
+def test_a_checksum_row_goes_out_with_its_values_when_they_fit_one_window(
+    records_pair: tuple[socket.socket, socket.socket], hashed_window: int,
+    sizes: Callable[[int], list[int]], calls: int,
+) -> None:
+    """A small put's frames leave in one system call: values and the checksum
+    row behind them that fit one window are hashed first and sent together
+    (the records of a SOCK_SEQPACKET socket show the calls). Values that do
+    not fit one window with it go out first. Either way the row holds their
+    checksums."""
+    a, b = records_pair
+    lengths = sizes(hashed_window)
+    rng = np.random.default_rng(11)
+    values = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+    hashes = np.zeros(len(values) + 1, np.uint64)
+    iov = np.vstack([table(values), [[hashes.ctypes.data, 8 * len(values)]]]).astype(np.uint64)
+    total = sum(lengths) + 8 * len(values)
+    records: list[bytes] = []
+
+    def receive() -> None:
+        while sum(map(len, records)) < total:
+            records.append(b.recv(1 << 20))
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    tcp.send_iov(a, iov, hashes)
+    receiver.join(10)
+    assert len(records) == calls, [len(r) for r in records]
+    wire = b"".join(records)
+    assert wire[: sum(lengths)] == b"".join(v.tobytes() for v in values)
+    trailer = np.frombuffer(wire[sum(lengths) :], dtype="<u8").tolist()
+    assert trailer == [value_checksum(v.tobytes()) for v in values]
 
 
 def _hashed_send(sock: socket.socket, peer: socket.socket, nbytes: int) -> None:

@@ -100,6 +100,11 @@ _KEEPALIVE = [
     if (opt := getattr(socket, name, None)) is not None
 ]
 LISTEN_BACKLOG = 128
+HELD_FOR = frozenset({Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.RELEASE, Op.DELETE, Op.STATS})
+"""Next requests an answer that may wait is held back for (:meth:`Session.reply`):
+the node's own handlers, which carry no bulk and answer through
+:meth:`Session.reply`, whose send takes the held answer along. Not EXISTS or
+GET, which the native loop may answer with sends of its own."""
 NODE_ID_LEN = 16
 
 
@@ -175,14 +180,29 @@ class Session:
     def abort(self, keys: Sequence[bytes]) -> list[bool]:
         return self.node.store.abort(self.session_id, keys)
 
-    def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:
+    def reply(
+        self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = (), *,
+        may_wait: bool = False,
+    ) -> None:
         self.channel.send(
             req.opcode | RESPONSE_BIT,
             payload,
             req_id=req.req_id,
             bulk=bulk,
             bulk_len=sum(map(len, bulk)) if bulk else 0,
+            hold=may_wait and not bulk and self._next_answered_here(),
         )
+
+    def _next_answered_here(self) -> bool:
+        """Whether the next request is already whole in the read-ahead buffer
+        and one this session answers in Python through :meth:`reply` (see
+        :data:`HELD_FOR`): an answer that may wait is then held back and goes
+        out with that one's. A put's PUT and COMMIT answers then leave in one
+        system call, and the client, which reads them together, wakes once
+        (over loopback on the 2-core bench host: ~15 us less of the client's
+        CPU per 1-block put, 2026-11-28)."""
+        hdr = self.channel.next_frame_here()
+        return hdr is not None and hdr.opcode in HELD_FOR
 
     def reply_error(self, req: Header, status: Status, message: str) -> None:
         data = message.encode("utf-8", errors="replace")[:MAX_ERROR_MESSAGE]
@@ -214,7 +234,9 @@ class Session:
                 get=self.node.native_get,
             )
             while True:
-                if native is not None:
+                if self.channel.held:  # the next request is whole in the buffer:
+                    pass  # its answer takes the held one along
+                elif native is not None:
                     if not self._serve_natively(native):
                         return
                     if not self.channel.buffered:  # its turn came with nothing for us

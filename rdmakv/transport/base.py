@@ -345,8 +345,14 @@ class NodeSession(Protocol):
         other: a miss), their blocks pinned until ``unpin()``."""
         ...
 
-    def reply(self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = ()) -> None:
-        """Send the OK response for ``req`` (with optional bulk)."""
+    def reply(
+        self, req: Header, payload: bytes = b"", bulk: Sequence[memoryview] = (), *,
+        may_wait: bool = False,
+    ) -> None:
+        """Send the OK response for ``req`` (with optional bulk). ``may_wait``:
+        the client reads this answer only with the next one's (a PUT's, with
+        its COMMIT's), so when the next request is already here the answer may
+        go out with that one's, in one system call."""
         ...
 
 

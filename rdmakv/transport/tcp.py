@@ -940,6 +940,7 @@ class TcpNodeDataPath(NodeDataPath):
                 # header and bytes in one system call: the client wakes once
                 head = HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, 0, total, req.req_id)
                 iov = _node_iov(payload, len(ops), self.pool, head)
+                session.channel.flush()  # answers held back go first (Channel.send)
                 send_iov(session.channel.sock, iov)  # `views` keep the pool mapped meanwhile
             else:
                 session.reply(req, bulk=views)
@@ -969,6 +970,7 @@ class TcpNodeDataPath(NodeDataPath):
             table = found.iov
             table[0] = (_address_of(head), len(head))
             # the pins keep the blocks; the pool stays mapped
+            session.channel.flush()  # answers held back go first (Channel.send)
             send_iov(session.channel.sock, table)
         finally:
             found.unpin()
@@ -989,7 +991,8 @@ class TcpNodeDataPath(NodeDataPath):
                            if st == AllocStatus.OK])
             raise
         values.received()  # only now: every byte of every allocated value is in the pool
-        session.reply(req, encode_put_answer(values.statuses))
+        # the client reads a PUT's answer with its COMMIT's, sent right behind it
+        session.reply(req, encode_put_answer(values.statuses), may_wait=True)
 
     def _receive_values(
         self,
