@@ -822,10 +822,8 @@ class AllocRequest(_KeyedRequest):
         """The sum of the items' sizes (what a PUT's bulk must carry)."""
         if self._items is not None or self.key_len is None:
             return sum(map(_SECOND, self.items))
-        sizes = np.dtype({"names": ["size"], "formats": ["<u4"],
-                          "offsets": [U16.size + self.key_len],
-                          "itemsize": U16.size + self.key_len + ALLOC_ITEM.size})
-        return int(np.frombuffer(self.records, dtype=sizes)["size"].sum(dtype=np.uint64))
+        items = np.frombuffer(self.records, dtype=_keyed_items_dtype(self.key_len, True))
+        return int(items["size"].sum(dtype=np.uint64))
 
 
 def decode_alloc_request(payload: Buffer, what: str = "ALLOC") -> AllocRequest:
