@@ -168,3 +168,18 @@ def test_check_handles_refuses_the_same_handles_with_and_without_the_native_scan
         plain = isinstance(handles, list | tuple) and all(type(h) is int for h in handles)
         if plain:  # the scan takes exactly the lists of live ints
             assert native_call.MODULE.live_handles(handles, slab._refs) == (python is None)
+
+
+@settings(max_examples=300)
+@given(st.integers(-3, BLOCKS + 3), st.integers(-3, BLOCKS + 3), st.sampled_from((1, 1, 2, -1)))
+def test_a_range_of_handles_is_checked_as_the_list_of_them_is(
+    start: int, stop: int, step: int
+) -> None:
+    """A run of blocks handed over as a ``range`` (checked without a pass
+    per handle): refused exactly when the list of its handles is, with the
+    same error."""
+    with Slab(BLOCKS * 4096, 4096) as slab:
+        for h in slab.alloc_many(BLOCKS)[BLOCKS // 2 :]:
+            slab.free(h)
+        handles = range(start, stop, step)
+        assert _checked(slab, handles) == _checked(slab, list(handles))
