@@ -1515,12 +1515,16 @@ class Channel:
         hdr = Header(*HEADER.unpack_from(self._ahead, self._pos))
         return hdr if hdr.payload_len <= have - HEADER.size else None
 
-    def _top_up(self) -> None:
-        """Whatever the socket has now, into the read-ahead buffer (no wait)."""
+    def _compact(self) -> None:
+        """Move the unread read-ahead bytes to the front of the buffer."""
         if self._pos:
             tail = self._end - self._pos
             self._ahead[:tail] = self._ahead_view[self._pos : self._end]
             self._pos, self._end = 0, tail
+
+    def _top_up(self) -> None:
+        """Whatever the socket has now, into the read-ahead buffer (no wait)."""
+        self._compact()
         if self._end == len(self._ahead):
             return
         try:
@@ -1538,10 +1542,7 @@ class Channel:
         """Read until at least ``need`` (<= RECV_AHEAD_BYTES) bytes are buffered."""
         if self._end - self._pos >= need:
             return
-        if self._pos:  # keep the unread tail at the front: room for a whole frame start
-            tail = self._end - self._pos
-            self._ahead[:tail] = self._ahead_view[self._pos : self._end]
-            self._pos, self._end = 0, tail
+        self._compact()  # room for a whole frame start
         while self._end < need:
             self._end += _recv_some(self.sock, [self._ahead_view[self._end :]])
 
@@ -1551,12 +1552,8 @@ class Channel:
         their count, and returns a result whose ``have`` says how many unread
         bytes it left at the front (a node's native loop,
         :mod:`rdmakv.node.native_loop`). Returns that result."""
-        tail = self._end - self._pos
-        if self._pos:
-            self._ahead[:tail] = self._ahead_view[self._pos : self._end]
-        self._pos = 0
-        self._end = tail  # what is there if fill raises
-        filled = fill(self._ahead, tail)
+        self._compact()  # what is there if fill raises
+        filled = fill(self._ahead, self._end)
         self._end = filled.have
         return filled
 
