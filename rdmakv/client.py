@@ -813,7 +813,7 @@ def _check_distinct(handles: Sequence[int]) -> None:
     value is checked against its checksum once its bytes are in, and another
     value landing in the same block first would fail that check, so a good
     value would be reported corrupt (and deleted on the node)."""
-    if type(handles) is range or len(set(handles)) == len(handles):
+    if len(set(handles)) == len(handles):
         return
     first: dict[int, int] = {}
     for i, h in enumerate(handles):

@@ -311,8 +311,6 @@ class Slab:
         batches check thousands of handles before anything is sent."""
         if _native_live_handles is not None and _native_live_handles(handles, self._refs):
             return
-        if type(handles) is range and self._all_live(handles):  # a run of blocks
-            return
         try:
             if len(handles) == 0 or (
                 min(handles) >= 0 and all(map(self._refs.__getitem__, handles))
@@ -324,17 +322,6 @@ class Slab:
             if not isinstance(h, int | np.integer):
                 raise InvalidHandle(f"block handle {h!r} is not an integer")
             self._check(h)
-
-    def _all_live(self, run: range) -> bool:
-        """True when ``run`` has step 1 and names only allocated blocks
-        (its bounds, then its slice of the refcounts); False otherwise,
-        for the general check to name the bad handle."""
-        if run.step != 1:
-            return False
-        if not run:
-            return True
-        return (run.start >= 0 and run.stop <= self.num_blocks
-                and all(self._refs[run.start : run.stop]))
 
     # -- addressing and views -------------------------------------------------
     def offset(self, h: int) -> int:

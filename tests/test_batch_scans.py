@@ -175,9 +175,9 @@ def test_check_handles_refuses_the_same_handles_with_and_without_the_native_scan
 def test_a_range_of_handles_is_checked_as_the_list_of_them_is(
     start: int, stop: int, step: int
 ) -> None:
-    """A run of blocks handed over as a ``range`` (checked without a pass
-    per handle): refused exactly when the list of its handles is, with the
-    same error."""
+    """A run of blocks handed over as a ``range`` (which the native scan
+    does not take): refused exactly when the list of its handles is, with
+    the same error."""
     with Slab(BLOCKS * 4096, 4096) as slab:
         for h in slab.alloc_many(BLOCKS)[BLOCKS // 2 :]:
             slab.free(h)
