@@ -276,21 +276,22 @@ static struct helped *helper_job; /* posted or taken; NULL: the helper is idle *
 static int helper_started;        /* 1 running, -1 could not start (never again) */
 static pthread_t helper_thread;
 static int helper_avoids = -1;    /* the CPU left out of the helper's affinity */
-static cpu_set_t helper_cpus;     /* its affinity, when helper_avoids >= 0 */
 static int helper_mode = -1;      /* rk_tcp_set_hash_helper; atomic */
 static int hashed_senders;        /* atomic: hashed sends in flight */
-static uint64_t helper_sends, helper_declines;
+static uint64_t helper_sends;
 static pthread_once_t helper_fork_once = PTHREAD_ONCE_INIT;
-static cpu_set_t sender_cpus;     /* under helper_lock: the last poster's affinity */
-static int sender_cpu_count = 1;  /* atomic */
 
-/* Lock held: the posting thread's CPUs (its affinity; the process's unless
- * it was set per thread), read at each post: it may have moved since. */
+static uint64_t helper_declines;
+static cpu_set_t process_cpus; /* under helper_lock: the affinity at the last post */
+static int process_cpu_count = 1; /* atomic */
+
+/* Lock held: the process's CPUs, read again at each post (the process may
+ * have been moved since). */
 static void read_usable_cpus(void) {
     cpu_set_t set;
     int c = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-    if (c > 1) sender_cpus = set;
-    __atomic_store_n(&sender_cpu_count, c < 1 ? 1 : c, __ATOMIC_RELAXED);
+    if (c > 1) process_cpus = set;
+    __atomic_store_n(&process_cpu_count, c < 1 ? 1 : c, __ATOMIC_RELAXED);
 }
 
 /* Whether the helper may hash now: forced on, or by default while the
@@ -299,7 +300,7 @@ static int helper_has_cpu(void) {
     int mode = __atomic_load_n(&helper_mode, __ATOMIC_RELAXED);
     if (mode >= 0) return mode > 0;
     return __atomic_load_n(&hashed_senders, __ATOMIC_RELAXED) <
-           __atomic_load_n(&sender_cpu_count, __ATOMIC_RELAXED);
+           __atomic_load_n(&process_cpu_count, __ATOMIC_RELAXED);
 }
 
 static void hash_one(const struct hashing *h, const uint64_t *iov, size_t j) {
@@ -387,14 +388,11 @@ static void register_fork_handler(void) { pthread_atfork(NULL, NULL, helper_afte
  * should overlap. One system call when the sender moved since the last
  * post, none otherwise. */
 static void helper_avoid_cpu(int cpu) {
-    if (cpu < 0 || sender_cpu_count < 2 || !CPU_ISSET(cpu, &sender_cpus)) return;
-    cpu_set_t set = sender_cpus;
+    if (cpu < 0 || cpu == helper_avoids || process_cpu_count < 2 || !CPU_ISSET(cpu, &process_cpus))
+        return;
+    cpu_set_t set = process_cpus;
     CPU_CLR(cpu, &set);
-    if (cpu == helper_avoids && CPU_EQUAL(&set, &helper_cpus)) return;
-    if (pthread_setaffinity_np(helper_thread, sizeof set, &set) == 0) {
-        helper_avoids = cpu;
-        helper_cpus = set;
-    }
+    if (pthread_setaffinity_np(helper_thread, sizeof set, &set) == 0) helper_avoids = cpu;
 }
 
 /* Lock held. 1 when the helper runs (started now if need be). */

@@ -153,7 +153,7 @@ int rk_tcp_set_hashed_send_window(uint64_t bytes);
  * (so it never waits on the helper for longer than one range's hash). The
  * call returns only once the helper has left its ranges: nothing writes to
  * hashes[] after it. The helper runs off the sending thread's CPU, and only
- * while the hashed sends in flight leave it one of the sender's CPUs: a
+ * while the hashed sends in flight leave it a CPU of the process's own: a
  * send made while another is in flight on a 2-core host (a put split across
  * two connections) hashes inline, and the helper stops claiming when such a
  * send starts, the sender then hashing the rest inline. After fork() the

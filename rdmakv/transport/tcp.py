@@ -42,7 +42,7 @@ block from memory. A send that hashes moves 128 KiB or 512 KiB per call,
 whichever the process measured to cost its thread less on this CPU
 (:func:`hashed_send_window`). A send with 8 MiB or more of values to hash
 (a put of 512 x 16 KiB blocks or more) is hashed by a helper thread of the
-native core instead, while this thread sends, when one of its CPUs is
+native core instead, while this thread sends, when a CPU of the process is
 left for it (:func:`set_hash_helper`, rk_tcp.h): the hash was the sending
 thread's largest cost after the kernel's.
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
@@ -204,7 +204,7 @@ def set_hashed_send_window(nbytes: int) -> None:
 def set_hash_helper(enabled: bool | None) -> None:
     """Whether large hashed sends hand their hashing to the native core's
     helper thread (rk_tcp.h): None while the hashed sends in flight leave it
-    one of the sending thread's CPUs (the default), True whenever it is idle,
+    a CPU of the process's own (the default), True whenever it is idle,
     False never (both: tests, and A/B runs)."""
     if _lib is None:
         raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
