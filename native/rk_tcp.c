@@ -6,8 +6,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
-#include <sched.h>
-#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,8 +166,6 @@ static int fill_window(struct iovec *win, const uint64_t *iov, size_t n, size_t 
 /* Hashing state of one call. Ranges [0, *count) are hashed; range *count
  * starts at list offset `pos` and is hashed up to offset `at` (streamed
  * through `state` when pos < at). `n`: the list's ranges (out[0, n)). */
-struct helped;
-
 struct hashing {
     const rk_hasher *fn;
     uint64_t *out;
@@ -177,7 +173,6 @@ struct hashing {
     uint64_t pos, at;
     void *state;
     size_t n;
-    struct helped *hp; /* sending: ranges shared with the hash helper, or NULL */
 };
 
 #define NO_STOP SIZE_MAX
@@ -243,241 +238,6 @@ void rk_tcp_hash_ranges(const rk_hasher *hasher, const uint64_t *iov, size_t n,
         hashes[i] = hasher->oneshot((const void *)(uintptr_t)iov[2 * i], (size_t)iov[2 * i + 1]);
 }
 
-/* ---- The hash helper (rk_tcp.h) ------------------------------------------
- *
- * One send's ranges, shared by its sending thread and the helper. A range is
- * claimed once (`next`, by compare-and-swap) and its hash published by
- * setting ready[j] after out[j] is written. Checksum rows (ranges that read
- * out[] itself) are never hashed by a claimer: the sender hashes them in
- * order once every range before them is ready, so a row's hash covers the
- * final entries. Invariant: until the helper has left (leave_helper), it
- * may read iov and write out[] and ready[]; the sender frees nothing before.
- *
- * The helper only takes a CPU that no hashed send of this process is using
- * (by default): with two such sends on a 2-core host (a put split across
- * two connections), the bench VM's 64 KiB puts ran 3-7% slower with it. So it
- * declines a send, or stops claiming in the middle of one, once a send more
- * is in flight; the sender then hashes the rest inline (go_inline). */
-struct helped {
-    const struct hashing *h;
-    const uint64_t *iov;
-    size_t n;
-    size_t next;          /* atomic: the first range nobody has claimed */
-    size_t checked;       /* sender only: ranges [0, checked) are ready */
-    unsigned char *ready; /* atomic per range */
-    int taken;            /* under helper_lock: the helper works on it */
-    int declined;         /* atomic: the helper stopped claiming early */
-};
-
-static pthread_mutex_t helper_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t helper_wake = PTHREAD_COND_INITIALIZER; /* a send was posted */
-static pthread_cond_t helper_left = PTHREAD_COND_INITIALIZER; /* the helper left one */
-static struct helped *helper_job; /* posted or taken; NULL: the helper is idle */
-static int helper_started;        /* 1 running, -1 could not start (never again) */
-static pthread_t helper_thread;
-static int helper_avoids = -1;    /* the CPU left out of the helper's affinity */
-static int helper_mode = -1;      /* rk_tcp_set_hash_helper; atomic */
-static int hashed_senders;        /* atomic: hashed sends in flight */
-static uint64_t helper_sends;
-static pthread_once_t helper_fork_once = PTHREAD_ONCE_INIT;
-
-static uint64_t helper_declines;
-static cpu_set_t process_cpus; /* under helper_lock: the affinity at the last post */
-static int process_cpu_count = 1; /* atomic */
-
-/* Lock held: the process's CPUs, read again at each post (the process may
- * have been moved since). */
-static void read_usable_cpus(void) {
-    cpu_set_t set;
-    int c = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-    if (c > 1) process_cpus = set;
-    __atomic_store_n(&process_cpu_count, c < 1 ? 1 : c, __ATOMIC_RELAXED);
-}
-
-/* Whether the helper may hash now: forced on, or by default while the
- * hashed sends in flight leave it a CPU. */
-static int helper_has_cpu(void) {
-    int mode = __atomic_load_n(&helper_mode, __ATOMIC_RELAXED);
-    if (mode >= 0) return mode > 0;
-    return __atomic_load_n(&hashed_senders, __ATOMIC_RELAXED) <
-           __atomic_load_n(&process_cpu_count, __ATOMIC_RELAXED);
-}
-
-static void hash_one(const struct hashing *h, const uint64_t *iov, size_t j) {
-    h->out[j] = h->fn->oneshot((const void *)(uintptr_t)iov[2 * j], (size_t)iov[2 * j + 1]);
-}
-
-/* Claim and hash ranges below `upto` until none is left unclaimed, checksum
- * rows excepted (left to the sender). The helper (`helper`) stops early,
- * setting `declined`, when it no longer has a CPU of its own. */
-static void claim_and_hash(struct helped *hp, size_t upto, int helper) {
-    size_t j = __atomic_load_n(&hp->next, __ATOMIC_RELAXED);
-    int claims = 0;
-    for (;;) {
-        if (j >= upto) return;
-        if (helper && (!helper_has_cpu() || (claims && __atomic_load_n(&helper_mode, __ATOMIC_RELAXED) == RK_TCP_HELPER_DECLINES))) {
-            __atomic_store_n(&hp->declined, 1, __ATOMIC_RELEASE);
-            return;
-        }
-        if (!__atomic_compare_exchange_n(&hp->next, &j, j + 1, 1, __ATOMIC_ACQ_REL,
-                                         __ATOMIC_RELAXED))
-            continue; /* j now holds the current value */
-        if (!reads_hashes(hp->h, hp->iov, j)) {
-            hash_one(hp->h, hp->iov, j);
-            __atomic_store_n(&hp->ready[j], 1, __ATOMIC_RELEASE);
-        }
-        claims++;
-        j++;
-    }
-}
-
-/* Sender: every range below `upto` hashed (ranges still unclaimed hashed
- * here, those the helper holds waited for, checksum rows hashed in order). */
-static void await_hashed(struct helped *hp, size_t upto) {
-    claim_and_hash(hp, upto, 0);
-    for (size_t j = hp->checked; j < upto; j++) {
-        if (reads_hashes(hp->h, hp->iov, j)) { /* every range before it is ready */
-            if (!__atomic_load_n(&hp->ready[j], __ATOMIC_ACQUIRE)) {
-                hash_one(hp->h, hp->iov, j);
-                __atomic_store_n(&hp->ready[j], 1, __ATOMIC_RELEASE);
-            }
-            continue;
-        }
-        /* claimed by the helper: one range's hash away, unless it lost its
-         * CPU, which yielding gives back when it shares ours */
-        while (!__atomic_load_n(&hp->ready[j], __ATOMIC_ACQUIRE)) sched_yield();
-    }
-    if (upto > hp->checked) hp->checked = upto;
-}
-
-static void *helper_main(void *arg) {
-    (void)arg;
-    pthread_mutex_lock(&helper_lock);
-    for (;;) {
-        while (!helper_job || helper_job->taken) pthread_cond_wait(&helper_wake, &helper_lock);
-        struct helped *hp = helper_job;
-        hp->taken = 1;
-        helper_sends++;
-        pthread_mutex_unlock(&helper_lock);
-        claim_and_hash(hp, hp->n, 1);
-        pthread_mutex_lock(&helper_lock);
-        if (hp->declined) helper_declines++;
-        hp->taken = 0;
-        helper_job = NULL;
-        pthread_cond_broadcast(&helper_left);
-    }
-    return NULL;
-}
-
-/* In a child of fork() the helper thread does not exist, and the lock may
- * have been held by a thread that does not either. */
-static void helper_after_fork(void) {
-    pthread_mutex_init(&helper_lock, NULL);
-    pthread_cond_init(&helper_wake, NULL);
-    pthread_cond_init(&helper_left, NULL);
-    helper_job = NULL;
-    helper_started = 0;
-    helper_avoids = -1;
-    hashed_senders = 0;
-}
-
-static void register_fork_handler(void) { pthread_atfork(NULL, NULL, helper_after_fork); }
-
-/* Lock held. Keep the helper off the sender's CPU: woken by the sender, the
- * scheduler may queue it there, where it only takes turns with the send it
- * should overlap. One system call when the sender moved since the last
- * post, none otherwise. */
-static void helper_avoid_cpu(int cpu) {
-    if (cpu < 0 || cpu == helper_avoids || process_cpu_count < 2 || !CPU_ISSET(cpu, &process_cpus))
-        return;
-    cpu_set_t set = process_cpus;
-    CPU_CLR(cpu, &set);
-    if (pthread_setaffinity_np(helper_thread, sizeof set, &set) == 0) helper_avoids = cpu;
-}
-
-/* Lock held. 1 when the helper runs (started now if need be). */
-static int helper_running(void) {
-    if (helper_started) return helper_started > 0;
-    pthread_once(&helper_fork_once, register_fork_handler);
-    sigset_t all, old;
-    sigfillset(&all); /* signals go to Python's threads, never to the helper */
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    pthread_attr_t attr;
-    pthread_t t;
-    int ok = pthread_attr_init(&attr) == 0;
-    if (ok) {
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        ok = pthread_create(&t, &attr, helper_main, NULL) == 0;
-        if (ok) helper_thread = t;
-        pthread_attr_destroy(&attr);
-    }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    helper_started = ok ? 1 : -1;
-    return ok;
-}
-
-/* Post `hp` to the helper: 1, or 0 when it is busy, has no CPU or cannot run. */
-static int post_to_helper(struct helped *hp) {
-    pthread_mutex_lock(&helper_lock);
-    read_usable_cpus();
-    int posted = !helper_job && helper_has_cpu() && helper_running();
-    if (posted) {
-        helper_avoid_cpu(sched_getcpu());
-        helper_job = hp;
-        pthread_cond_signal(&helper_wake);
-    }
-    pthread_mutex_unlock(&helper_lock);
-    return posted;
-}
-
-/* Take `hp` back from the helper (nothing left to claim): on return the
- * helper no longer touches it. */
-static void leave_helper(struct helped *hp) {
-    __atomic_store_n(&hp->next, hp->n, __ATOMIC_RELEASE);
-    pthread_mutex_lock(&helper_lock);
-    if (helper_job == hp && !hp->taken) helper_job = NULL; /* never picked up */
-    while (helper_job == hp) pthread_cond_wait(&helper_left, &helper_lock);
-    pthread_mutex_unlock(&helper_lock);
-}
-
-/* Sender, when the helper declined: take the send back and hash inline from
- * range i on (every range before it has gone out: hashed here now). */
-static void go_inline(struct hashing *h, const uint64_t *iov, size_t i) {
-    struct helped *hp = h->hp;
-    leave_helper(hp);
-    size_t k = 0;
-    uint64_t pos = 0;
-    for (; k < hp->n; pos += iov[2 * k + 1], k++) {
-        if (hp->ready[k]) continue;
-        if (k >= i) break;
-        hash_one(h, iov, k); /* in order: a checksum row's entries are final */
-        hp->ready[k] = 1;
-    }
-    *h->count = k;
-    h->pos = h->at = pos;
-    h->hp = NULL;
-}
-
-int rk_tcp_set_hash_helper(int mode) {
-    if (mode < -1 || mode > RK_TCP_HELPER_DECLINES) return -1;
-    __atomic_store_n(&helper_mode, mode, __ATOMIC_RELAXED);
-    return 0;
-}
-
-uint64_t rk_tcp_hash_helper_sends(void) {
-    pthread_mutex_lock(&helper_lock);
-    uint64_t n = helper_sends;
-    pthread_mutex_unlock(&helper_lock);
-    return n;
-}
-
-uint64_t rk_tcp_hash_helper_declines(void) {
-    pthread_mutex_lock(&helper_lock);
-    uint64_t n = helper_declines;
-    pthread_mutex_unlock(&helper_lock);
-    return n;
-}
-
 static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
                int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
     struct iovec win[RK_TCP_IOV_MAX];
@@ -487,7 +247,7 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
     /* a hashed send takes part in measuring its windows, but not on a blocking
      * socket, where the calls' time would include the waits for room */
     int measures = 0;
-    if (h && sending && !h->hp) {
+    if (h && sending) {
         int fl = fcntl(fd, F_GETFL);
         measures = fl >= 0 && (fl & O_NONBLOCK);
     }
@@ -499,9 +259,8 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
         for (uint64_t j = 0; j < *h->count; j++) h->pos += iov[2 * j + 1];
         h->at = h->pos;
         /* receiving: the bytes the caller placed before the call; sending:
-         * those that went out before a call resumed after RK_TCP_EINTR (with
-         * the helper: claimed like the rest) */
-        if (!h->hp && hash_to(h, iov, n, moved)) goto nomem;
+         * those that went out before a call resumed after RK_TCP_EINTR */
+        if (hash_to(h, iov, n, moved)) goto nomem;
     }
     for (;;) {
         while (i < n && off >= iov[2 * i + 1]) { /* skip moved / empty ranges (and `skip`) */
@@ -509,21 +268,16 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             i++;
         }
         if (i >= n) {
-            if (h && h->hp)
-                await_hashed(h->hp, n);
-            else if (h && hash_to(h, iov, n, UINT64_MAX)) /* trailing empty ranges */
-                goto nomem;
+            if (h && hash_to(h, iov, n, UINT64_MAX)) goto nomem; /* trailing empty ranges */
             return RK_TCP_OK;
         }
-        if (h && h->hp && __atomic_load_n(&h->hp->declined, __ATOMIC_ACQUIRE))
-            go_inline(h, iov, i);
         size_t end = n;
         int which = measures ? probe_next() : -1; /* the probe size this window measures */
         int64_t t0 = 0;
         if (which >= 0) {
             cap = probe_sizes[which];
             t0 = thread_ns();
-        } else if (h && sending && !h->hp) {
+        } else if (h && sending) {
             cap = chosen_window();
             if (!cap) cap = RK_TCP_HASHED_WINDOW_SMALL;
         }
@@ -536,18 +290,11 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
              * it are hashed first (the copy then finds them in the cache
              * instead of the hash) and it goes out in the same call, so a
              * small put's frames leave in one segment. */
-            /* With the helper, the ranges before a checksum row are hashed
-             * (awaited) just before the window that sends it instead. */
             if (stop == NO_STOP || stop <= i) stop = next_hashes_range(h, iov, n, i + 1);
             uint64_t before = 0; /* bytes of this window ahead of range `stop` */
             if (stop < n && window_reaches(iov, i, off, stop, cap, &before)) {
-                if (h->hp)
-                    await_hashed(h->hp, stop);
-                else if (hash_to(h, iov, n, moved + before))
-                    goto nomem;
+                if (hash_to(h, iov, n, moved + before)) goto nomem;
                 stop = next_hashes_range(h, iov, n, stop + 1);
-            } else if (h->hp && reads_hashes(h, iov, i)) {
-                await_hashed(h->hp, i);
             }
             end = stop;
         }
@@ -568,7 +315,7 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             off += (uint64_t)r;
             /* hashed right after the copy into or out of the socket, while
              * the bytes are still in the CPU cache */
-            if (h && !h->hp && hash_to(h, iov, n, moved)) goto nomem;
+            if (h && hash_to(h, iov, n, moved)) goto nomem;
             /* a short window's fixed costs would skew its sample: windows cut
              * short by the end of the list, a checksum row or the next range
              * not fitting whole (after a partial send a window starts inside
@@ -603,38 +350,11 @@ int rk_tcp_recvv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeo
     return run(fd, 0, iov, n, skip, timeout_ms, NULL, done, err);
 }
 
-/* Whether a send's ranges still to hash come to RK_TCP_HELPER_MIN_BYTES. */
-static int worth_helping(const struct hashing *h, const uint64_t *iov, size_t n, size_t from) {
-    uint64_t total = 0;
-    for (size_t j = from; j < n && total < RK_TCP_HELPER_MIN_BYTES; j++)
-        if (!reads_hashes(h, iov, j)) total += iov[2 * j + 1];
-    return total >= RK_TCP_HELPER_MIN_BYTES;
-}
-
 static int run_hashed(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
                       int timeout_ms, const rk_hasher *hasher, uint64_t *hashes,
                       uint64_t *hashed, uint64_t *done, int *err) {
-    struct hashing h = {hasher, hashes, hashed, 0, 0, NULL, n, NULL};
-    struct helped hp = {&h, iov, n, (size_t)*hashed, (size_t)*hashed, NULL, 0, 0};
-    if (sending) __atomic_add_fetch(&hashed_senders, 1, __ATOMIC_RELAXED);
-    if (sending && worth_helping(&h, iov, n, hp.next) && (hp.ready = calloc(n, 1))) {
-        memset(hp.ready, 1, hp.next); /* hashed by the calls before */
-        if (post_to_helper(&hp))
-            h.hp = &hp;
-        else {
-            free(hp.ready);
-            hp.ready = NULL;
-        }
-    }
+    struct hashing h = {hasher, hashes, hashed, 0, 0, NULL, n};
     int rc = run(fd, sending, iov, n, skip, timeout_ms, &h, done, err);
-    if (h.hp) { /* still shared (not gone inline) */
-        leave_helper(&hp);
-        size_t k = *hashed;
-        while (k < n && hp.ready[k]) k++; /* a resumed call starts after these */
-        *hashed = k;
-    }
-    free(hp.ready);
-    if (sending) __atomic_sub_fetch(&hashed_senders, 1, __ATOMIC_RELAXED);
     if (h.state) hasher->free_state(h.state);
     return rc;
 }

@@ -55,20 +55,6 @@
 #define RK_TCP_WINDOW_PROBES 24
 #define RK_TCP_WINDOW_WARM_UP 32
 #define RK_TCP_WINDOW_REPROBE 1024
-/* A hashed send with at least this many bytes of values to hash is hashed
- * by a helper thread while the calling thread sends (rk_tcp_set_hash_helper).
- * On the 2-core bench VM, puts of 16 KiB blocks to a node over loopback, the
- * helper on and off in alternate puts of one process (best GB/s):
- * - 1000 blocks (16 MiB): 5.69-5.88 against 4.54-4.88, in five runs; the
- *   hash had been the sending thread's largest cost after the kernel's
- *   (0.2-0.3 ms of its 3.3);
- * - 384-640 blocks (6-10 MiB): 5.11-5.51 against 4.24-4.61;
- * - 256 and 320 blocks (4-5 MiB): 4.43-4.91 against 5.26-5.69. Sends this
- *   small went at the node's pace, and the node shares these CPUs over
- *   loopback: the helper took its CPU.
- * A host whose node is remote, with CPUs to spare, may gain below this
- * size too; not measured. */
-#define RK_TCP_HELPER_MIN_BYTES 8388608
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -143,33 +129,6 @@ uint64_t rk_tcp_hashed_send_window_choices(void);
  * the choice and its samples, so the next hashed sends measure from the
  * start (warm-up included). -1 for a size out of range, else 0. */
 int rk_tcp_set_hashed_send_window(uint64_t bytes);
-
-/* The hash helper of rk_tcp_sendv_hashed: one thread per process (per
- * module that links this file), started by the first send that wants it. A
- * send with at least RK_TCP_HELPER_MIN_BYTES to hash hands its ranges to it
- * when it is idle. The helper claims ranges from the first on; the sender
- * sends in RK_TCP_WINDOW windows, as an unhashed send does, and before a
- * checksum row goes out claims and hashes any range the row still needs
- * (so it never waits on the helper for longer than one range's hash). The
- * call returns only once the helper has left its ranges: nothing writes to
- * hashes[] after it. The helper runs off the sending thread's CPU, and only
- * while the hashed sends in flight leave it a CPU of the process's own: a
- * send made while another is in flight on a 2-core host (a put split across
- * two connections) hashes inline, and the helper stops claiming when such a
- * send starts, the sender then hashing the rest inline. After fork() the
- * child starts a helper of its own.
- * mode: -1 by those rules (the default), 0 never, 1 whenever idle, whatever
- * the CPUs (tests, and A/B runs), RK_TCP_HELPER_DECLINES as 1 but the helper
- * stops after its first range of each send (tests: the sender's way back to
- * hashing inline, which the rules take only by a race). -1 for another
- * mode, else 0. */
-#define RK_TCP_HELPER_DECLINES 2
-int rk_tcp_set_hash_helper(int mode);
-
-/* How many sends the helper has taken part in since the process started,
- * and how many of those it stopped claiming for early. */
-uint64_t rk_tcp_hash_helper_sends(void);
-uint64_t rk_tcp_hash_helper_declines(void);
 
 /* Copy `len` bytes from src into the list's first bytes, range by range
  * (len <= the list's bytes): a frame's bulk that arrived with its header,

@@ -120,8 +120,6 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
         )
     else:
         assert meta["tcp_hashed_send_window"] is None
-    # a quick run's puts are below RK_TCP_HELPER_MIN_BYTES: hashed inline
-    assert meta["tcp_hash_helper_sends"] == 0
     assert json.loads((out / "q.json").read_text()) == res
     for what in ("throughput", "latency", "concurrency"):
         assert (out / f"q_{what}.png").stat().st_size > 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import select
 import signal
 import socket
 import threading
@@ -458,15 +457,12 @@ def _hashed_send(sock: socket.socket, peer: socket.socket, nbytes: int) -> None:
 
 @pytest.fixture
 def measuring() -> Iterator[None]:
-    """No hashed-send window chosen: the next hashed sends measure (and again
-    after). They hash inline: a send the helper hashes measures no window."""
+    """No hashed-send window chosen: the next hashed sends measure (and again after)."""
     tcp.set_hashed_send_window(0)
-    tcp.set_hash_helper(False)
     try:
         yield
     finally:
         tcp.set_hashed_send_window(0)
-        tcp.set_hash_helper(None)
 
 
 @needs_checksums
@@ -551,214 +547,3 @@ def test_describe_names_the_fix_for_a_baseline_xxhash_build(
     assert "pip install" not in checksum.describe()
     monkeypatch.setattr(checksum, "HASHER", None)
     assert "in Python" in checksum.describe()
-
-
-HELPER_MIN = 8 << 20  # RK_TCP_HELPER_MIN_BYTES, checked below
-
-
-def _put_like_list(
-    seed: int,
-) -> tuple[list[list[npt.NDArray[np.uint8]]], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """Values in three groups, each followed by a checksum row pointing at
-    their entries of ``hashes``, as a put's PUT/COMMIT pairs: over
-    RK_TCP_HELPER_MIN_BYTES of values, 16 KiB ones and odd ones (one longer
-    than a window), so the helper takes part. (groups, iov, hashes)"""
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 256, 16384 * 64, dtype=np.uint8)
-    groups = [
-        [base[(i % 64) * 16384 : (i % 64 + 1) * 16384] for i in range(300)],
-        [rng.integers(0, 256, n, dtype=np.uint8)
-         for n in (1, 70_001, tcp._lib.RK_TCP_WINDOW + 17, 0, 5000)],
-        [base[(i % 64) * 16384 : (i % 64 + 1) * 16384] for i in range(260)],
-    ]
-    hashes = np.zeros(sum(len(g) + 1 for g in groups), np.uint64)
-    at, out, r = hashes.ctypes.data, [], 0
-    for vs in groups:
-        out += [[v.ctypes.data, v.nbytes] for v in vs]
-        out.append([at + 8 * r, 8 * len(vs)])
-        r += len(vs) + 1
-    return groups, np.array(out, dtype=np.uint64), hashes
-
-
-def _check_put_like(
-    groups: list[list[npt.NDArray[np.uint8]]], hashes: npt.NDArray[np.uint64], wire: bytes
-) -> None:
-    """Every value arrived in order, each checksum row holds its values'
-    checksums, and so do their entries of ``hashes``."""
-    pos = r = 0
-    for vs in groups:
-        want = [value_checksum(v.tobytes()) for v in vs]
-        for v in vs:
-            assert wire[pos : pos + v.nbytes] == v.tobytes()
-            pos += v.nbytes
-        assert np.frombuffer(wire[pos : pos + 8 * len(vs)], dtype="<u8").tolist() == want
-        assert hashes[r : r + len(vs)].tolist() == want
-        pos += 8 * len(vs)
-        r += len(vs) + 1
-    assert pos == len(wire)
-
-
-@pytest.fixture
-def helper_mode(request: pytest.FixtureRequest) -> Iterator[int]:
-    """The hash helper's mode for the test (rk_tcp_set_hash_helper); the
-    default rules after it."""
-    mode = int(request.param)
-    assert tcp._lib.rk_tcp_set_hash_helper(mode) == 0
-    try:
-        yield mode
-    finally:
-        tcp.set_hash_helper(None)
-
-
-def test_the_helper_threshold_is_the_headers() -> None:
-    assert tcp._lib.RK_TCP_HELPER_MIN_BYTES == HELPER_MIN
-
-
-@needs_checksums
-@pytest.mark.parametrize("helper_mode", [1, 2], ids=["helped", "declined"], indirect=True)
-def test_a_send_the_helper_hashes_gives_the_same_checksums_and_rows(
-    pair: tuple[socket.socket, socket.socket], helper_mode: int
-) -> None:
-    """A put-sized send whose ranges a helper thread hashes while it sends
-    (and, "declined", one where the helper stops after its first range and
-    the sender hashes the rest inline): every checksum row goes out holding
-    its values' checksums, and every value's entry is right."""
-    a, b = pair
-    a.settimeout(10)
-    b.settimeout(10)
-    groups, iov, hashes = _put_like_list(17)
-    assert sum(v.nbytes for vs in groups for v in vs) >= HELPER_MIN
-    total = int(iov[:, 1].sum())
-    into = np.zeros(total, np.uint8)
-    sends = tcp.hash_helper_sends()
-    declines = tcp._lib.rk_tcp_hash_helper_declines()
-    receiver = threading.Thread(target=tcp.recv_iov, args=(b, table([into])))
-    receiver.start()
-    tcp.send_iov(a, iov, hashes)
-    receiver.join()
-    _check_put_like(groups, hashes, into.tobytes())
-    assert tcp.hash_helper_sends() == sends + 1
-    assert tcp._lib.rk_tcp_hash_helper_declines() == declines + (helper_mode == 2)
-
-
-@needs_checksums
-@pytest.mark.parametrize("helper_mode", [1, 2], ids=["helped", "declined"], indirect=True)
-def test_a_helped_send_that_times_out_resumes_with_every_checksum_right(
-    pair: tuple[socket.socket, socket.socket], helper_mode: int
-) -> None:
-    """The native call itself: a helped send whose peer reads nothing times
-    out with ``hashed`` a prefix of ranges whose entries are final (the
-    helper has left them); called again from where it stopped once the peer
-    reads, it finishes, and the rows hold every checksum."""
-    a, b = pair
-    a.setblocking(False)
-    groups, iov, hashes = _put_like_list(19)
-    lib, ffi = tcp._lib, tcp._ffi
-    done, err, hashed = ffi.new("uint64_t *"), ffi.new("int *"), ffi.new("uint64_t *")
-    ptr = ffi.cast("const uint64_t *", ffi.from_buffer(iov))
-    out = ffi.cast("uint64_t *", ffi.from_buffer(hashes, require_writable=True))
-    n = len(iov)
-    rc = lib.rk_tcp_sendv_hashed(a.fileno(), ptr, n, 0, 200, checksum.HASHER, out, hashed,
-                                 done, err)
-    assert rc == lib.RK_TCP_TIMEOUT
-    assert 0 < done[0] < int(iov[:, 1].sum())
-    k = int(hashed[0])
-    assert k <= n
-    for j in range(k):  # a prefix of final entries (rows included)
-        addr, ln = (int(x) for x in iov[j])
-        assert int(hashes[j]) == value_checksum(ffi.buffer(ffi.cast("char *", addr), ln)[:])
-    into = np.zeros(int(iov[:, 1].sum()), np.uint8)
-    b.settimeout(10)
-    receiver = threading.Thread(target=tcp.recv_iov, args=(b, table([into])))
-    receiver.start()
-    rc = lib.rk_tcp_sendv_hashed(a.fileno(), ptr, n, done[0], 10_000, checksum.HASHER, out,
-                                 hashed, done, err)
-    receiver.join()
-    assert rc == lib.RK_TCP_OK and hashed[0] == n
-    _check_put_like(groups, hashes, into.tobytes())
-
-
-def _helped_send_ok() -> bool:
-    """One put-sized hashed send over a fresh socket pair; whether every
-    checksum came out right."""
-    a, b = socket.socketpair()
-    with a, b:
-        a.settimeout(10)
-        b.settimeout(10)
-        groups, iov, hashes = _put_like_list(23)
-        into = np.zeros(int(iov[:, 1].sum()), np.uint8)
-        receiver = threading.Thread(target=tcp.recv_iov, args=(b, table([into])))
-        receiver.start()
-        tcp.send_iov(a, iov, hashes)
-        receiver.join()
-        try:
-            _check_put_like(groups, hashes, into.tobytes())
-        except AssertionError:
-            return False
-        return True
-
-
-@needs_checksums
-@pytest.mark.parametrize("helper_mode", [1], ids=["helped"], indirect=True)
-def test_a_forked_child_gets_a_helper_of_its_own(helper_mode: int) -> None:
-    """The helper thread does not survive fork(): a child's helped sends
-    start their own instead of waiting on one that is not there."""
-    assert _helped_send_ok()  # the parent's helper runs
-    before = tcp.hash_helper_sends()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit status
-        code = 1
-        try:
-            ok = _helped_send_ok()
-            code = 0 if ok and tcp.hash_helper_sends() == before + 1 else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-
-
-@pytest.fixture
-def two_cpus() -> Iterator[None]:
-    """The process on two of its CPUs for the test (skipped with fewer)."""
-    cpus = os.sched_getaffinity(0)
-    if len(cpus) < 2:
-        pytest.skip("one usable CPU")
-    os.sched_setaffinity(0, sorted(cpus)[:2])
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, cpus)
-
-
-@needs_checksums
-def test_by_default_the_helper_takes_only_a_cpu_no_hashed_send_is_using(
-    pair: tuple[socket.socket, socket.socket], two_cpus: None
-) -> None:
-    """On two CPUs a put-sized send alone is helped; one made while another
-    hashed send is in flight is not (the two senders use both CPUs), and
-    its checksums are right either way. On one CPU nothing is helped."""
-    tcp.set_hash_helper(None)
-    before = tcp.hash_helper_sends()
-    assert _helped_send_ok()
-    assert tcp.hash_helper_sends() == before + 1
-    # a hashed send in flight: its peer reads nothing until the second is done
-    a, b = pair
-    a.settimeout(10)
-    b.settimeout(10)
-    stuck = np.zeros(1 << 20, np.uint8)  # too few bytes to be helped itself
-    first = threading.Thread(target=tcp.send_iov,
-                             args=(a, table([stuck]), np.zeros(1, np.uint64)))
-    first.start()
-    try:
-        # its first bytes are here: it is sending, and more than the pair's
-        # buffers hold, so it stays in flight until we read
-        assert select.select([b], [], [], 10)[0]
-        assert _helped_send_ok()
-        assert tcp.hash_helper_sends() == before + 1
-    finally:
-        into = np.zeros(stuck.nbytes, np.uint8)
-        tcp.recv_iov(b, table([into]))
-        first.join()
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
-    assert _helped_send_ok()
-    assert tcp.hash_helper_sends() == before + 1

@@ -68,7 +68,7 @@ from rdmakv.bench.drivers import (
 )
 from rdmakv.bench.placement import Placement, placements
 from rdmakv.bench.provenance import provenance
-from rdmakv.transport.tcp import hash_helper_sends, hashed_send_window
+from rdmakv.transport.tcp import hashed_send_window
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -773,7 +773,6 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
     fatal: list[str] = []
     latency: dict[str, Any] = {}
     concurrency: dict[str, Any] = {}
-    helped_before = hash_helper_sends()
     try:
         section: dict[str, dict[str, dict[str, Any]]] = {}
         for size in sizes:
@@ -822,8 +821,6 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
     }
     if cfg.transport == "tcp":  # what this process's puts measured and kept (rk_tcp.h)
         result["meta"]["tcp_hashed_send_window"] = hashed_send_window()
-        # how many of this run's sends a helper thread hashed (puts of 8 MiB or more)
-        result["meta"]["tcp_hash_helper_sends"] = hash_helper_sends() - helped_before
     # rdmakv never skips; nor does the socket loop where it applies (TCP runs).
     never_skip = FATAL if cfg.transport == "tcp" else FATAL - {CEILING}
     for size_key, per in section.items():

@@ -40,11 +40,7 @@ has left it in the CPU cache: the writer's checksums for COMMIT and the
 reader's verification come from that pass instead of one more read of every
 block from memory. A send that hashes moves 128 KiB or 512 KiB per call,
 whichever the process measured to cost its thread less on this CPU
-(:func:`hashed_send_window`). A send with 8 MiB or more of values to hash
-(a put of 512 x 16 KiB blocks or more) is hashed by a helper thread of the
-native core instead, while this thread sends, when a CPU of the process is
-left for it (:func:`set_hash_helper`, rk_tcp.h): the hash was the sending
-thread's largest cost after the kernel's.
+(:func:`hashed_send_window`).
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
 raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
 mid-transfer raises ``ConnectionLost``). Without the native module, or with
@@ -199,22 +195,6 @@ def set_hashed_send_window(nbytes: int) -> None:
         raise ConfigError(
             f"hashed send window must be 0 to {_lib.RK_TCP_WINDOW} bytes, got {nbytes}"
         )
-
-
-def set_hash_helper(enabled: bool | None) -> None:
-    """Whether large hashed sends hand their hashing to the native core's
-    helper thread (rk_tcp.h): None while the hashed sends in flight leave it
-    a CPU of the process's own (the default), True whenever it is idle,
-    False never (both: tests, and A/B runs)."""
-    if _lib is None:
-        raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
-    _lib.rk_tcp_set_hash_helper(-1 if enabled is None else int(enabled))
-
-
-def hash_helper_sends() -> int:
-    """How many sends the helper thread has hashed for in this process (0
-    without the native loop)."""
-    return 0 if _lib is None else int(_lib.rk_tcp_hash_helper_sends())
 
 
 def _timeout_ms(sock: socket.socket) -> int:
