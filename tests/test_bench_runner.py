@@ -61,10 +61,11 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
             fig = per[name]
             assert set(fig) == {
                 "put_gbps", "get_gbps", "put_gbps_median", "get_gbps_median", "repeats",
-                "fresh_connections", "warm_up", "bytes_verified",
+                "fresh_connections", "warm_up", "warm_up_rounds", "bytes_verified",
             }, (size, name, fig)
             assert fig["fresh_connections"] is True  # both reconnect between repeats
             assert fig["warm_up"] is True  # the default: timed transfers on warm connections
+            assert fig["warm_up_rounds"] == 1  # quick: one round, the drivers checked
             assert fig["bytes_verified"] == runner.QUICK_BLOCKS * int(size)
             assert fig["put_gbps"] > 0 and fig["get_gbps"] > 0
             # best of the repeats, the median beside it
@@ -321,16 +322,27 @@ def test_each_timed_repeat_follows_a_warm_up_of_the_whole_batch_under_other_keys
     repeats = fig["repeats"]  # the loop's minimum applies
     assert all(n == 8 for _, _, n in calls)  # every transfer moves the whole batch
     ops = [op for op, _, _ in calls]
-    assert ops == ["put", "get"] * (2 if warm_up else 1) * repeats
+    rounds = runner.warm_up_rounds(8 * 16384, quick=False) if warm_up else 0
+    assert fig["warm_up_rounds"] == rounds == (runner.WARM_UP_MAX_ROUNDS if warm_up else 0)
+    assert ops == ["put", "get"] * (rounds + 1) * repeats
     step = len(calls) // repeats
     per_repeat = [calls[i : i + step] for i in range(0, len(calls), step)]
     timed = [(r[-2][1], r[-1][1]) for r in per_repeat]
     assert all(p == g for p, g in timed)  # a get reads back what its put stored
     assert len({p for p, _ in timed}) == repeats  # each repeat its own keys
     if warm_up:
-        warm = [(r[0][1], r[1][1]) for r in per_repeat]
+        warm = [(r[i][1], r[i + 1][1]) for r in per_repeat for i in range(0, 2 * rounds, 2)]
         assert all(p == g for p, g in warm)
         assert not {p for p, _ in warm} & {p for p, _ in timed}  # never the timed keys
+
+
+def test_warm_up_rounds_move_a_gibibyte_each_way_in_one_to_sixteen_rounds() -> None:
+    mib = 1 << 20
+    assert runner.warm_up_rounds(16 * mib, quick=False) == 16  # 64 rounds of 16 MiB: capped
+    assert runner.warm_up_rounds(256 * mib, quick=False) == 4
+    assert runner.warm_up_rounds(300 * mib, quick=False) == 4  # rounded up: 1.17 GiB
+    assert runner.warm_up_rounds(2048 * mib, quick=False) == 1
+    assert runner.warm_up_rounds(256 * mib, quick=True) == 1  # a quick run checks drivers
 
 
 def test_unavailable_peer_is_recorded_not_fatal() -> None:

@@ -7,8 +7,9 @@ every block into it, and compares every byte with the source. Systems are
 interleaved repeat by repeat (load on a shared machine drifts over seconds),
 every system as many times as any driver asks (``min_repeats``), each repeat
 on fresh connections where the driver can reconnect (``fresh_connections``),
-and each repeat's timed put and get preceded by an untimed one of the same
-batch under other keys (``warm_up``; ``--no-warm-up`` times the first
+and each repeat's timed put and get preceded by untimed ones of the same
+batch under other keys (``warm_up``, ``warm_up_rounds``: 16 rounds at 16
+and 64 KiB, 4 at 256 KiB and 1 MiB; ``--no-warm-up`` times the first
 transfer on each connection instead). Each figure is the best of the
 repeats, and its median beside it. Then:
 
@@ -22,7 +23,8 @@ Output (also written to ``<out>/<name>.json``, with PNG plots)::
 
     {"tcp": {"<block bytes>": {"<system>": {"put_gbps", "get_gbps", "bytes_verified",
                                             "put_gbps_median", "get_gbps_median", "repeats",
-                                            "fresh_connections", "warm_up"}
+                                            "fresh_connections", "warm_up",
+                                            "warm_up_rounds"}
                                           | {"error": "why"}}},
      "latency": {...}, "concurrency": {...}, "ratios": {...}, "meta": {...}}
 
@@ -78,6 +80,10 @@ QUICK_SIZES = (16 * KiB, 256 * KiB)
 MAX_BLOCKS = 1000
 MAX_BYTES = 256 * MiB
 QUICK_BLOCKS = 64
+WARM_UP_BYTES = 1 << 30
+WARM_UP_MAX_ROUNDS = 16
+"""Untimed put + get rounds before each timed repeat (:func:`warm_up_rounds`):
+enough to move WARM_UP_BYTES each way, at least one, at most WARM_UP_MAX_ROUNDS."""
 DEFAULT_REPEATS = 3
 LATENCY_BLOCK = 64 * KiB
 LATENCY_KEYS = (1, 16, 64)
@@ -118,7 +124,7 @@ class BenchConfig:
     latency: bool = True
     concurrency: bool = True
     warm_up: bool = True
-    """An untimed put and get of the whole batch before each timed one (:func:`_warm_up`)."""
+    """Untimed puts and gets of the whole batch before each timed one (:func:`_warm_up`)."""
     conc_procs: Sequence[int] | None = None
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -228,7 +234,9 @@ class _Run:
     fresh: bool = False
     """True when each repeat ran on connections of its own (the driver reconnects)."""
     warm: bool = False
-    """True when each timed transfer followed an untimed one on the same connections."""
+    """True when each timed transfer followed untimed ones on the same connections."""
+    warm_rounds: int = 0
+    """How many untimed put + get rounds came before each timed one."""
 
 
 def bench_size(
@@ -263,7 +271,7 @@ def bench_size(
                     if rep:
                         _fresh_connections(run)
                     if cfg.warm_up:
-                        _warm_up(run, run.drv, work, rep)
+                        _warm_up(run, run.drv, work, rep, warm_up_rounds(nbytes, cfg.quick))
                     _one_repeat(run, run.drv, work, src, dst, rep)
                 except Exception as e:
                     run.result = _err(e)
@@ -283,6 +291,7 @@ def bench_size(
                 "repeats": len(run.puts),
                 "fresh_connections": run.fresh,
                 "warm_up": run.warm,
+                "warm_up_rounds": run.warm_rounds,
                 "bytes_verified": nbytes if run.verifies else 0,
             }
         out[run.name] = run.result
@@ -301,23 +310,40 @@ def _fresh_connections(run: _Run) -> None:
         run.fresh = True
 
 
-def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int) -> None:
-    """One untimed put and get of the whole batch, under keys of its own, then
-    those keys discarded. A new TCP connection starts with small socket
-    buffers and a small congestion window that the kernel grows as data flows,
-    so its first transfer is slower than the ones after it (on the 2-core host,
-    16 KiB: the socket loop's first put 39% slower, rdmakv's 26%, bench/README),
-    while an engine's connections move KV all day. The warm-up goes through
-    the driver's own put and get (into the destination arena, which the timed
-    get overwrites after zeroing it). A driver that stores nothing (perftest,
-    a process per measurement) has nothing to warm."""
+def warm_up_rounds(nbytes: int, quick: bool) -> int:
+    """Untimed put + get rounds of an ``nbytes`` batch before each timed one:
+    one in a quick run (it checks the drivers, not speed); else enough to
+    move WARM_UP_BYTES each way, between 1 and WARM_UP_MAX_ROUNDS (16 at
+    16 and 64 KiB, 4 at 256 KiB and 1 MiB)."""
+    if quick:
+        return 1
+    return max(1, min(WARM_UP_MAX_ROUNDS, -(-WARM_UP_BYTES // max(1, nbytes))))
+
+
+def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int, rounds: int) -> None:
+    """``rounds`` untimed puts and gets of the whole batch, under keys of their
+    own, deleted after each. A new TCP connection starts with small socket
+    buffers and a small congestion window that the kernel grows as data flows
+    (BBR's bandwidth estimate, on the bench host), so its first transfers are
+    slower than later ones, while an engine's connections move KV all day.
+    On the 2-core host (medians by a connection's transfer count, 1000
+    blocks, bench/README): at 16 KiB the socket loop's put ran at 3.60 GB/s on
+    its second transfer and 5.3-5.5 from its fifth, its get at 4.21 and
+    5.7-5.9, rdmakv's put at 4.24 and 4.6-4.65; at 64 KiB rdmakv's put at 4.93
+    on its second and 6.0-6.6 from its tenth. One round, as before, timed a
+    point on that ramp, where the systems stand in another order than warm. The warm-up goes through the
+    driver's own put and get (into the destination arena, which the timed get
+    overwrites after zeroing it). A driver that stores nothing (perftest, a
+    process per measurement) has nothing to warm."""
     if not bool(getattr(drv, "moves_keys", True)):
         return
     keys = work.keys(f"w{run.name[:6]}{rep}")
-    drv.put(keys)
-    drv.get(keys)
-    _discard(drv, keys)
+    for _ in range(rounds):
+        drv.put(keys)
+        drv.get(keys)
+        _discard(drv, keys)
     run.warm = True
+    run.warm_rounds = rounds
 
 
 def _one_repeat(run: _Run, drv: Driver, work: Workload, src: Arena, dst: Arena, rep: int) -> None:
