@@ -336,13 +336,14 @@ def test_each_timed_repeat_follows_a_warm_up_of_the_whole_batch_under_other_keys
         assert not {p for p, _ in warm} & {p for p, _ in timed}  # never the timed keys
 
 
-def test_warm_up_rounds_move_a_gibibyte_each_way_in_one_to_sixteen_rounds() -> None:
+def test_tcp_warm_up_rounds_move_a_gibibyte_each_way_in_one_to_sixteen_rounds() -> None:
     mib = 1 << 20
     assert runner.warm_up_rounds(16 * mib, quick=False) == 16  # 64 rounds of 16 MiB: capped
     assert runner.warm_up_rounds(256 * mib, quick=False) == 4
     assert runner.warm_up_rounds(300 * mib, quick=False) == 4  # rounded up: 1.17 GiB
     assert runner.warm_up_rounds(2048 * mib, quick=False) == 1
     assert runner.warm_up_rounds(256 * mib, quick=True) == 1  # a quick run checks drivers
+    assert runner.warm_up_rounds(16 * mib, quick=False, transport="rdma") == 1  # no window
 
 
 def test_unavailable_peer_is_recorded_not_fatal() -> None:
