@@ -104,6 +104,8 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
         assert "get_1" in part["systems"]["socket_loop"]
         assert "exists_64_p99_vs_round_trip_p99" in res["ratios"]["latency"][name]
         assert "exists_64_p99_vs_paired_round_trip_p99" in res["ratios"]["latency"][name]
+    # each client's connections warmed first (one round in a quick run)
+    assert res["concurrency"]["warm_up_rounds_per_client"] == 1
     conc = res["concurrency"]["systems"]
     assert set(conc) == {"rdmakv"}  # the socket loop is not a server clients share
     for n in ("1", "2"):

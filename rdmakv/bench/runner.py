@@ -562,10 +562,13 @@ def _conc_worker(
     server: str,
     idx: int,
     rounds: int,
+    warm_rounds: int,
     barrier: Any,
     results: Any,
 ) -> None:
-    """One client process: its own driver on the shared server, its own blocks."""
+    """One client process: its own driver on the shared server, its own blocks,
+    its connections warmed (``warm_rounds`` untimed puts and gets, as in the
+    throughput section) before the clients start together."""
     drv: Driver | None = None
     try:
         work = Workload(block_bytes=CONC_BLOCK, blocks=CONC_BATCH, batch=CONC_BATCH)
@@ -573,6 +576,11 @@ def _conc_worker(
         fill_random(src, seed=1000 + idx)
         drv = make_driver(name, transport, server=server)
         drv.open(work, src, dst)
+        warm = work.keys(f"c{idx}w")
+        for _ in range(warm_rounds):
+            drv.put(warm)
+            drv.get(warm)
+            _discard(drv, warm)
     except Exception as e:
         barrier.abort()
         results.put((idx, _err(e)))
@@ -616,6 +624,8 @@ def _conc_worker(
 
 def concurrency_one(name: str, cfg: BenchConfig, procs: Sequence[int]) -> dict[str, Any]:
     rounds = QUICK_CONC_ROUNDS if cfg.quick else CONC_ROUNDS
+    warm = (warm_up_rounds(CONC_BLOCK * CONC_BATCH, cfg.quick, cfg.transport)
+            if cfg.warm_up else 0)
     total_blocks = max(procs) * rounds * CONC_BATCH
     work = Workload(block_bytes=CONC_BLOCK, blocks=total_blocks, batch=CONC_BATCH)
     owner: Driver | None = None
@@ -630,7 +640,7 @@ def concurrency_one(name: str, cfg: BenchConfig, procs: Sequence[int]) -> dict[s
             raise PeerUnavailable(f"{name}: its driver cannot share a server (no .server)")
         out: dict[str, Any] = {}
         for n in procs:
-            out[str(n)] = _conc_run(name, cfg.transport, server, n, rounds)
+            out[str(n)] = _conc_run(name, cfg.transport, server, n, rounds, warm)
             if "error" in out[str(n)]:
                 break
         return out
@@ -640,14 +650,16 @@ def concurrency_one(name: str, cfg: BenchConfig, procs: Sequence[int]) -> dict[s
         _close(owner)
 
 
-def _conc_run(name: str, transport: str, server: str, n: int, rounds: int) -> dict[str, Any]:
+def _conc_run(
+    name: str, transport: str, server: str, n: int, rounds: int, warm_rounds: int
+) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(n)
     results = ctx.Queue()
     workers = [
         ctx.Process(
             target=_conc_worker,
-            args=(name, transport, server, i, rounds, barrier, results),
+            args=(name, transport, server, i, rounds, warm_rounds, barrier, results),
             daemon=True,
         )
         for i in range(n)
@@ -825,6 +837,9 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
                 "block_bytes": CONC_BLOCK,
                 "blocks_per_batch": CONC_BATCH,
                 "rounds_per_client": QUICK_CONC_ROUNDS if cfg.quick else CONC_ROUNDS,
+                "warm_up_rounds_per_client": (
+                    warm_up_rounds(CONC_BLOCK * CONC_BATCH, cfg.quick, cfg.transport)
+                    if cfg.warm_up else 0),
                 "transport": cfg.transport,
                 "systems": {},
             }
