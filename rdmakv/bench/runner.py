@@ -325,9 +325,9 @@ def warm_up_rounds(nbytes: int, quick: bool, transport: str = "tcp") -> int:
 def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int, rounds: int) -> None:
     """``rounds`` untimed puts and gets of the whole batch, under keys of their
     own, deleted after each. A new TCP connection starts with small socket
-    buffers and a small congestion window that the kernel grows as data flows
-    (BBR's bandwidth estimate, on the bench host), so its first transfers are
-    slower than later ones, while an engine's connections move KV all day.
+    buffers and a small congestion window that the kernel grows as data flows,
+    so its first transfers are slower than later ones, while an engine's
+    connections move KV all day.
     On the 2-core host (medians by a connection's transfer count, 1000
     blocks, bench/README): at 16 KiB the socket loop's put ran at 3.60 GB/s on
     its second transfer and 5.3-5.5 from its fifth, its get at 4.21 and
