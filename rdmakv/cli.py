@@ -642,8 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-warm-up", action="store_true",
         help="time each repeat's first transfer on its new connections (default: "
-        "untimed puts and gets of the same batch first, up to 1 GiB each way in at most "
-        "16 rounds, as an engine's connections are warm)",
+        "untimed puts and gets of the same batch first: over TCP up to 1 GiB each way in "
+        "at most 16 rounds, over RDMA one round; as an engine's connections are warm)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)

@@ -622,10 +622,14 @@ def _conc_worker(
         _close(drv)
 
 
+def _conc_warm_up_rounds(cfg: BenchConfig) -> int:
+    """Untimed rounds of each concurrency client's batch before they start together."""
+    return warm_up_rounds(CONC_BLOCK * CONC_BATCH, cfg.quick, cfg.transport) if cfg.warm_up else 0
+
+
 def concurrency_one(name: str, cfg: BenchConfig, procs: Sequence[int]) -> dict[str, Any]:
     rounds = QUICK_CONC_ROUNDS if cfg.quick else CONC_ROUNDS
-    warm = (warm_up_rounds(CONC_BLOCK * CONC_BATCH, cfg.quick, cfg.transport)
-            if cfg.warm_up else 0)
+    warm = _conc_warm_up_rounds(cfg)
     total_blocks = max(procs) * rounds * CONC_BATCH
     work = Workload(block_bytes=CONC_BLOCK, blocks=total_blocks, batch=CONC_BATCH)
     owner: Driver | None = None
@@ -837,9 +841,7 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
                 "block_bytes": CONC_BLOCK,
                 "blocks_per_batch": CONC_BATCH,
                 "rounds_per_client": QUICK_CONC_ROUNDS if cfg.quick else CONC_ROUNDS,
-                "warm_up_rounds_per_client": (
-                    warm_up_rounds(CONC_BLOCK * CONC_BATCH, cfg.quick, cfg.transport)
-                    if cfg.warm_up else 0),
+                "warm_up_rounds_per_client": _conc_warm_up_rounds(cfg),
                 "transport": cfg.transport,
                 "systems": {},
             }
