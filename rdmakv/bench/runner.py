@@ -328,12 +328,12 @@ def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int, rounds: int) -> N
     buffers and a small congestion window that the kernel grows as data flows,
     so its first transfers are slower than later ones, while an engine's
     connections move KV all day.
-    On the 2-core host (medians by a connection's transfer count, 1000
-    blocks, bench/README): at 16 KiB the socket loop's put ran at 3.60 GB/s on
-    its second transfer and 5.3-5.5 from its fifth, its get at 4.21 and
-    5.7-5.9, rdmakv's put at 4.24 and 4.6-4.65; at 64 KiB rdmakv's put at 4.93
-    on its second and 6.0-6.6 from its tenth. One round, as before, timed a
-    point on that ramp, where the systems stand in another order than warm.
+    On the 2-core host (``bench/connection_ramp.py``: medians by a transfer's
+    position on a new connection, 1000 x 16 KiB; its table in bench/README)
+    the socket loop's put ran at 3.60 GB/s on its second transfer and
+    5.3-5.4 from its fifth, rdmakv's at 3.68 and 4.4-4.5. One round, as
+    before, timed a point on that ramp, where the systems stand in another
+    order than warm.
     The warm-up goes through the driver's own put and get (into the
     destination arena, which the timed get overwrites after zeroing it). A
     driver that stores nothing (perftest, a process per measurement) has
