@@ -104,6 +104,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     sizes = list(result["sizes"])
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
@@ -116,6 +117,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(x, fig_["get_gbps_median"], marker="x", ms=3, ls="--", label=f"{name} get")
         ax.set_title(f"{int(size) // 1024} KiB blocks", fontsize=9)
         ax.set_xlabel("transfer on a new connection")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("GB/s (median over connections)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
