@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import resource
 import sys
 import time
@@ -43,7 +42,7 @@ import numpy as np
 from rdmakv.bench.driver import Driver, Workload
 from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
 from rdmakv.bench.drivers.socket_loop import SocketLoopDriver
-from rdmakv.bench.provenance import provenance
+from rdmakv.bench.provenance import provenance, publish
 from rdmakv.bench.runner import arena, fill_random, wrong_bytes
 from rdmakv.transport import tcp
 
@@ -215,13 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         print(f"checksum_cost: {size // 1024} KiB blocks...", file=sys.stderr, flush=True)
         result["sizes"][str(size)] = measure(size, args.rounds)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "checksum_cost.json").write_text(text + "\n")
-        with contextlib.suppress(ImportError):
-            _plot(result, args.out / "checksum_cost.png")
+    publish(result, args.out, "checksum_cost", _plot)
 
 
 if __name__ == "__main__":

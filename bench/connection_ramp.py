@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import numpy as np
 
 from rdmakv.bench.driver import Driver, Workload
 from rdmakv.bench.drivers import make_driver
-from rdmakv.bench.provenance import provenance
+from rdmakv.bench.provenance import provenance, publish
 from rdmakv.bench.runner import arena, fill_random, wrong_bytes
 
 DEFAULT_SYSTEMS = ("rdmakv", "socket_loop")
@@ -161,13 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             per[name] = _one_system(name, size, blocks, args.connections, args.transfers)
         result["sizes"][str(size)] = per
         result["meta"].setdefault("blocks", {})[str(size)] = blocks
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "connection_ramp.json").write_text(text + "\n")
-        with contextlib.suppress(ImportError):
-            _plot(result, args.out / "connection_ramp.png")
+    publish(result, args.out, "connection_ramp", _plot)
 
 
 if __name__ == "__main__":

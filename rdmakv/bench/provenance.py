@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +58,19 @@ def provenance() -> dict[str, Any]:
         "commit": commit(),
         "python": platform.python_version(),
     }
+
+
+def publish(
+    result: dict[str, Any], out: Path | None, name: str,
+    plot: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """A bench script's output: ``result`` as one JSON object on stdout and,
+    with ``out``, ``out/<name>.json`` and the plot ``out/<name>.png`` (none
+    where matplotlib is not installed)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(text + "\n")
+        with contextlib.suppress(ImportError):
+            plot(result, out / f"{name}.png")

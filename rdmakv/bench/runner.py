@@ -340,13 +340,17 @@ def _warm_up(run: _Run, drv: Driver, work: Workload, rep: int, rounds: int) -> N
     nothing to warm."""
     if not bool(getattr(drv, "moves_keys", True)):
         return
-    keys = work.keys(f"w{run.name[:6]}{rep}")
+    _put_get_rounds(drv, work.keys(f"w{run.name[:6]}{rep}"), rounds)
+    run.warm = True
+    run.warm_rounds = rounds
+
+
+def _put_get_rounds(drv: Driver, keys: Sequence[bytes], rounds: int) -> None:
+    """``rounds`` untimed puts and gets of ``keys``, deleted after each (a warm-up)."""
     for _ in range(rounds):
         drv.put(keys)
         drv.get(keys)
         _discard(drv, keys)
-    run.warm = True
-    run.warm_rounds = rounds
 
 
 def _one_repeat(run: _Run, drv: Driver, work: Workload, src: Arena, dst: Arena, rep: int) -> None:
@@ -576,11 +580,7 @@ def _conc_worker(
         fill_random(src, seed=1000 + idx)
         drv = make_driver(name, transport, server=server)
         drv.open(work, src, dst)
-        warm = work.keys(f"c{idx}w")
-        for _ in range(warm_rounds):
-            drv.put(warm)
-            drv.get(warm)
-            _discard(drv, warm)
+        _put_get_rounds(drv, work.keys(f"c{idx}w"), warm_rounds)
     except Exception as e:
         barrier.abort()
         results.put((idx, _err(e)))
