@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +40,63 @@ static int wait_fd(int fd, short events, int timeout_ms, int64_t deadline, int *
     if (errno == EINTR) return RK_TCP_EINTR;
     *err = errno;
     return RK_TCP_ERRNO;
+}
+
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* Receive spinning (see rk_tcp.h): the budget, the receives in flight, and
+ * how the waits ended. Shared by every thread; relaxed atomics, since each
+ * is a counter or a setting read on its own. */
+static int64_t recv_spin_us = RK_TCP_RECV_SPIN_US;
+static int64_t receiving;
+static uint64_t waits_spun, waits_slept;
+
+int rk_tcp_set_recv_spin_us(int64_t us) {
+    if (us < 0 || us > RK_TCP_RECV_SPIN_MAX_US) return -1;
+    __atomic_store_n(&recv_spin_us, us, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int64_t rk_tcp_recv_spin_us(void) { return __atomic_load_n(&recv_spin_us, __ATOMIC_RELAXED); }
+
+void rk_tcp_recv_wait_counts(uint64_t *spun, uint64_t *slept) {
+    *spun = __atomic_load_n(&waits_spun, __ATOMIC_RELAXED);
+    *slept = __atomic_load_n(&waits_slept, __ATOMIC_RELAXED);
+}
+
+int64_t rk_tcp_receives_in_flight(void) { return __atomic_load_n(&receiving, __ATOMIC_RELAXED); }
+
+/* Whether a receive may spin now: fewer receives in flight (this one among
+ * them) than CPUs the calling thread may run on. */
+static int may_spin(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+    return __atomic_load_n(&receiving, __ATOMIC_RELAXED) < CPU_COUNT(&set);
+}
+
+/* A receive's wait for more bytes: spin first when allowed (rk_tcp.h), then
+ * sleep as wait_fd does. */
+static int recv_wait(int fd, int timeout_ms, int64_t deadline, int *err) {
+    int64_t budget = rk_tcp_recv_spin_us();
+    if (budget > 0 && may_spin()) {
+        int64_t stop = now_us() + budget;
+        if (timeout_ms >= 0 && stop > deadline * 1000) stop = deadline * 1000;
+        do {
+            struct pollfd p = {.fd = fd, .events = POLLIN, .revents = 0};
+            int r = poll(&p, 1, 0);
+            if (r > 0) {
+                __atomic_fetch_add(&waits_spun, 1, __ATOMIC_RELAXED);
+                return RK_TCP_OK;
+            }
+            if (r < 0) break; /* the sleeping wait reports it */
+        } while (now_us() < stop);
+    }
+    __atomic_fetch_add(&waits_slept, 1, __ATOMIC_RELAXED);
+    return wait_fd(fd, POLLIN, timeout_ms, deadline, err);
 }
 
 /* The hashed-send window (see rk_tcp.h). `chosen` is read without the lock:
@@ -238,8 +296,8 @@ void rk_tcp_hash_ranges(const rk_hasher *hasher, const uint64_t *iov, size_t n,
         hashes[i] = hasher->oneshot((const void *)(uintptr_t)iov[2 * i], (size_t)iov[2 * i + 1]);
 }
 
-static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
-               int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
+static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
+                       int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
     struct iovec win[RK_TCP_IOV_MAX];
     size_t i = 0;
     uint64_t off = skip, moved = skip, bytes;
@@ -332,12 +390,24 @@ static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip
             *err = errno;
             return RK_TCP_ERRNO;
         }
-        int w = wait_fd(fd, sending ? POLLOUT : POLLIN, timeout_ms, deadline, err);
+        int w = sending ? wait_fd(fd, POLLOUT, timeout_ms, deadline, err)
+                        : recv_wait(fd, timeout_ms, deadline, err);
         if (w != RK_TCP_OK) return w;
     }
 nomem:
     *err = ENOMEM;
     return RK_TCP_ERRNO;
+}
+
+/* run_loop; a receive is counted among those in flight while it runs
+ * (may_spin). */
+static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
+               int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
+    if (sending) return run_loop(fd, 1, iov, n, skip, timeout_ms, h, done, err);
+    __atomic_fetch_add(&receiving, 1, __ATOMIC_RELAXED);
+    int rc = run_loop(fd, 0, iov, n, skip, timeout_ms, h, done, err);
+    __atomic_fetch_sub(&receiving, 1, __ATOMIC_RELAXED);
+    return rc;
 }
 
 int rk_tcp_sendv(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,

@@ -575,8 +575,8 @@ log:
 * Unknown keys and unknown `RDMAKV_NODE_*` / `RDMAKV_CLIENT_*` /
   `RDMAKV_LOG_*` variables are errors that name the key and the allowed ones.
   Other `RDMAKV_*` variables (`RDMAKV_TCP_NATIVE`, `RDMAKV_INDEX_NATIVE`,
-  `RDMAKV_LOOP_NATIVE`, `RDMAKV_CALL_NATIVE`, `RDMAKV_REQUIRE_RDMA`, ...) are
-  not configuration.
+  `RDMAKV_LOOP_NATIVE`, `RDMAKV_CALL_NATIVE`, `RDMAKV_TCP_RECV_SPIN_US`,
+  `RDMAKV_REQUIRE_RDMA`, ...) are not configuration (docs/operations.md).
 * Sizes are bytes: an int, or a string with a unit: `256KiB`, `8GiB` (binary),
   `16k`, `2MB` (decimal).
 * `client` keys left unset keep each tool's own default: the defaults below are

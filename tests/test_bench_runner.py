@@ -123,6 +123,7 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
         )
     else:
         assert meta["tcp_hashed_send_window"] is None
+    assert meta["tcp_recv_spin_us"] == tcp.recv_spin_us()
     assert json.loads((out / "q.json").read_text()) == res
     for what in ("throughput", "latency", "concurrency"):
         assert (out / f"q_{what}.png").stat().st_size > 0

@@ -13,6 +13,8 @@ import os
 import platform
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -547,3 +549,132 @@ def test_describe_names_the_fix_for_a_baseline_xxhash_build(
     assert "pip install" not in checksum.describe()
     monkeypatch.setattr(checksum, "HASHER", None)
     assert "in Python" in checksum.describe()
+
+
+# Receive spinning (rk_tcp.h): a receive that runs dry mid-list polls for the
+# rest before it sleeps, while its process has fewer receives in flight than
+# CPUs.
+
+TWO_CPUS = len(os.sched_getaffinity(0)) >= 2
+
+
+@pytest.fixture
+def spin_us() -> Iterator[Callable[[int], None]]:
+    """Set the process's receive spin for one test; the default comes back after."""
+    before = tcp.recv_spin_us()
+    assert before is not None
+    yield tcp.set_recv_spin_us
+    tcp.set_recv_spin_us(before)
+
+
+def receive_in_gaps(
+    a: socket.socket, b: socket.socket, pieces: int = 5, pin_to_one_cpu: bool = False
+) -> tuple[bytes, bytes, tcp.RecvWaitCounts]:
+    """Receive ``pieces`` x 64 KiB that a thread sends with a ~1 ms pause before
+    each piece, so the receive runs dry mid-list each time: the bytes sent, the
+    bytes received and the change in the process's wait counts. ``pin_to_one_cpu``: the receiving
+    thread runs on one CPU only."""
+    b.settimeout(10)
+    rng = np.random.default_rng(7)
+    src = [rng.integers(0, 256, 65536, dtype=np.uint8) for _ in range(pieces)]
+    dst = [np.zeros(65536, np.uint8) for _ in range(pieces)]
+
+    def send() -> None:
+        for piece in src:
+            threading.Event().wait(0.001)
+            a.sendall(piece.tobytes())
+
+    def receive() -> None:
+        if pin_to_one_cpu:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
+        tcp.recv_iov(b, table(dst))
+
+    before = tcp.recv_wait_counts()
+    sender, receiver = threading.Thread(target=send), threading.Thread(target=receive)
+    receiver.start()
+    sender.start()
+    sender.join()
+    receiver.join()
+    after = tcp.recv_wait_counts()
+    sent, got = (b"".join(p.tobytes() for p in arrays) for arrays in (src, dst))
+    return sent, got, tcp.RecvWaitCounts(
+        after.spun - before.spun, after.slept - before.slept
+    )
+
+
+@pytest.mark.skipif(not TWO_CPUS, reason="a receive spins only with a CPU to spare")
+def test_a_receive_that_runs_dry_mid_list_spins_for_the_rest(
+    pair: tuple[socket.socket, socket.socket], spin_us: Callable[[int], None]
+) -> None:
+    a, b = pair
+    spin_us(tcp._lib.RK_TCP_RECV_SPIN_MAX_US)  # 10 ms: far longer than each pause
+    sent, got, waits = receive_in_gaps(a, b)
+    assert got == sent
+    assert waits.spun >= 1
+
+
+def test_a_receive_sleeps_at_once_with_spinning_off_or_one_cpu(
+    pair: tuple[socket.socket, socket.socket], spin_us: Callable[[int], None]
+) -> None:
+    a, b = pair
+    spin_us(0)
+    sent, got, waits = receive_in_gaps(a, b)
+    assert got == sent
+    assert waits.spun == 0 and waits.slept >= 1
+    # with a budget, but no CPU to spare: the one receive in flight is as
+    # many as the receiving thread's CPUs
+    spin_us(tcp._lib.RK_TCP_RECV_SPIN_MAX_US)
+    sent, got, waits = receive_in_gaps(a, b, pin_to_one_cpu=True)
+    assert got == sent
+    assert waits.spun == 0 and waits.slept >= 1
+
+
+def test_receives_in_flight_count_each_running_receive_and_drop_on_every_exit(
+    pair: tuple[socket.socket, socket.socket], spin_us: Callable[[int], None]
+) -> None:
+    a, b = pair
+    spin_us(tcp._lib.RK_TCP_RECV_SPIN_MAX_US)
+    b.settimeout(10)
+    assert tcp.receives_in_flight() == 0
+    buf = np.zeros(1000, np.uint8)
+    receiver = threading.Thread(target=tcp.recv_iov, args=(b, table([buf])))
+    receiver.start()
+    while tcp.receives_in_flight() != 1:  # waits in the native loop
+        assert receiver.is_alive()
+        threading.Event().wait(0.001)
+    a.sendall(b"z" * 1000)
+    receiver.join()
+    assert bytes(buf) == b"z" * 1000 and tcp.receives_in_flight() == 0
+    b.settimeout(0.05)  # a spin never outlasts the deadline: this times out
+    with pytest.raises(TimeoutError):
+        tcp.recv_iov(b, table([buf]))
+    assert tcp.receives_in_flight() == 0
+    a.close()  # and a peer gone mid-transfer
+    b.settimeout(5)
+    with pytest.raises(ConnectionLost):
+        tcp.recv_iov(b, table([buf]))
+    assert tcp.receives_in_flight() == 0
+
+
+def test_a_receive_spin_out_of_range_is_refused_by_name(spin_us: Callable[[int], None]) -> None:
+    for bad in (-1, tcp._lib.RK_TCP_RECV_SPIN_MAX_US + 1, 1.5, True, "100"):
+        with pytest.raises(ConfigError, match="receive spin must be an integer"):
+            tcp.set_recv_spin_us(bad)  # type: ignore[arg-type]
+    assert tcp.recv_spin_us() == tcp._lib.RK_TCP_RECV_SPIN_US  # unchanged
+    spin_us(0)
+    assert tcp.recv_spin_us() == 0
+
+
+@pytest.mark.parametrize(("value", "ok"), [("250", True), ("0", True), ("fast", False),
+                                           ("-5", False)])
+def test_the_environment_sets_the_receive_spin_or_names_itself(value: str, ok: bool) -> None:
+    env = {**os.environ, tcp.ENV_RECV_SPIN: value}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from rdmakv.transport import tcp; print(tcp.recv_spin_us())"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    if ok:
+        assert proc.returncode == 0 and proc.stdout.strip() == value
+    else:
+        assert proc.returncode != 0
+        assert f"{tcp.ENV_RECV_SPIN}={value!r}" in proc.stderr

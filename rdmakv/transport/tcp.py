@@ -41,6 +41,11 @@ reader's verification come from that pass instead of one more read of every
 block from memory. A send that hashes moves 128 KiB or 512 KiB per call,
 whichever the process measured to cost its thread less on this CPU
 (:func:`hashed_send_window`).
+A receive that runs out of bytes mid-list polls for the rest without sleeping
+for up to 100 us before it sleeps, while its process has fewer receives in
+flight than CPUs: the sender then need not wake it for every segment
+(:func:`set_recv_spin_us`, ``RDMAKV_TCP_RECV_SPIN_US``; rk_tcp.h has the
+figures).
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
 raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
 mid-transfer raises ``ConnectionLost``). Without the native module, or with
@@ -57,6 +62,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -140,6 +146,10 @@ ENV_NATIVE = "RDMAKV_TCP_NATIVE"
 """Set to 0 to move bulk bytes with the pure-Python loop even when the native
 core is built (for comparison and for testing the fallback)."""
 
+ENV_RECV_SPIN = "RDMAKV_TCP_RECV_SPIN_US"
+"""Microseconds a native receive polls for more bytes before it sleeps
+(:func:`set_recv_spin_us`; 0 never spins), read when this module loads."""
+
 # plain libc: built on every host, but the package must work without it
 _ffi, _lib, NATIVE_ERROR = native_core.load("_native_tcp", "native TCP core")
 
@@ -195,6 +205,67 @@ def set_hashed_send_window(nbytes: int) -> None:
         raise ConfigError(
             f"hashed send window must be 0 to {_lib.RK_TCP_WINDOW} bytes, got {nbytes}"
         )
+
+
+class RecvWaitCounts(NamedTuple):
+    """How this process's native receive waits ended (:func:`recv_wait_counts`)."""
+
+    spun: int
+    """The bytes came while the receive spun."""
+    slept: int
+    """It slept in ``poll``, after spinning or without."""
+
+
+def recv_spin_us() -> int | None:
+    """Microseconds a native receive that runs out of bytes mid-list polls
+    for more before it sleeps (rk_tcp.h); None without the native loop."""
+    if _lib is None:
+        return None
+    return int(_lib.rk_tcp_recv_spin_us())
+
+
+def set_recv_spin_us(us: int) -> None:
+    """Set :func:`recv_spin_us` for this process: 0 to ``RK_TCP_RECV_SPIN_MAX_US``
+    (0: always sleep at once)."""
+    if _lib is None:
+        raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
+    if isinstance(us, bool) or not isinstance(us, int) or _lib.rk_tcp_set_recv_spin_us(us) != 0:
+        raise ConfigError(
+            f"receive spin must be an integer of 0 to {_lib.RK_TCP_RECV_SPIN_MAX_US} "
+            f"microseconds, got {us!r}"
+        )
+
+
+def recv_wait_counts() -> RecvWaitCounts:
+    """This process's native receive waits so far (zeros without the native loop)."""
+    if _lib is None:
+        return RecvWaitCounts(0, 0)
+    spun, slept = _ffi.new("uint64_t *"), _ffi.new("uint64_t *")
+    _lib.rk_tcp_recv_wait_counts(spun, slept)
+    return RecvWaitCounts(int(spun[0]), int(slept[0]))
+
+
+def receives_in_flight() -> int:
+    """Native receives running in this process now (0 without the native loop)."""
+    return 0 if _lib is None else int(_lib.rk_tcp_receives_in_flight())
+
+
+def _apply_recv_spin_env() -> None:
+    """:data:`ENV_RECV_SPIN`, when set, as :func:`set_recv_spin_us` (the
+    error names the variable)."""
+    raw = os.environ.get(ENV_RECV_SPIN, "").strip()
+    if not raw or _lib is None:
+        return
+    try:
+        set_recv_spin_us(int(raw))
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(
+            f"environment variable {ENV_RECV_SPIN}={raw!r}: an integer of 0 to "
+            f"{_lib.RK_TCP_RECV_SPIN_MAX_US} microseconds"
+        ) from e
+
+
+_apply_recv_spin_env()
 
 
 def _timeout_ms(sock: socket.socket) -> int:
