@@ -722,6 +722,14 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *share_recv_spin(PyObject *self, PyObject *args) {
+    unsigned long long state;
+    if (!PyArg_ParseTuple(args, "K", &state))
+        return NULL;
+    rk_tcp_share_recv_spin((uint64_t)state);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"flags_call", flags_call, METH_VARARGS,
      "flags_call(fd, opcode, req_id, keys, scratch, ahead, timeout_ms): see native/rk_call.c"},
@@ -732,6 +740,8 @@ static PyMethodDef methods[] = {
      "join_uniform(items, min_len, max_len): (n, joined) or None: see native/rk_call.c"},
     {"live_handles", live_handles, METH_VARARGS,
      "live_handles(handles, refs): whether every handle is a live block: see native/rk_call.c"},
+    {"share_recv_spin", share_recv_spin, METH_VARARGS,
+     "share_recv_spin(address): receive with the spin state at address (rk_tcp.h)"},
     {"configure", configure, METH_VARARGS,
      "configure(response_bit, max_key_len, max_bulk): the protocol's numbers, before any call"},
     {NULL, NULL, 0, NULL},

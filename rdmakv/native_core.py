@@ -12,8 +12,18 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
+
+from rdmakv.errors import ConfigError
+
+TCP_CORE = "_native_tcp"
+"""The module whose copy of native/rk_tcp.c holds the process's receive-spin
+state; the other modules compiled with rk_tcp.c are pointed at it as they load."""
+ENV_RECV_SPIN = "RDMAKV_TCP_RECV_SPIN_US"
+"""Microseconds a native TCP receive polls for more bytes before it sleeps
+(rk_tcp.h; 0 never spins), applied when :data:`TCP_CORE` first loads."""
 
 
 class NativeModule(NamedTuple):
@@ -30,6 +40,10 @@ def load(name: str, what: str, hint: str = "") -> NativeModule:
         module = importlib.import_module(f"rdmakv.{name}")
     except ImportError as exc:
         return NativeModule(None, None, f"the {what} rdmakv.{name} is not built ({exc}){hint}")
+    if name == TCP_CORE:
+        _apply_recv_spin_env(module.lib)
+    elif hasattr(module.lib, "rk_tcp_share_recv_spin"):
+        _share_recv_spin(module.lib.rk_tcp_share_recv_spin)
     return NativeModule(module.ffi, module.lib, None)
 
 
@@ -37,9 +51,43 @@ def load_extension(name: str, what: str) -> tuple[ModuleType | None, str | None]
     """``rdmakv.<name>``, a CPython extension (no cffi ``ffi`` / ``lib``), or
     (None, why) when it is not built."""
     try:
-        return importlib.import_module(f"rdmakv.{name}"), None
+        module = importlib.import_module(f"rdmakv.{name}")
     except ImportError as exc:
         return None, f"the {what} rdmakv.{name} is not built ({exc})"
+    if hasattr(module, "share_recv_spin"):
+        _share_recv_spin(module.share_recv_spin)
+    return module, None
+
+
+_recv_spin_env_applied = False
+
+
+def _apply_recv_spin_env(tcp_lib: Any) -> None:
+    """:data:`ENV_RECV_SPIN`, when set, into :data:`TCP_CORE`'s state, once
+    per process (the error names the variable)."""
+    global _recv_spin_env_applied
+    if _recv_spin_env_applied:
+        return
+    raw = os.environ.get(ENV_RECV_SPIN, "").strip()
+    if raw:
+        try:
+            ok = tcp_lib.rk_tcp_set_recv_spin_us(int(raw)) == 0
+        except (ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"environment variable {ENV_RECV_SPIN}={raw!r}: an integer of 0 to "
+                f"{tcp_lib.RK_TCP_RECV_SPIN_MAX_US} microseconds"
+            )
+    _recv_spin_env_applied = True
+
+
+def _share_recv_spin(share: Callable[[int], None]) -> None:
+    """Point a module's copy of rk_tcp.c at :data:`TCP_CORE`'s receive-spin
+    state (where that is not built, the copy keeps its own, at the default)."""
+    tcp = load(TCP_CORE, "native TCP core")
+    if tcp.lib is not None:
+        share(int(tcp.lib.rk_tcp_recv_spin_state()))
 
 
 def state(error: str | None, env: str) -> str:

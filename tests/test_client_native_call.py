@@ -32,6 +32,7 @@ from rdmakv.protocol import (
     RECV_AHEAD_BYTES,
 )
 from rdmakv.slab import Slab
+from rdmakv.transport import tcp
 from rdmakv.transport.base import REQUEST_BYTES_AHEAD
 
 pytestmark = [
@@ -226,3 +227,33 @@ def test_a_get_of_requests_over_the_flow_control_window_is_one_native_call(
         assert bytes(client_slab.view(dst[5])) == bytes(client_slab.view(src[0]))
         assert bytes(client_slab.view(dst[-1])) == bytes(client_slab.view(src[1]))
         assert got_back == [(want, [], None)]
+
+
+def test_the_native_get_receives_with_the_process_receive_spin_setting(
+    node: NodeProcess, client_slab: Slab, got_back: list[Any]
+) -> None:
+    """rk_tcp.c is compiled into rdmakv._native_call too, with statics of its
+    own; native_core points them at _native_tcp's, so the get call's receive
+    waits obey tcp.set_recv_spin_us and count in tcp.recv_wait_counts."""
+    n = client_slab.num_blocks // 2  # 8 MiB: more than one socket buffer, so it waits
+    keys = [b"spin-%03d" % i for i in range(n)]
+    before_us = tcp.recv_spin_us()
+    assert before_us is not None
+    with KVClient(*node.address, client_slab) as c:
+        src = client_slab.alloc_many(n)
+        _filled(client_slab, src, 3)
+        assert c.put(keys, src, BLOCK, [DIGEST] * n) == [True] * n
+        dst = client_slab.alloc_many(n)
+        tcp.set_recv_spin_us(0)
+        try:
+            before = tcp.recv_wait_counts()
+            assert c.get(keys, dst, [DIGEST] * n) == [True] * n
+            after = tcp.recv_wait_counts()
+        finally:
+            tcp.set_recv_spin_us(before_us)
+    assert len(got_back) == 1 and got_back[0] is not None  # the native call answered
+    for s, d in zip(src, dst, strict=True):
+        assert bytes(client_slab.view(d)) == bytes(client_slab.view(s))
+    assert after.slept > before.slept  # its waits are the process's ...
+    assert after.spun == before.spun  # ... and none spun with spinning off
+    assert tcp.receives_in_flight() == 0

@@ -146,12 +146,12 @@ ENV_NATIVE = "RDMAKV_TCP_NATIVE"
 """Set to 0 to move bulk bytes with the pure-Python loop even when the native
 core is built (for comparison and for testing the fallback)."""
 
-ENV_RECV_SPIN = "RDMAKV_TCP_RECV_SPIN_US"
+ENV_RECV_SPIN = native_core.ENV_RECV_SPIN
 """Microseconds a native receive polls for more bytes before it sleeps
-(:func:`set_recv_spin_us`; 0 never spins), read when this module loads."""
+(:func:`set_recv_spin_us`; 0 never spins), read when the native core loads."""
 
 # plain libc: built on every host, but the package must work without it
-_ffi, _lib, NATIVE_ERROR = native_core.load("_native_tcp", "native TCP core")
+_ffi, _lib, NATIVE_ERROR = native_core.load(native_core.TCP_CORE, "native TCP core")
 
 use_native: bool = _lib is not None and not native_core.switched_off(ENV_NATIVE)
 """Whether bulk bytes move through the native loop (tests may flip it)."""
@@ -225,8 +225,9 @@ def recv_spin_us() -> int | None:
 
 
 def set_recv_spin_us(us: int) -> None:
-    """Set :func:`recv_spin_us` for this process: 0 to ``RK_TCP_RECV_SPIN_MAX_US``
-    (0: always sleep at once)."""
+    """Set :func:`recv_spin_us` for this process, every native module's
+    receives (:mod:`rdmakv.native_core` shares the state): 0 to
+    ``RK_TCP_RECV_SPIN_MAX_US`` (0: always sleep at once)."""
     if _lib is None:
         raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
     if isinstance(us, bool) or not isinstance(us, int) or _lib.rk_tcp_set_recv_spin_us(us) != 0:
@@ -248,24 +249,6 @@ def recv_wait_counts() -> RecvWaitCounts:
 def receives_in_flight() -> int:
     """Native receives running in this process now (0 without the native loop)."""
     return 0 if _lib is None else int(_lib.rk_tcp_receives_in_flight())
-
-
-def _apply_recv_spin_env() -> None:
-    """:data:`ENV_RECV_SPIN`, when set, as :func:`set_recv_spin_us` (the
-    error names the variable)."""
-    raw = os.environ.get(ENV_RECV_SPIN, "").strip()
-    if not raw or _lib is None:
-        return
-    try:
-        set_recv_spin_us(int(raw))
-    except (ValueError, ConfigError) as e:
-        raise ConfigError(
-            f"environment variable {ENV_RECV_SPIN}={raw!r}: an integer of 0 to "
-            f"{_lib.RK_TCP_RECV_SPIN_MAX_US} microseconds"
-        ) from e
-
-
-_apply_recv_spin_env()
 
 
 def _timeout_ms(sock: socket.socket) -> int:
