@@ -41,6 +41,7 @@ import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from rdmakv import native_core
 from rdmakv.errors import ConfigError
 from rdmakv.node.admission import SessionLimits
 from rdmakv.node.store import DEFAULT_MAX_LEASES_PER_BLOCK
@@ -401,6 +402,9 @@ def load_config(
     file = Path(path) if path is not None else None
     data = _read_file(file) if file is not None else {}
     merged, sources, errors = _env_overrides(env, data)
+    spin = native_core.recv_spin_env_problem(env)  # not configuration, but checked here
+    if spin:
+        errors.append((f"environment variable {native_core.ENV_RECV_SPIN}", spin))
     try:
         config = RdmakvConfig.model_validate(merged)
     except ValidationError as e:

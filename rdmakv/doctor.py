@@ -66,6 +66,9 @@ class Report:
     tcp_streams: str = ""
     """Connections a client opens to one node over TCP when ``streams`` is
     unset, and the usable CPUs that decide it (:func:`rdmakv.streams.default_streams`)."""
+    tcp_recv_spin: str = ""
+    """How long a native TCP receive polls for more bytes before it sleeps
+    (:func:`recv_spin`). Speed only."""
     native_core: dict[str, str] = field(default_factory=dict)
     """Each plain-libc piece of the native core for a new process here: "on",
     "off (ENV=0)" or "not built (why)" (:func:`native_pieces`). Speed only."""
@@ -134,6 +137,18 @@ def native_pieces() -> dict[str, str]:
         "node request loop": loop,
         "client call": native_core.state(native_call.ERROR, native_call.ENV),
     }
+
+
+def recv_spin() -> str:
+    """The receive spin of a process here (this one read the same environment;
+    native/rk_tcp.h, docs/operations.md)."""
+    us = tcp.recv_spin_us()
+    if us is None:
+        return "none (no native tcp loop)"
+    if us == 0:
+        return f"off ({tcp.ENV_RECV_SPIN}=0)"
+    return (f"up to {us} us per wait, while a CPU is spare "
+            f"({tcp.ENV_RECV_SPIN} sets it, 0 turns it off)")
 
 
 def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
@@ -214,6 +229,7 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
         f"; {refused}" if refused else "")
     report.value_checksums = checksum.describe()
     report.native_core = native_pieces()
+    report.tcp_recv_spin = recv_spin()
     cpus = usable_cpus()
     report.tcp_streams = f"{default_streams('tcp', cpus)} ({cpus} usable CPU{'s' * (cpus != 1)})"
     if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
@@ -254,6 +270,7 @@ def render(report: Report) -> str:
     lines.append(f"value checksums: {report.value_checksums}")
     lines.append(f"tcp connections per node, streams unset: {report.tcp_streams}")
     lines.append("native core: " + ", ".join(f"{k} {v}" for k, v in report.native_core.items()))
+    lines.append(f"tcp receive spin: {report.tcp_recv_spin}")
     if report.ok:
         lines.append("OK: RDMA is usable (transport auto picks rdma)")
     else:

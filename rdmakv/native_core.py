@@ -11,12 +11,11 @@ variable set to ``0``.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
-
-from rdmakv.errors import ConfigError
 
 TCP_CORE = "_native_tcp"
 """The module whose copy of native/rk_tcp.c holds the process's receive-spin
@@ -62,24 +61,45 @@ def load_extension(name: str, what: str) -> tuple[ModuleType | None, str | None]
 _recv_spin_env_applied = False
 
 
+def recv_spin_env_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """What is wrong with :data:`ENV_RECV_SPIN` in ``env`` (default:
+    ``os.environ``), or None (unset, valid, or no native TCP core to apply it
+    to). :func:`rdmakv.config.load_config` raises it, so every command and
+    connector refuses to start on it."""
+    raw = (os.environ if env is None else env).get(ENV_RECV_SPIN, "").strip()
+    tcp = load(TCP_CORE, "native TCP core")
+    if not raw or tcp.lib is None:
+        return None
+    most = int(tcp.lib.RK_TCP_RECV_SPIN_MAX_US)
+    try:
+        if 0 <= int(raw) <= most:
+            return None
+    except ValueError:
+        pass
+    return f"{raw!r} is not an integer of 0 to {most} microseconds"
+
+
 def _apply_recv_spin_env(tcp_lib: Any) -> None:
-    """:data:`ENV_RECV_SPIN`, when set, into :data:`TCP_CORE`'s state, once
-    per process (the error names the variable)."""
+    """:data:`ENV_RECV_SPIN`, when set and valid, into :data:`TCP_CORE`'s
+    state, once per process. A bad value is not applied (the default stays)
+    and is logged here, where importing must not fail; the configuration's
+    loading refuses it (:func:`recv_spin_env_problem`)."""
     global _recv_spin_env_applied
     if _recv_spin_env_applied:
         return
-    raw = os.environ.get(ENV_RECV_SPIN, "").strip()
-    if raw:
-        try:
-            ok = tcp_lib.rk_tcp_set_recv_spin_us(int(raw)) == 0
-        except (ValueError, OverflowError):
-            ok = False
-        if not ok:
-            raise ConfigError(
-                f"environment variable {ENV_RECV_SPIN}={raw!r}: an integer of 0 to "
-                f"{tcp_lib.RK_TCP_RECV_SPIN_MAX_US} microseconds"
-            )
     _recv_spin_env_applied = True
+    raw = os.environ.get(ENV_RECV_SPIN, "").strip()
+    if not raw:
+        return
+    try:
+        ok = tcp_lib.rk_tcp_set_recv_spin_us(int(raw)) == 0
+    except (ValueError, OverflowError):
+        ok = False
+    if not ok:
+        logging.getLogger("rdmakv.native_core").warning(
+            "%s=%r is not an integer of 0 to %d microseconds: ignored, receives spin "
+            "up to %d us", ENV_RECV_SPIN, raw, tcp_lib.RK_TCP_RECV_SPIN_MAX_US,
+            tcp_lib.rk_tcp_recv_spin_us())
 
 
 def _share_recv_spin(share: Callable[[int], None]) -> None:

@@ -46,3 +46,21 @@ def test_doctor_says_why_a_piece_is_not_built(monkeypatch: pytest.MonkeyPatch) -
     assert doctor.native_pieces()["client call"] == (
         "not built (the native client call is not built)"
     )
+
+
+@pytest.mark.skipif(tcp.NATIVE_ERROR is not None, reason="the native tcp loop is not built here")
+@pytest.mark.parametrize(("setting", "line"), [
+    (100, "tcp receive spin: up to 100 us per wait, while a CPU is spare "
+          "(RDMAKV_TCP_RECV_SPIN_US sets it, 0 turns it off)"),
+    (0, "tcp receive spin: off (RDMAKV_TCP_RECV_SPIN_US=0)"),
+])
+def test_doctor_says_how_long_a_tcp_receive_spins(setting: int, line: str) -> None:
+    before = tcp.recv_spin_us()
+    assert before is not None
+    tcp.set_recv_spin_us(setting)
+    try:
+        report = doctor.diagnose()
+    finally:
+        tcp.set_recv_spin_us(before)
+    assert line in doctor.render(report)
+    assert report.to_dict()["tcp_recv_spin"] == line.removeprefix("tcp receive spin: ")

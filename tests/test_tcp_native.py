@@ -666,15 +666,22 @@ def test_a_receive_spin_out_of_range_is_refused_by_name(spin_us: Callable[[int],
 
 
 @pytest.mark.parametrize(("value", "ok"), [("250", True), ("0", True), ("fast", False),
-                                           ("-5", False)])
-def test_the_environment_sets_the_receive_spin_or_names_itself(value: str, ok: bool) -> None:
+                                           ("-5", False), ("10001", False)])
+def test_the_environment_sets_the_receive_spin_and_start_up_refuses_a_bad_one(
+    value: str, ok: bool
+) -> None:
+    """A bad value is not applied (importing rdmakv must not fail: ``rdmakv
+    doctor`` runs on it), and loading the configuration, which every command
+    and connector does at start-up, refuses it by name."""
     env = {**os.environ, tcp.ENV_RECV_SPIN: value}
-    proc = subprocess.run(
-        [sys.executable, "-c", "from rdmakv.transport import tcp; print(tcp.recv_spin_us())"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )
+    script = ("from rdmakv.transport import tcp; print(tcp.recv_spin_us(), flush=True); "
+              "from rdmakv.config import load_config; load_config()")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
     if ok:
         assert proc.returncode == 0 and proc.stdout.strip() == value
     else:
+        assert proc.stdout.strip() == str(tcp._lib.RK_TCP_RECV_SPIN_US)  # the default stays
         assert proc.returncode != 0
-        assert f"{tcp.ENV_RECV_SPIN}={value!r}" in proc.stderr
+        assert (f"ConfigError: environment variable {tcp.ENV_RECV_SPIN}: {value!r} is not an "
+                f"integer of 0 to {tcp._lib.RK_TCP_RECV_SPIN_MAX_US} microseconds") in proc.stderr
