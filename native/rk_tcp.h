@@ -71,8 +71,10 @@
  * must be woken by the sender's every segment, and in a VM the sender's
  * thread pays for each wake-up (an inter-processor interrupt): over loopback
  * on the 2-core AMD EPYC VM (2026-11-28) the wake-ups cost the sender of a
- * 1000 x 16 KiB put ~7% of its CPU, and receives that spun for up to 100 us
- * first put 5.3-5.4 GB/s against 4.6-5.0 sleeping.
+ * 1000 x 16 KiB put ~7% of its CPU (sock_def_readable). With the node's
+ * receives spinning for up to 100 us first, that put on a warm connection
+ * took 2.94-3.02 ms against 3.24-3.26 (medians), and `rdmakv bench` put
+ * 5.31-5.78 GB/s against 4.59-5.06 (best of 5; 50 to 400 us did the same).
  * A receive spins only while this process has fewer receives in flight than
  * it may use CPUs (sched_getaffinity), so that a CPU stays free for the
  * sender, or for its other threads: on that host two connections' receives
