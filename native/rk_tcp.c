@@ -312,7 +312,7 @@ void rk_tcp_hash_ranges(const rk_hasher *hasher, const uint64_t *iov, size_t n,
 }
 
 static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
-                       int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
+                    int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
     struct iovec win[RK_TCP_IOV_MAX];
     size_t i = 0;
     uint64_t off = skip, moved = skip, bytes;

@@ -6,6 +6,11 @@ missing one falls back to Python or says why it cannot run. So every one is
 loaded the same way, and where a user of one can be told to run without it
 (for comparison, and to test the fallback), the switch is an environment
 variable set to ``0``.
+
+native/rk_tcp.c is compiled into several of them (the TCP loop, the node's
+index and request loop, the client's call), each with statics of its own; its
+receive-spin setting and counts are the process's because every module is
+pointed at :data:`TCP_CORE`'s as it loads here.
 """
 
 from __future__ import annotations

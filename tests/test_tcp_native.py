@@ -657,7 +657,7 @@ def test_receives_in_flight_count_each_running_receive_and_drop_on_every_exit(
 
 
 def test_a_receive_spin_out_of_range_is_refused_by_name(spin_us: Callable[[int], None]) -> None:
-    for bad in (-1, tcp._lib.RK_TCP_RECV_SPIN_MAX_US + 1, 1.5, True, "100"):
+    for bad in (-1, tcp._lib.RK_TCP_RECV_SPIN_MAX_US + 1, 1 << 70, 1.5, True, "100"):
         with pytest.raises(ConfigError, match="receive spin must be an integer"):
             tcp.set_recv_spin_us(bad)  # type: ignore[arg-type]
     assert tcp.recv_spin_us() == tcp._lib.RK_TCP_RECV_SPIN_US  # unchanged

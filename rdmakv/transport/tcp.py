@@ -230,11 +230,12 @@ def set_recv_spin_us(us: int) -> None:
     ``RK_TCP_RECV_SPIN_MAX_US`` (0: always sleep at once)."""
     if _lib is None:
         raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
-    if isinstance(us, bool) or not isinstance(us, int) or _lib.rk_tcp_set_recv_spin_us(us) != 0:
+    most = int(_lib.RK_TCP_RECV_SPIN_MAX_US)
+    if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= most:
         raise ConfigError(
-            f"receive spin must be an integer of 0 to {_lib.RK_TCP_RECV_SPIN_MAX_US} "
-            f"microseconds, got {us!r}"
+            f"receive spin must be an integer of 0 to {most} microseconds, got {us!r}"
         )
+    _lib.rk_tcp_set_recv_spin_us(us)
 
 
 def recv_wait_counts() -> RecvWaitCounts:
