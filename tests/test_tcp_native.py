@@ -572,8 +572,8 @@ def receive_in_gaps(
 ) -> tuple[bytes, bytes, tcp.RecvWaitCounts]:
     """Receive ``pieces`` x 64 KiB that a thread sends with a ~1 ms pause before
     each piece, so the receive runs dry mid-list each time: the bytes sent, the
-    bytes received and the change in the process's wait counts. ``pin_to_one_cpu``: the receiving
-    thread runs on one CPU only."""
+    bytes received and the change in the process's wait counts.
+    ``pin_to_one_cpu``: the receiving thread runs on one CPU only."""
     b.settimeout(10)
     rng = np.random.default_rng(7)
     src = [rng.integers(0, 256, 65536, dtype=np.uint8) for _ in range(pieces)]
@@ -645,7 +645,7 @@ def test_receives_in_flight_count_each_running_receive_and_drop_on_every_exit(
     a.sendall(b"z" * 1000)
     receiver.join()
     assert bytes(buf) == b"z" * 1000 and tcp.receives_in_flight() == 0
-    b.settimeout(0.05)  # a spin never outlasts the deadline: this times out
+    b.settimeout(0.05)  # a receive that spins, then sleeps until its deadline
     with pytest.raises(TimeoutError):
         tcp.recv_iov(b, table([buf]))
     assert tcp.receives_in_flight() == 0
