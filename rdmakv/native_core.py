@@ -71,11 +71,22 @@ def recv_spin_env_problem(env: Mapping[str, str] | None = None) -> str | None:
     ``os.environ``), or None (unset, valid, or no native TCP core to apply it
     to). :func:`rdmakv.config.load_config` raises it, so every command and
     connector refuses to start on it."""
-    raw = (os.environ if env is None else env).get(ENV_RECV_SPIN, "").strip()
     tcp = load(TCP_CORE, "native TCP core")
-    if not raw or tcp.lib is None:
+    if tcp.lib is None:
         return None
-    most = int(tcp.lib.RK_TCP_RECV_SPIN_MAX_US)
+    return _recv_spin_problem(_recv_spin_raw(env), int(tcp.lib.RK_TCP_RECV_SPIN_MAX_US))
+
+
+def _recv_spin_raw(env: Mapping[str, str] | None = None) -> str:
+    """:data:`ENV_RECV_SPIN` as set in ``env`` (default ``os.environ``); "" when unset."""
+    return (os.environ if env is None else env).get(ENV_RECV_SPIN, "").strip()
+
+
+def _recv_spin_problem(raw: str, most: int) -> str | None:
+    """Why ``raw`` is not a receive spin in microseconds of 0 to ``most``;
+    None when it is one, or empty (unset)."""
+    if not raw:
+        return None
     try:
         if 0 <= int(raw) <= most:
             return None
@@ -93,18 +104,14 @@ def _apply_recv_spin_env(tcp_lib: Any) -> None:
     if _recv_spin_env_applied:
         return
     _recv_spin_env_applied = True
-    raw = os.environ.get(ENV_RECV_SPIN, "").strip()
-    if not raw:
-        return
-    try:
-        ok = tcp_lib.rk_tcp_set_recv_spin_us(int(raw)) == 0
-    except (ValueError, OverflowError):
-        ok = False
-    if not ok:
+    raw = _recv_spin_raw()
+    problem = _recv_spin_problem(raw, int(tcp_lib.RK_TCP_RECV_SPIN_MAX_US))
+    if problem:
         logging.getLogger("rdmakv.native_core").warning(
-            "%s=%r is not an integer of 0 to %d microseconds: ignored, receives spin "
-            "up to %d us", ENV_RECV_SPIN, raw, tcp_lib.RK_TCP_RECV_SPIN_MAX_US,
+            "%s: %s: ignored, receives spin up to %d us", ENV_RECV_SPIN, problem,
             tcp_lib.rk_tcp_recv_spin_us())
+    elif raw:
+        tcp_lib.rk_tcp_set_recv_spin_us(int(raw))
 
 
 def _share_recv_spin(share: Callable[[int], None]) -> None:
