@@ -10,7 +10,10 @@ file and passes ``--token-file``.
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,27 @@ def client_slab() -> Iterator[Slab]:
     slab = Slab(16 * 1024 * 1024, 64 * 1024, lock=False)
     yield slab
     slab.close()
+
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run_published(
+    script: str, *args: str, out: Path, name: str
+) -> tuple[dict[str, Any], str]:
+    """Run ``bench/<script> ARGS --out OUT`` and check the output every such
+    script gives (``rdmakv.bench.provenance.publish``): exit 0, one JSON object
+    on stdout, the same object in ``OUT/<name>.json``, a plot in
+    ``OUT/<name>.png``. Returns the object and the script's stderr."""
+    r = subprocess.run(
+        [sys.executable, str(BENCH_DIR / script), *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=170, check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result: dict[str, Any] = json.loads(r.stdout)
+    assert result == json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.png").stat().st_size > 0
+    return result, r.stderr
 
 
 class Raw:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_published
 
 from rdmakv.transport import tcp
 
@@ -23,15 +23,8 @@ pytestmark = [
 
 
 def test_checksum_cost_measures_all_three_and_verifies_bytes(tmp_path: Path) -> None:
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sizes", "16384", "--rounds", str(ROUNDS),
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=170, check=False,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
-    assert out == json.loads((tmp_path / "checksum_cost.json").read_text())
-    assert (tmp_path / "checksum_cost.png").stat().st_size > 0
+    out, stderr = run_published(SCRIPT.name, "--sizes", "16384", "--rounds", str(ROUNDS),
+                                  out=tmp_path, name="checksum_cost")
     assert {"date", "machine", "commit", "python"} <= set(out["meta"])
     size = out["sizes"]["16384"]
     arena_bytes = size["blocks"] * 16384
@@ -45,7 +38,7 @@ def test_checksum_cost_measures_all_three_and_verifies_bytes(tmp_path: Path) -> 
     # every counted unchecked put really skipped the hash pass (warm-up rounds too)
     assert size["unchecked_sends"] >= ROUNDS
     assert size["rdmakv"]["put_vs_socket_loop"] > 0
-    assert "16 KiB" in r.stderr  # progress line
+    assert "16 KiB" in stderr  # progress line
 
 
 def test_checksum_cost_refuses_too_few_rounds() -> None:

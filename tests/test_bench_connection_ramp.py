@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_published
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "connection_ramp.py"
@@ -18,15 +19,8 @@ pytestmark = pytest.mark.timeout(180)
 def test_connection_ramp_reports_each_transfer_position_and_verifies_bytes(
     tmp_path: Path,
 ) -> None:
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sizes", "16384", "--blocks", "16",
-         "--connections", "2", "--transfers", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=170, check=False,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
-    assert out == json.loads((tmp_path / "connection_ramp.json").read_text())
-    assert (tmp_path / "connection_ramp.png").stat().st_size > 0
+    out, stderr = run_published(SCRIPT.name, "--sizes", "16384", "--blocks", "16", "--connections",
+                                  "2", "--transfers", "3", out=tmp_path, name="connection_ramp")
     assert {"date", "machine", "commit", "python"} <= set(out["meta"])
     assert out["meta"]["blocks"] == {"16384": 16}
     per = out["sizes"]["16384"]
@@ -36,7 +30,7 @@ def test_connection_ramp_reports_each_transfer_position_and_verifies_bytes(
         assert len(fig["put_gbps_median"]) == len(fig["get_gbps_median"]) == 3, name
         assert all(g > 0 for g in fig["put_gbps_median"] + fig["get_gbps_median"]), name
         assert fig["bytes_verified"] == 16 * 16384 * 2 * 3, name
-    assert "16 KiB rdmakv" in r.stderr  # progress lines
+    assert "16 KiB rdmakv" in stderr  # progress lines
 
 
 def test_a_peer_that_cannot_run_is_recorded_not_fatal(tmp_path: Path) -> None:
