@@ -114,25 +114,34 @@ static int recv_wait(int fd, int timeout_ms, int64_t deadline, int *err) {
     return wait_fd(fd, POLLIN, timeout_ms, deadline, err);
 }
 
-/* The hashed-send window (see rk_tcp.h). `chosen` is read without the lock:
- * the window in use, 0 before the first choice. Everything else is shared by
- * every thread that sends hashed, under probe_lock. */
-static const uint64_t probe_sizes[2] = {RK_TCP_HASHED_WINDOW_SMALL, RK_TCP_HASHED_WINDOW_LARGE};
+/* The hashed-send plan (see rk_tcp.h). `chosen` is read without the lock:
+ * the plan in use as window * 2 + ahead, 0 before the first choice.
+ * Everything else is shared by every thread that sends hashed, under
+ * probe_lock. */
+static const struct send_plan {
+    uint64_t window;
+    int ahead; /* the window is hashed before its sendmsg, not right after */
+} plans[RK_TCP_SEND_PLANS] = {
+    {RK_TCP_HASHED_WINDOW_SMALL, 0},
+    {RK_TCP_HASHED_WINDOW_LARGE, 0},
+    {RK_TCP_HASHED_WINDOW_SMALL, 1},
+    {RK_TCP_HASHED_WINDOW_LARGE, 1},
+};
 static uint64_t chosen;
 static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
-static int fixed;       /* set by rk_tcp_set_hashed_send_window: never measure */
-static int probing = 1; /* windows alternate sizes and are timed */
+static int fixed;       /* set by rk_tcp_set_hashed_send_plan: never measure */
+static int probing = 1; /* windows take the plans in turn and are timed */
 static int warm_up = RK_TCP_WINDOW_WARM_UP; /* windows left before the samples */
 static uint64_t since;  /* windows since the last choice */
 static uint64_t choices;
-static double probe_cost[2][RK_TCP_WINDOW_PROBES]; /* ns of thread CPU per byte moved */
-static int probe_count[2];
+static double probe_cost[RK_TCP_SEND_PLANS][RK_TCP_WINDOW_PROBES]; /* ns of thread CPU per byte */
+static int probe_count[RK_TCP_SEND_PLANS];
 static unsigned probe_turn;
 
-static uint64_t chosen_window(void) { return __atomic_load_n(&chosen, __ATOMIC_ACQUIRE); }
+static uint64_t chosen_plan(void) { return __atomic_load_n(&chosen, __ATOMIC_ACQUIRE); }
 
 static int64_t thread_ns(void) {
-    struct timespec ts = {0, 0}; /* no such clock: every sample 0, a tie: the small window */
+    struct timespec ts = {0, 0}; /* no such clock: every sample 0, a tie: the first plan */
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
@@ -147,28 +156,31 @@ static double median(double *v, int n) {
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-/* The probe size the next window should measure (the one with fewer
- * samples; turns when even), or -1: use the chosen window. Every
- * RK_TCP_WINDOW_REPROBE windows after a choice the sizes are measured again. */
+/* The plan the next window should measure (one with the fewest samples,
+ * taken in turn), or -1: use the chosen plan. Every RK_TCP_WINDOW_REPROBE
+ * windows after a choice the plans are measured again. */
 static int probe_next(void) {
     pthread_mutex_lock(&probe_lock);
     int which = -1;
     if (!fixed) {
         if (!probing && ++since >= RK_TCP_WINDOW_REPROBE) {
             probing = 1;
-            probe_count[0] = probe_count[1] = 0;
+            memset(probe_count, 0, sizeof probe_count);
         }
-        if (probing)
-            which = probe_count[0] == probe_count[1] ? (int)(probe_turn++ & 1)
-                                                     : probe_count[1] < probe_count[0];
+        if (probing) {
+            which = (int)(probe_turn++ % RK_TCP_SEND_PLANS);
+            for (int k = 1; k < RK_TCP_SEND_PLANS; k++) {
+                int j = (which + k) % RK_TCP_SEND_PLANS;
+                if (probe_count[j] < probe_count[which]) which = j;
+            }
+        }
     }
     pthread_mutex_unlock(&probe_lock);
     return which;
 }
 
-/* One window of probe size `which` (at least half full): `ns` of thread CPU
- * moved `bytes`.
- * The last sample needed settles the choice (ties keep the small window). */
+/* One window of plan `which`: `ns` of thread CPU moved and hashed `bytes`.
+ * The last sample needed settles the choice (ties keep the earlier plan). */
 static void probe_record(int which, int64_t ns, uint64_t bytes) {
     pthread_mutex_lock(&probe_lock);
     if (!probing || fixed) {
@@ -177,10 +189,20 @@ static void probe_record(int which, int64_t ns, uint64_t bytes) {
         warm_up--;
     } else if (probe_count[which] < RK_TCP_WINDOW_PROBES) {
         probe_cost[which][probe_count[which]++] = (double)ns / (double)bytes;
-        if (probe_count[0] == RK_TCP_WINDOW_PROBES && probe_count[1] == RK_TCP_WINDOW_PROBES) {
-            double small = median(probe_cost[0], RK_TCP_WINDOW_PROBES);
-            double large = median(probe_cost[1], RK_TCP_WINDOW_PROBES);
-            __atomic_store_n(&chosen, probe_sizes[large < small], __ATOMIC_RELEASE);
+        int full = 1;
+        for (int j = 0; j < RK_TCP_SEND_PLANS; j++) full &= probe_count[j] == RK_TCP_WINDOW_PROBES;
+        if (full) {
+            int best = 0;
+            double least = median(probe_cost[0], RK_TCP_WINDOW_PROBES);
+            for (int j = 1; j < RK_TCP_SEND_PLANS; j++) {
+                double cost = median(probe_cost[j], RK_TCP_WINDOW_PROBES);
+                if (cost < least) {
+                    least = cost;
+                    best = j;
+                }
+            }
+            __atomic_store_n(&chosen, plans[best].window * 2 + (uint64_t)plans[best].ahead,
+                             __ATOMIC_RELEASE);
             probing = 0;
             since = 0;
             choices++;
@@ -189,24 +211,30 @@ static void probe_record(int which, int64_t ns, uint64_t bytes) {
     pthread_mutex_unlock(&probe_lock);
 }
 
-uint64_t rk_tcp_hashed_send_window(void) { return chosen_window(); }
+int rk_tcp_hashed_send_plan(uint64_t *window, int *ahead) {
+    uint64_t c = chosen_plan();
+    if (!c) return -1;
+    *window = c / 2;
+    *ahead = (int)(c & 1);
+    return 0;
+}
 
-uint64_t rk_tcp_hashed_send_window_choices(void) {
+uint64_t rk_tcp_hashed_send_choices(void) {
     pthread_mutex_lock(&probe_lock);
     uint64_t n = choices;
     pthread_mutex_unlock(&probe_lock);
     return n;
 }
 
-int rk_tcp_set_hashed_send_window(uint64_t bytes) {
-    if (bytes > RK_TCP_WINDOW) return -1;
+int rk_tcp_set_hashed_send_plan(uint64_t bytes, int ahead) {
+    if (bytes > RK_TCP_WINDOW || (ahead != 0 && ahead != 1)) return -1;
     pthread_mutex_lock(&probe_lock);
     fixed = bytes != 0;
     probing = !fixed;
-    probe_count[0] = probe_count[1] = 0;
+    memset(probe_count, 0, sizeof probe_count);
     warm_up = RK_TCP_WINDOW_WARM_UP;
     since = choices = 0;
-    __atomic_store_n(&chosen, bytes, __ATOMIC_RELEASE);
+    __atomic_store_n(&chosen, fixed ? bytes * 2 + (uint64_t)ahead : 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&probe_lock);
     return 0;
 }
@@ -345,24 +373,29 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             return RK_TCP_OK;
         }
         size_t end = n;
-        int which = measures ? probe_next() : -1; /* the probe size this window measures */
+        int which = measures ? probe_next() : -1; /* the plan this window measures */
+        int ahead = 0; /* this window is hashed before its sendmsg */
         int64_t t0 = 0;
+        uint64_t moved_from = moved, hashed_from = h ? h->at : 0;
         if (which >= 0) {
-            cap = probe_sizes[which];
+            cap = plans[which].window;
+            ahead = plans[which].ahead;
             t0 = thread_ns();
         } else if (h && sending) {
-            cap = chosen_window();
-            if (!cap) cap = RK_TCP_HASHED_WINDOW_SMALL;
+            uint64_t plan = chosen_plan();
+            cap = plan ? plan / 2 : RK_TCP_HASHED_WINDOW_SMALL;
+            ahead = (int)(plan & 1);
         }
         if (h && sending) {
-            /* Ranges are hashed right after they go out (below), so a range
-             * of hashes[] entries may only start a window: every range before
-             * it has gone out and been hashed by then. A window ends before
+            /* A window hashed right after it goes out (below) holds a range
+             * of hashes[] entries only at its start: every range before it
+             * has gone out and been hashed by then. A window ends before
              * the next such range after its first, unless that range and
              * everything before it fit this window: then the ranges before
              * it are hashed first (the copy then finds them in the cache
              * instead of the hash) and it goes out in the same call, so a
-             * small put's frames leave in one segment. */
+             * small put's frames leave in one segment. A window hashed
+             * before it goes out keeps to the same cuts. */
             if (stop == NO_STOP || stop <= i) stop = next_hashes_range(h, iov, n, i + 1);
             uint64_t before = 0; /* bytes of this window ahead of range `stop` */
             if (stop < n && window_reaches(iov, i, off, stop, cap, &before)) {
@@ -372,6 +405,9 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             end = stop;
         }
         int k = fill_window(win, iov, end, i, off, cap, &bytes);
+        /* the hash reads the window from memory, and the copy then finds
+         * it in the CPU cache (rk_tcp.h: on some CPUs that is cheaper) */
+        if (ahead && hash_to(h, iov, n, moved + bytes)) goto nomem;
         ssize_t r;
         if (sending) {
             struct msghdr msg;
@@ -387,13 +423,17 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             *done = moved;
             off += (uint64_t)r;
             /* hashed right after the copy into or out of the socket, while
-             * the bytes are still in the CPU cache */
+             * the bytes are still in the CPU cache (sends hashed ahead: done) */
             if (h && hash_to(h, iov, n, moved)) goto nomem;
-            /* a short window's fixed costs would skew its sample: windows cut
-             * short by the end of the list, a checksum row or the next range
-             * not fitting whole (after a partial send a window starts inside
-             * a range and rarely fills exactly) count when at least half full */
-            if (which >= 0 && 2 * bytes >= cap)
+            /* A sample is a window that hashed exactly the bytes it moved
+             * (not a send cut short after its bytes were hashed ahead, nor
+             * the one after it) and moved at least half the plan's window: a
+             * short window's fixed costs would skew it (windows cut short by
+             * the end of the list, a checksum row or the next range not
+             * fitting whole; after a partial send a window starts inside a
+             * range and rarely fills exactly). */
+            if (which >= 0 && 2 * (uint64_t)r >= cap && hashed_from == moved_from &&
+                h->at == moved)
                 probe_record(which, thread_ns() - t0, (uint64_t)r);
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
             continue;

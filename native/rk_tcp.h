@@ -24,37 +24,49 @@
  * When hashing, a range is hashed and moved within one window for the same
  * reason. */
 #define RK_TCP_WINDOW 524288
-/* The window of a send that hashes as it goes (rk_tcp_sendv_hashed): the
- * hash reads each window right after sendmsg copied it, and which size costs
- * the sending thread least depends on the CPU, so the loop measures it.
+/* The plan of a send that hashes as it goes (rk_tcp_sendv_hashed): how many
+ * bytes each sendmsg moves, and whether the hash reads each window before
+ * sendmsg copies it (ahead) or right after. Either way one of the two reads
+ * takes the bytes from memory and the other finds them in the CPU cache;
+ * which order and which size cost the sending thread least depends on the
+ * CPU, so the loop measures them.
  * - On a 2-core Intel Xeon VM (AVX-512) 512 KiB windows had left the cache by
  *   the time the hash read them (XXH3 at 22 GB/s, against 31-35 in 128 KiB
  *   windows): 256 KiB blocks to the bench's socket loop moved at 4.10-4.18
- *   GB/s median in 512 KiB windows, 4.59-4.64 in 128 KiB ones.
- * - On a 2-core AMD EPYC VM the hash ran at ~60 GB/s after either, and the
- *   four times as many sendmsg calls were what cost: the same send, 40 rounds,
- *   3.88-4.17 GB/s median in 128 KiB windows, 4.75-5.24 in 512 KiB ones
- *   (unhashed: 4.75 against 6.92).
- * So the first hashed sends of a process on a non-blocking socket alternate
- * the two windows and time each window's sendmsg and hash on the thread's
- * CPU clock (waits for room are polls outside it; a window less than half
- * full, cut short by the end of its list, is not counted). The first
- * RK_TCP_WINDOW_WARM_UP windows are not counted (a new connection's first
- * sends cost more, whatever their size); once each size has
- * RK_TCP_WINDOW_PROBES samples, the one with the lower median nanoseconds
- * per byte moved is used. Both are measured again (without the warm-up)
+ *   GB/s median in 512 KiB windows, 4.59-4.64 in 128 KiB ones. There,
+ *   hashing each window after its sendmsg rather than before took a plain
+ *   hashed sender (1000 x 16 KiB) from 0.72-0.79x the socket loop to
+ *   0.91-1.00x (2026-11-26).
+ * - On a 2-core AMD EPYC VM hashing after, the four times as many sendmsg
+ *   calls were what cost: the same send, 40 rounds, 3.88-4.17 GB/s median in
+ *   128 KiB windows, 4.75-5.24 in 512 KiB ones (unhashed: 4.75 against 6.92).
+ *   And there the order goes the other way (2026-11-28): a 1000 x 16 KiB put
+ *   on a warm connection took 2.46-2.59 ms (median) hashed ahead in 512 KiB
+ *   windows, against 3.05-3.42 hashed after (128 KiB: 2.99-3.06 ahead,
+ *   3.43-3.76 after). The kernel's copy from memory cost more than the
+ *   hash's read from memory and the copy from the cache together.
+ * So the first hashed sends of a process on a non-blocking socket take the
+ * RK_TCP_SEND_PLANS plans (each window size, each order) in turn and time
+ * each window's sendmsg and hash on the thread's CPU clock (waits for room
+ * are polls outside it; a window that moved less than half its size, or
+ * whose hash did not cover exactly the bytes it moved, is not counted). The
+ * first RK_TCP_WINDOW_WARM_UP windows are not counted (a new connection's
+ * first sends cost more, whatever their plan); once each plan has
+ * RK_TCP_WINDOW_PROBES samples, the one with the lowest median nanoseconds
+ * per byte moved is used. All are measured again (without the warm-up)
  * after every RK_TCP_WINDOW_REPROBE windows: a choice made on one kind of
  * batch or in a noisy moment does not stay for good (a bench whose 16 KiB
- * puts, where the two differ little, came first once kept 128 KiB for its
- * 256 KiB and 1 MiB puts too). The other size then moves about 2% of the
+ * puts, where the sizes differ little, came first once kept 128 KiB for its
+ * 256 KiB and 1 MiB puts too). The other plans then move about 3% of the
  * windows. A send that does not hash, and a receive (which hashes the bytes
  * it has just written, still in cache), keep RK_TCP_WINDOW: unhashed, 128 KiB
  * windows were slower. */
 #define RK_TCP_HASHED_WINDOW_SMALL 131072
 #define RK_TCP_HASHED_WINDOW_LARGE 524288
+#define RK_TCP_SEND_PLANS 4 /* each window, hashed after its sendmsg, then each hashed ahead */
 #define RK_TCP_WINDOW_PROBES 24
 #define RK_TCP_WINDOW_WARM_UP 32
-#define RK_TCP_WINDOW_REPROBE 1024
+#define RK_TCP_WINDOW_REPROBE 2048
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -123,13 +135,15 @@ typedef struct {
 } rk_hasher;
 
 /* Like rk_tcp_sendv / rk_tcp_recvv, and also hashes[i] = hash(range i) for
- * every range: both hash the bytes each system call moved right after it
- * moved them (a window at a time: rk_tcp_hashed_send_window() bytes for a
- * send, RK_TCP_WINDOW for a receive), so the hash reads them
- * from the CPU cache, where the kernel's copy left them, not from memory.
- * Hashing before the send instead cost a fifth of a plain loop's rate over
- * loopback (1000 x 16 KiB, 2-core VM): the hash paid the memory reads and
- * the copy did not get faster for it. *hashed: ranges hashed so far (in/out:
+ * every range, a window at a time, so that the hash and the kernel's copy
+ * read each byte from memory only once between them: a receive hashes the
+ * bytes each readv moved (RK_TCP_WINDOW at most) right after it wrote them,
+ * from the CPU cache; a send moves rk_tcp_hashed_send_plan()'s window per
+ * sendmsg and hashes it right before or right after the call (see above).
+ * Hashing a whole list before sending any of it cost a fifth of a plain
+ * loop's rate over loopback (1000 x 16 KiB, 2-core Xeon VM): the hash paid
+ * the memory reads and, with the list long gone from the cache, the copy did
+ * not get faster for it. *hashed: ranges hashed so far (in/out:
  * 0 on the first call, kept across a call resumed after RK_TCP_EINTR, which
  * hashes a range it had started again from its first byte). On RK_TCP_OK,
  * *hashed == n.
@@ -154,19 +168,21 @@ int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, in
  * Python would make one call per value. */
 void rk_tcp_hash_ranges(const rk_hasher *hasher, const uint64_t *iov, size_t n,
                         uint64_t *hashes);
-/* The hashed-send window in use: RK_TCP_HASHED_WINDOW_SMALL or _LARGE once
- * measured (or the size set), 0 before the process's first choice. */
-uint64_t rk_tcp_hashed_send_window(void);
+/* The hashed-send plan in use, once measured (or set): *window bytes per
+ * sendmsg (RK_TCP_HASHED_WINDOW_SMALL or _LARGE when measured), *ahead 1 when
+ * each window is hashed before its sendmsg, 0 right after. 0, or -1 (nothing
+ * set) before the process's first choice. */
+int rk_tcp_hashed_send_plan(uint64_t *window, int *ahead);
 
-/* How often the measurement has settled on a window since the process
- * started (or since the last rk_tcp_set_hashed_send_window). */
-uint64_t rk_tcp_hashed_send_window_choices(void);
+/* How often the measurement has settled on a plan since the process started
+ * (or since the last rk_tcp_set_hashed_send_plan). */
+uint64_t rk_tcp_hashed_send_choices(void);
 
-/* Fix the hashed-send window at `bytes` (1 to RK_TCP_WINDOW; tests, and an
- * operator who measured their own): nothing is measured any more. 0 forgets
- * the choice and its samples, so the next hashed sends measure from the
- * start (warm-up included). -1 for a size out of range, else 0. */
-int rk_tcp_set_hashed_send_window(uint64_t bytes);
+/* Fix the plan at `bytes` (1 to RK_TCP_WINDOW) per sendmsg, hashed ahead
+ * (`ahead` 1) or after (0), never measured again (tests, and an operator who
+ * measured); bytes 0 forgets it: the next hashed sends measure anew. 0, or -1
+ * for a size or `ahead` out of range. */
+int rk_tcp_set_hashed_send_plan(uint64_t bytes, int ahead);
 
 /* Copy `len` bytes from src into the list's first bytes, range by range
  * (len <= the list's bytes): a frame's bulk that arrived with its header,

@@ -115,14 +115,16 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
         )
     meta = res["meta"]
     assert meta["quick"] is True and meta["date"] and meta["machine"] and meta["commit"]
-    # the window the bench's puts measured and kept (a quick run's puts are
-    # enough bytes for both windows' samples)
+    # the plan the bench's puts measured and kept (a quick run's puts are
+    # enough bytes for every plan's samples)
     if tcp.native_checksums():
         assert meta["tcp_hashed_send_window"] in (
             tcp._lib.RK_TCP_HASHED_WINDOW_SMALL, tcp._lib.RK_TCP_HASHED_WINDOW_LARGE
         )
+        assert meta["tcp_hashed_send_ahead"] in (True, False)
     else:
         assert meta["tcp_hashed_send_window"] is None
+        assert meta["tcp_hashed_send_ahead"] is None
     assert meta["tcp_recv_spin_us"] == tcp.recv_spin_us()
     assert json.loads((out / "q.json").read_text()) == res
     for what in ("throughput", "latency", "concurrency"):

@@ -240,16 +240,19 @@ def test_checksum_ranges_gives_each_range_value_checksum_in_one_call() -> None:
     assert checksum_ranges(base, empty, empty) == []
 
 
-@pytest.fixture(params=["small", "large"])
+@pytest.fixture(params=[("small", False), ("large", False), ("small", True), ("large", True)],
+                ids=["small-after", "large-after", "small-ahead", "large-ahead"])
 def hashed_window(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Each hashed-send window the loop may pick, fixed for the test; after
-    it the process measures again."""
-    window = int(getattr(tcp._lib, f"RK_TCP_HASHED_WINDOW_{request.param.upper()}"))
-    tcp.set_hashed_send_window(window)
+    """Each hashed-send plan the loop may pick (window, hashed after or
+    ahead of its sendmsg), fixed for the test; after it the process
+    measures again."""
+    size, ahead = request.param
+    window = int(getattr(tcp._lib, f"RK_TCP_HASHED_WINDOW_{size.upper()}"))
+    tcp.set_hashed_send_plan(window, ahead=ahead)
     try:
         yield window
     finally:
-        tcp.set_hashed_send_window(0)
+        tcp.set_hashed_send_plan(0)
 
 
 @needs_checksums
@@ -316,12 +319,13 @@ def test_hashing_resumes_where_a_signal_interrupted_it(
 
 @needs_checksums
 def test_a_hashed_send_resumes_where_a_signal_interrupted_it(
-    pair: tuple[socket.socket, socket.socket],
+    pair: tuple[socket.socket, socket.socket], hashed_window: int,
 ) -> None:
     """A send that hashes its ranges as they go out, interrupted while it
     waits for room (the peer reads late): resumed, it sends every byte once,
     hashes every range whole (one longer than a window, streamed in pieces,
-    included) and a checksum row at the end still goes out holding them."""
+    included; hashed ahead, a window's hash may have run past the bytes that
+    went out) and a checksum row at the end still goes out holding them."""
     a, b = pair
     a.settimeout(10)
     b.settimeout(10)
@@ -459,39 +463,42 @@ def _hashed_send(sock: socket.socket, peer: socket.socket, nbytes: int) -> None:
 
 @pytest.fixture
 def measuring() -> Iterator[None]:
-    """No hashed-send window chosen: the next hashed sends measure (and again after)."""
-    tcp.set_hashed_send_window(0)
+    """No hashed-send plan chosen: the next hashed sends measure (and again after)."""
+    tcp.set_hashed_send_plan(0)
     try:
         yield
     finally:
-        tcp.set_hashed_send_window(0)
+        tcp.set_hashed_send_plan(0)
 
 
 @needs_checksums
-def test_hashed_sends_on_a_non_blocking_socket_pick_one_of_the_two_windows(
+def test_hashed_sends_on_a_non_blocking_socket_pick_one_of_the_four_plans(
     pair: tuple[socket.socket, socket.socket], measuring: None
 ) -> None:
-    """The process measures both windows on its first hashed sends and uses
-    one: nothing is chosen before enough windows went out, one of the two
-    sizes after, and both are measured again later."""
+    """The process measures every plan (each window, hashed after or ahead)
+    on its first hashed sends and uses one: nothing is chosen before enough
+    windows went out, one of the four after, and all are measured again
+    later."""
     a, b = pair
     a.settimeout(10)  # non-blocking underneath, as every rdmakv connection
     b.settimeout(10)
     _hashed_send(a, b, 1 << 20)  # fewer windows than the warm-up alone
-    assert tcp.hashed_send_window() is None
+    assert tcp.hashed_send_plan() is None
     lib = tcp._lib
-    per_round = lib.RK_TCP_HASHED_WINDOW_SMALL + lib.RK_TCP_HASHED_WINDOW_LARGE
+    assert lib.RK_TCP_SEND_PLANS == 4
+    per_round = 2 * (lib.RK_TCP_HASHED_WINDOW_SMALL + lib.RK_TCP_HASHED_WINDOW_LARGE)
     _hashed_send(a, b, per_round * (lib.RK_TCP_WINDOW_WARM_UP + lib.RK_TCP_WINDOW_PROBES + 8))
-    assert tcp.hashed_send_window() in (
-        lib.RK_TCP_HASHED_WINDOW_SMALL, lib.RK_TCP_HASHED_WINDOW_LARGE
-    )
-    first = lib.rk_tcp_hashed_send_window_choices()
+    plan = tcp.hashed_send_plan()
+    assert plan is not None
+    assert plan.window in (lib.RK_TCP_HASHED_WINDOW_SMALL, lib.RK_TCP_HASHED_WINDOW_LARGE)
+    assert isinstance(plan.ahead, bool)
+    first = lib.rk_tcp_hashed_send_choices()
     assert first >= 1
     # measured again (no warm-up) once RK_TCP_WINDOW_REPROBE more windows went
     # out (each moves at most the large window's bytes: at least that many)
     _hashed_send(a, b, lib.RK_TCP_WINDOW_REPROBE * lib.RK_TCP_HASHED_WINDOW_LARGE
                  + per_round * (lib.RK_TCP_WINDOW_PROBES + 8))
-    assert lib.rk_tcp_hashed_send_window_choices() > first
+    assert lib.rk_tcp_hashed_send_choices() > first
 
 
 @needs_checksums
@@ -501,28 +508,36 @@ def test_hashed_sends_on_a_blocking_socket_measure_nothing(
     """A blocking sendmsg's time includes its waits for room: no samples from it."""
     a, b = pair
     _hashed_send(a, b, 64 << 20)
-    assert tcp.hashed_send_window() is None
+    assert tcp.hashed_send_plan() is None
 
 
 @needs_checksums
-def test_a_window_set_by_hand_is_never_measured_again(
-    pair: tuple[socket.socket, socket.socket], measuring: None
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_plan_set_by_hand_is_never_measured_again(
+    pair: tuple[socket.socket, socket.socket], measuring: None, ahead: bool
 ) -> None:
     a, b = pair
     a.settimeout(10)
     b.settimeout(10)
-    tcp.set_hashed_send_window(200_000)
+    tcp.set_hashed_send_plan(200_000, ahead=ahead)
     lib = tcp._lib
-    _hashed_send(a, b, (lib.RK_TCP_WINDOW_REPROBE + 64) * lib.RK_TCP_HASHED_WINDOW_LARGE // 2)
-    assert tcp.hashed_send_window() == 200_000
-    assert lib.rk_tcp_hashed_send_window_choices() == 0
+    # more 200_000-byte windows than the plans are measured again after
+    _hashed_send(a, b, (lib.RK_TCP_WINDOW_REPROBE + 64) * (256 << 10))
+    assert tcp.hashed_send_plan() == (200_000, ahead)
+    assert lib.rk_tcp_hashed_send_choices() == 0
 
 
-def test_a_hashed_send_window_out_of_range_is_refused() -> None:
-    with pytest.raises(ConfigError, match="hashed send window"):
-        tcp.set_hashed_send_window(tcp._lib.RK_TCP_WINDOW + 1)
-    with pytest.raises(ConfigError, match="hashed send window"):
-        tcp.set_hashed_send_window(-1)
+@pytest.mark.parametrize(("window", "ahead"), [
+    (tcp._lib.RK_TCP_WINDOW + 1 if tcp._lib else 1, False), (-1, False), (1 << 70, True),
+    (True, False), (4096, 1),
+])
+def test_a_hashed_send_plan_out_of_range_is_refused(window: int, ahead: bool) -> None:
+    if tcp._lib is None:
+        pytest.skip(f"no native TCP loop: {tcp.NATIVE_ERROR}")
+    before = tcp.hashed_send_plan()
+    with pytest.raises(ConfigError, match="hashed send plan"):
+        tcp.set_hashed_send_plan(window, ahead=ahead)
+    assert tcp.hashed_send_plan() == before
 
 
 def test_the_native_hasher_picks_its_vector_unit_at_run_time() -> None:

@@ -70,7 +70,7 @@ from rdmakv.bench.drivers import (
 )
 from rdmakv.bench.placement import Placement, placements
 from rdmakv.bench.provenance import provenance
-from rdmakv.transport.tcp import hashed_send_window, recv_spin_us
+from rdmakv.transport.tcp import hashed_send_plan, recv_spin_us
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -866,7 +866,9 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], int]:
         },
     }
     if cfg.transport == "tcp":  # what this process's puts measured and kept (rk_tcp.h)
-        result["meta"]["tcp_hashed_send_window"] = hashed_send_window()
+        plan = hashed_send_plan()
+        result["meta"]["tcp_hashed_send_window"] = plan.window if plan else None
+        result["meta"]["tcp_hashed_send_ahead"] = plan.ahead if plan else None
         # the nodes the bench starts inherit the environment that set it
         result["meta"]["tcp_recv_spin_us"] = recv_spin_us()
     # rdmakv never skips; nor does the socket loop where it applies (TCP runs).

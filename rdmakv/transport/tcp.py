@@ -35,12 +35,13 @@ per system call (``RK_TCP_WINDOW``: fewer, bigger calls measured slower over
 loopback), resuming after short transfers, waiting with ``poll`` on EAGAIN -- with
 the GIL released, so the client's and the node's Python threads keep running.
 The same loop hashes each block with XXH3 (the protocol's value checksum)
-right after each system call moved it, out or in, while the kernel's copy
-has left it in the CPU cache: the writer's checksums for COMMIT and the
-reader's verification come from that pass instead of one more read of every
-block from memory. A send that hashes moves 128 KiB or 512 KiB per call,
-whichever the process measured to cost its thread less on this CPU
-(:func:`hashed_send_window`).
+a system call's bytes at a time, so that the hash and the kernel's copy read
+each block from memory once between them: the writer's checksums for COMMIT
+and the reader's verification come from that pass instead of one more read
+of every block. A receive hashes each call's bytes right after the copy wrote
+them. A send moves 128 KiB or 512 KiB per call and hashes each right before
+or right after it, whichever plan the process measured to cost its thread
+less on this CPU (:func:`hashed_send_plan`; rk_tcp.h has the figures).
 A receive that runs out of bytes mid-list polls for the rest without sleeping
 for up to 100 us before it sleeps, while its process has fewer receives in
 flight than CPUs: the sender then need not wake it for every segment
@@ -185,26 +186,47 @@ def native_checksums() -> bool:
     return use_native and HASHER is not None
 
 
-def hashed_send_window() -> int | None:
-    """Bytes per system call of a send that hashes as it goes: 128 KiB or
-    512 KiB, whichever this process's hashed sends last measured to cost the
-    sending thread less CPU per byte (rk_tcp.h says why it depends on the CPU,
-    and how often it is measured again); None before the first choice, or
-    without the native loop."""
+class HashedSendPlan(NamedTuple):
+    """How this process's hashed sends move a list (:func:`hashed_send_plan`)."""
+
+    window: int
+    """Bytes per ``sendmsg``."""
+    ahead: bool
+    """Each window is hashed right before its ``sendmsg`` (True) or right after (False)."""
+
+
+def hashed_send_plan() -> HashedSendPlan | None:
+    """The plan of a send that hashes as it goes: 128 KiB or 512 KiB per
+    system call, each hashed before or after it, whichever of the four this
+    process's hashed sends last measured to cost the sending thread the least
+    CPU per byte (rk_tcp.h says why it depends on the CPU, and how often it
+    is measured again); None before the first choice, or without the native
+    loop."""
     if _lib is None:
         return None
-    return int(_lib.rk_tcp_hashed_send_window()) or None
+    window = _ffi.new("uint64_t *")
+    ahead = _ffi.new("int *")
+    if _lib.rk_tcp_hashed_send_plan(window, ahead) != 0:
+        return None
+    return HashedSendPlan(int(window[0]), bool(ahead[0]))
 
 
-def set_hashed_send_window(nbytes: int) -> None:
-    """Fix the hashed-send window at ``nbytes`` (1 to ``RK_TCP_WINDOW``), never
-    measured again; 0 forgets it, so the next hashed sends measure anew."""
+def set_hashed_send_plan(window: int, *, ahead: bool = False) -> None:
+    """Fix the hashed-send plan: ``window`` bytes per system call (1 to
+    ``RK_TCP_WINDOW``), each hashed before (``ahead``) or after it, never
+    measured again; ``window`` 0 forgets it, so the next hashed sends
+    measure anew."""
     if _lib is None:
         raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
-    if nbytes < 0 or _lib.rk_tcp_set_hashed_send_window(nbytes) != 0:
+    if (
+        isinstance(window, bool) or not isinstance(window, int) or not isinstance(ahead, bool)
+        or not 0 <= window <= _lib.RK_TCP_WINDOW
+    ):
         raise ConfigError(
-            f"hashed send window must be 0 to {_lib.RK_TCP_WINDOW} bytes, got {nbytes}"
+            f"hashed send plan: the window must be 0 to {_lib.RK_TCP_WINDOW} bytes and "
+            f"ahead a bool, got {window!r}, {ahead!r}"
         )
+    _lib.rk_tcp_set_hashed_send_plan(window, int(ahead))
 
 
 class RecvWaitCounts(NamedTuple):
