@@ -130,9 +130,9 @@ static const struct send_plan {
 static uint64_t chosen;
 static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
 static int fixed;       /* set by rk_tcp_set_hashed_send_plan: never measure */
-static int probing = 1; /* windows take the plans in turn and are timed */
+static int probing = 1; /* before the first choice: every window measures a plan */
 static int warm_up = RK_TCP_WINDOW_WARM_UP; /* windows left before the samples */
-static uint64_t since;  /* windows since the last choice */
+static uint64_t since;  /* after a choice: windows since the last one that measured */
 static uint64_t choices;
 static double probe_cost[RK_TCP_SEND_PLANS][RK_TCP_WINDOW_PROBES]; /* ns of thread CPU per byte */
 static int probe_count[RK_TCP_SEND_PLANS];
@@ -157,17 +157,19 @@ static double median(double *v, int n) {
 }
 
 /* The plan the next window should measure (one with the fewest samples,
- * taken in turn), or -1: use the chosen plan. Every RK_TCP_WINDOW_REPROBE
- * windows after a choice the plans are measured again. */
-static int probe_next(void) {
+ * taken in turn), or -1: use the chosen plan. Before the first choice every
+ * window measures; after it, one in RK_TCP_WINDOW_RESAMPLE, the first one
+ * from then on that starts `clean` (see run_loop). */
+static int probe_next(int clean) {
     pthread_mutex_lock(&probe_lock);
     int which = -1;
     if (!fixed) {
-        if (!probing && ++since >= RK_TCP_WINDOW_REPROBE) {
-            probing = 1;
-            memset(probe_count, 0, sizeof probe_count);
+        int measure = probing;
+        if (!probing && ++since >= RK_TCP_WINDOW_RESAMPLE && clean) {
+            since = 0;
+            measure = 1;
         }
-        if (probing) {
+        if (measure) {
             which = (int)(probe_turn++ % RK_TCP_SEND_PLANS);
             for (int k = 1; k < RK_TCP_SEND_PLANS; k++) {
                 int j = (which + k) % RK_TCP_SEND_PLANS;
@@ -179,16 +181,17 @@ static int probe_next(void) {
     return which;
 }
 
-/* One window of plan `which`: `ns` of thread CPU moved and hashed `bytes`.
- * The last sample needed settles the choice (ties keep the earlier plan). */
-static void probe_record(int which, int64_t ns, uint64_t bytes) {
+/* One window of plan `which`: `cost` ns of thread CPU per byte moved and
+ * hashed. The last sample needed settles the choice (ties keep the earlier
+ * plan), and the next round of samples starts from none. */
+static void probe_record(int which, double cost) {
     pthread_mutex_lock(&probe_lock);
-    if (!probing || fixed) {
-        /* settled or set meanwhile by another thread */
+    if (fixed) {
+        /* set meanwhile by another thread */
     } else if (warm_up > 0) {
         warm_up--;
     } else if (probe_count[which] < RK_TCP_WINDOW_PROBES) {
-        probe_cost[which][probe_count[which]++] = (double)ns / (double)bytes;
+        probe_cost[which][probe_count[which]++] = cost;
         int full = 1;
         for (int j = 0; j < RK_TCP_SEND_PLANS; j++) full &= probe_count[j] == RK_TCP_WINDOW_PROBES;
         if (full) {
@@ -203,6 +206,7 @@ static void probe_record(int which, int64_t ns, uint64_t bytes) {
             }
             __atomic_store_n(&chosen, plans[best].window * 2 + (uint64_t)plans[best].ahead,
                              __ATOMIC_RELEASE);
+            memset(probe_count, 0, sizeof probe_count);
             probing = 0;
             since = 0;
             choices++;
@@ -373,14 +377,18 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             return RK_TCP_OK;
         }
         size_t end = n;
-        int which = measures ? probe_next() : -1; /* the plan this window measures */
+        /* no byte past `moved` hashed yet: a window that measures a plan
+         * must start so, or its copy would find bytes an earlier window
+         * hashed ahead in the cache */
+        int clean = h && h->at == moved;
+        int which = measures ? probe_next(clean) : -1; /* the plan this window measures */
         int ahead = 0; /* this window is hashed before its sendmsg */
-        int64_t t0 = 0;
-        uint64_t moved_from = moved, hashed_from = h ? h->at : 0;
+        int64_t t_start = 0, t_copy = 0, t_copied = 0;
+        uint64_t hashed_from = h ? h->at : 0;
         if (which >= 0) {
             cap = plans[which].window;
             ahead = plans[which].ahead;
-            t0 = thread_ns();
+            t_start = thread_ns();
         } else if (h && sending) {
             uint64_t plan = chosen_plan();
             cap = plan ? plan / 2 : RK_TCP_HASHED_WINDOW_SMALL;
@@ -414,7 +422,9 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             memset(&msg, 0, sizeof msg);
             msg.msg_iov = win;
             msg.msg_iovlen = (size_t)k;
+            if (which >= 0) t_copy = thread_ns();
             r = sendmsg(fd, &msg, MSG_NOSIGNAL);
+            if (which >= 0) t_copied = thread_ns();
         } else {
             r = readv(fd, win, k);
         }
@@ -425,16 +435,21 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             /* hashed right after the copy into or out of the socket, while
              * the bytes are still in the CPU cache (sends hashed ahead: done) */
             if (h && hash_to(h, iov, n, moved)) goto nomem;
-            /* A sample is a window that hashed exactly the bytes it moved
-             * (not a send cut short after its bytes were hashed ahead, nor
-             * the one after it) and moved at least half the plan's window: a
-             * short window's fixed costs would skew it (windows cut short by
-             * the end of the list, a checksum row or the next range not
-             * fitting whole; after a partial send a window starts inside a
-             * range and rarely fills exactly). */
-            if (which >= 0 && 2 * (uint64_t)r >= cap && hashed_from == moved_from &&
-                h->at == moved)
-                probe_record(which, thread_ns() - t0, (uint64_t)r);
+            /* A sample: the copy's ns per byte it moved plus the hash's per
+             * byte it hashed (before and after the copy), so that a send cut
+             * short after its window was hashed ahead still counts, from a
+             * clean window that moved at least half the plan's: a short
+             * window's fixed costs would skew it (windows cut short by the
+             * end of the list, a checksum row or the next range not fitting
+             * whole; after a partial send a window starts inside a range and
+             * rarely fills exactly). */
+            if (which >= 0 && clean && 2 * (uint64_t)r >= cap && h->at > hashed_from) {
+                int64_t t_end = thread_ns();
+                double copy = (double)(t_copied - t_copy) / (double)r;
+                double hash = (double)((t_copy - t_start) + (t_end - t_copied)) /
+                              (double)(h->at - hashed_from);
+                probe_record(which, copy + hash);
+            }
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
             continue;
         }

@@ -46,27 +46,37 @@
  *   3.43-3.76 after). The kernel's copy from memory cost more than the
  *   hash's read from memory and the copy from the cache together.
  * So the first hashed sends of a process on a non-blocking socket take the
- * RK_TCP_SEND_PLANS plans (each window size, each order) in turn and time
+ * RK_TCP_SEND_PLANS plans (each window size, each order) in turn, and time
  * each window's sendmsg and hash on the thread's CPU clock (waits for room
- * are polls outside it; a window that moved less than half its size, or
- * whose hash did not cover exactly the bytes it moved, is not counted). The
- * first RK_TCP_WINDOW_WARM_UP windows are not counted (a new connection's
- * first sends cost more, whatever their plan); once each plan has
- * RK_TCP_WINDOW_PROBES samples, the one with the lowest median nanoseconds
- * per byte moved is used. All are measured again (without the warm-up)
- * after every RK_TCP_WINDOW_REPROBE windows: a choice made on one kind of
- * batch or in a noisy moment does not stay for good (a bench whose 16 KiB
- * puts, where the sizes differ little, came first once kept 128 KiB for its
- * 256 KiB and 1 MiB puts too). The other plans then move about 3% of the
- * windows. A send that does not hash, and a receive (which hashes the bytes
- * it has just written, still in cache), keep RK_TCP_WINDOW: unhashed, 128 KiB
+ * are polls outside it). A sample is the copy's nanoseconds per byte it
+ * moved plus the hash's per byte it hashed, so that a send cut short after
+ * its window was hashed ahead still counts; it is taken only from a window
+ * that starts with nothing past it hashed yet (else its copy would find
+ * bytes an earlier window hashed ahead in the cache) and moves at least half
+ * its plan's size. The first RK_TCP_WINDOW_WARM_UP windows are not counted
+ * (a new connection's first sends cost more, whatever their plan); once
+ * each plan has RK_TCP_WINDOW_PROBES samples, the one with the lowest median
+ * is used. From then on one window in RK_TCP_WINDOW_RESAMPLE (the first
+ * clean one after so many) measures a plan, each in turn, the chosen one
+ * too, so that all are timed over the same stretch; each time every plan
+ * has its samples again the choice is made anew. A choice made on one kind
+ * of batch or in a noisy moment does not stay for good (a bench whose
+ * 16 KiB puts, where the sizes differ little, came first once kept 128 KiB
+ * for its 256 KiB and 1 MiB puts too), and the other plans move about 2% of
+ * the windows, spread thinly: re-measuring in bursts instead (all plans in
+ * turn for 96 windows every 2048) caught one put in several mid-burst, and
+ * the bench's 64 KiB put drew medians of 5.3-6.2 GB/s where a fixed plan drew
+ * 7.7. Spread, a warm 16 KiB put took 2.34-2.35 ms (median) against 2.33-2.42
+ * with the plan fixed at the one it chose.
+ * A send that does not hash, and a receive (which hashes the bytes it has
+ * just written, still in cache), keep RK_TCP_WINDOW: unhashed, 128 KiB
  * windows were slower. */
 #define RK_TCP_HASHED_WINDOW_SMALL 131072
 #define RK_TCP_HASHED_WINDOW_LARGE 524288
 #define RK_TCP_SEND_PLANS 4 /* each window, hashed after its sendmsg, then each hashed ahead */
 #define RK_TCP_WINDOW_PROBES 24
 #define RK_TCP_WINDOW_WARM_UP 32
-#define RK_TCP_WINDOW_REPROBE 2048
+#define RK_TCP_WINDOW_RESAMPLE 32
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -139,11 +149,8 @@ typedef struct {
  * read each byte from memory only once between them: a receive hashes the
  * bytes each readv moved (RK_TCP_WINDOW at most) right after it wrote them,
  * from the CPU cache; a send moves rk_tcp_hashed_send_plan()'s window per
- * sendmsg and hashes it right before or right after the call (see above).
- * Hashing a whole list before sending any of it cost a fifth of a plain
- * loop's rate over loopback (1000 x 16 KiB, 2-core Xeon VM): the hash paid
- * the memory reads and, with the list long gone from the cache, the copy did
- * not get faster for it. *hashed: ranges hashed so far (in/out:
+ * sendmsg and hashes it right before or right after the call (see above:
+ * which is cheaper depends on the CPU). *hashed: ranges hashed so far (in/out:
  * 0 on the first call, kept across a call resumed after RK_TCP_EINTR, which
  * hashes a range it had started again from its first byte). On RK_TCP_OK,
  * *hashed == n.

@@ -494,10 +494,11 @@ def test_hashed_sends_on_a_non_blocking_socket_pick_one_of_the_four_plans(
     assert isinstance(plan.ahead, bool)
     first = lib.rk_tcp_hashed_send_choices()
     assert first >= 1
-    # measured again (no warm-up) once RK_TCP_WINDOW_REPROBE more windows went
-    # out (each moves at most the large window's bytes: at least that many)
-    _hashed_send(a, b, lib.RK_TCP_WINDOW_REPROBE * lib.RK_TCP_HASHED_WINDOW_LARGE
-                 + per_round * (lib.RK_TCP_WINDOW_PROBES + 8))
+    # measured again (no warm-up), one window in RK_TCP_WINDOW_RESAMPLE, and
+    # chosen anew once every plan has its samples again (each window moves at
+    # most the large window's bytes: at least that many windows)
+    _hashed_send(a, b, lib.RK_TCP_WINDOW_RESAMPLE * lib.RK_TCP_HASHED_WINDOW_LARGE
+                 * lib.RK_TCP_SEND_PLANS * (lib.RK_TCP_WINDOW_PROBES + 4))
     assert lib.rk_tcp_hashed_send_choices() > first
 
 
@@ -521,8 +522,10 @@ def test_a_plan_set_by_hand_is_never_measured_again(
     b.settimeout(10)
     tcp.set_hashed_send_plan(200_000, ahead=ahead)
     lib = tcp._lib
-    # more 200_000-byte windows than the plans are measured again after
-    _hashed_send(a, b, (lib.RK_TCP_WINDOW_REPROBE + 64) * (256 << 10))
+    # enough 200_000-byte windows for a first choice and one more
+    rounds = lib.RK_TCP_SEND_PLANS * (lib.RK_TCP_WINDOW_PROBES + 4)
+    windows = lib.RK_TCP_WINDOW_WARM_UP + lib.RK_TCP_WINDOW_RESAMPLE * rounds
+    _hashed_send(a, b, windows * (256 << 10))
     assert tcp.hashed_send_plan() == (200_000, ahead)
     assert lib.rk_tcp_hashed_send_choices() == 0
 
