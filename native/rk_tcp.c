@@ -158,18 +158,19 @@ static double median(double *v, int n) {
 
 /* The plan the next window should measure (one with the fewest samples,
  * taken in turn), or -1: use the chosen plan. Before the first choice every
- * window measures; after it, one in RK_TCP_WINDOW_RESAMPLE, the first one
- * from then on that starts `clean` (see run_loop). */
-static int probe_next(int clean) {
+ * window measures; after it, one in RK_TCP_WINDOW_RESAMPLE. Only a window
+ * that starts `clean` (see run_loop) measures: else *due is set, and the
+ * window catches up instead. */
+static int probe_next(int clean, int *due) {
     pthread_mutex_lock(&probe_lock);
     int which = -1;
+    *due = 0;
     if (!fixed) {
-        int measure = probing;
-        if (!probing && ++since >= RK_TCP_WINDOW_RESAMPLE && clean) {
+        int measure = probing || ++since >= RK_TCP_WINDOW_RESAMPLE;
+        if (measure && !clean) {
+            *due = 1;
+        } else if (measure) {
             since = 0;
-            measure = 1;
-        }
-        if (measure) {
             which = (int)(probe_turn++ % RK_TCP_SEND_PLANS);
             for (int k = 1; k < RK_TCP_SEND_PLANS; k++) {
                 int j = (which + k) % RK_TCP_SEND_PLANS;
@@ -381,7 +382,8 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
          * must start so, or its copy would find bytes an earlier window
          * hashed ahead in the cache */
         int clean = h && h->at == moved;
-        int which = measures ? probe_next(clean) : -1; /* the plan this window measures */
+        int due = 0;
+        int which = measures ? probe_next(clean, &due) : -1; /* the plan this window measures */
         int ahead = 0; /* this window is hashed before its sendmsg */
         int64_t t_start = 0, t_copy = 0, t_copied = 0;
         uint64_t hashed_from = h ? h->at : 0;
@@ -393,6 +395,11 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             uint64_t plan = chosen_plan();
             cap = plan ? plan / 2 : RK_TCP_HASHED_WINDOW_SMALL;
             ahead = (int)(plan & 1);
+            /* a window is due to measure, but a send cut short left bytes
+             * hashed ahead of it: this one ends where the hash did, so the
+             * next starts clean (sends that keep filling the socket would
+             * otherwise never let a window measure) */
+            if (due && h->at - moved < cap) cap = h->at - moved;
         }
         if (h && sending) {
             /* A window hashed right after it goes out (below) holds a range
@@ -438,12 +445,12 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             /* A sample: the copy's ns per byte it moved plus the hash's per
              * byte it hashed (before and after the copy), so that a send cut
              * short after its window was hashed ahead still counts, from a
-             * clean window that moved at least half the plan's: a short
-             * window's fixed costs would skew it (windows cut short by the
-             * end of the list, a checksum row or the next range not fitting
-             * whole; after a partial send a window starts inside a range and
-             * rarely fills exactly). */
-            if (which >= 0 && clean && 2 * (uint64_t)r >= cap && h->at > hashed_from) {
+             * (clean) window at least half the plan's size: a short window's
+             * fixed costs would skew it (windows cut short by the end of the
+             * list, a checksum row or the next range not fitting whole;
+             * after a partial send a window starts inside a range and rarely
+             * fills exactly). */
+            if (which >= 0 && 2 * bytes >= cap && h->at > hashed_from) {
                 int64_t t_end = thread_ns();
                 double copy = (double)(t_copied - t_copy) / (double)r;
                 double hash = (double)((t_copy - t_start) + (t_end - t_copied)) /

@@ -51,9 +51,12 @@
  * are polls outside it). A sample is the copy's nanoseconds per byte it
  * moved plus the hash's per byte it hashed, so that a send cut short after
  * its window was hashed ahead still counts; it is taken only from a window
- * that starts with nothing past it hashed yet (else its copy would find
- * bytes an earlier window hashed ahead in the cache) and moves at least half
- * its plan's size. The first RK_TCP_WINDOW_WARM_UP windows are not counted
+ * at least half its plan's size that starts with nothing past it hashed yet
+ * (else its copy would find bytes an earlier window hashed ahead in the
+ * cache). When a window is due to measure but a send cut short left bytes
+ * hashed ahead, it ends where the hash did instead, and the next measures:
+ * sends that keep filling the socket would otherwise never let one measure.
+ * The first RK_TCP_WINDOW_WARM_UP windows are not counted
  * (a new connection's first sends cost more, whatever their plan); once
  * each plan has RK_TCP_WINDOW_PROBES samples, the one with the lowest median
  * is used. From then on one window in RK_TCP_WINDOW_RESAMPLE (the first
