@@ -418,17 +418,35 @@ class KVCacheManager:
         only (no digest check, no lease): :meth:`acquire_blocks` verifies, and
         may still find a block gone. A failing node counts as absent.
         """
+        return self.hit_bitmaps([(tokens, extra, max_blocks)])[0]
+
+    def hit_bitmaps(
+        self, prompts: Sequence[tuple[Tokens, bytes | None, int | None]]
+    ) -> list[list[bool]]:
+        """:meth:`hit_bitmap` of several ``(tokens, extra, max_blocks)`` at once.
+
+        The blocks L1 lacks, over all of them, go to the node in one batched
+        ``exists``: a scheduler step's lookups cost one round trip, not one each.
+        """
         self.poll()
-        keys = self.keyer.keys(tokens, extra)
-        if max_blocks is not None:
-            keys = keys[:max_blocks]
-        bitmap = [self.l1.contains(k) for k in keys]
-        absent = [i for i, present in enumerate(bitmap) if not present]
+        bitmaps: list[list[bool]] = []
+        absent: list[tuple[int, int]] = []
+        absent_keys: list[BlockKey] = []
+        for p, (tokens, extra, max_blocks) in enumerate(prompts):
+            keys = self.keyer.keys(tokens, extra)
+            if max_blocks is not None:
+                keys = keys[:max_blocks]
+            bitmap = [self.l1.contains(k) for k in keys]
+            for i, present in enumerate(bitmap):
+                if not present:
+                    absent.append((p, i))
+                    absent_keys.append(keys[i])
+            bitmaps.append(bitmap)
         if absent and self.client is not None:
-            remote = self._remote_exists([keys[i] for i in absent])
-            for i, present in zip(absent, remote, strict=True):
-                bitmap[i] = present
-        return bitmap
+            remote = self._remote_exists(absent_keys)
+            for (p, i), present in zip(absent, remote, strict=True):
+                bitmaps[p][i] = present
+        return bitmaps
 
     def acquire_blocks(
         self, tokens: Tokens, indices: Sequence[int], *, extra: bytes | None = None

@@ -28,14 +28,16 @@ class Cached:
         self.per_group = list(per_group)
         self.calls = 0
 
-    def __call__(self, tokens: Sequence[int], extra: bytes | None) -> list[list[bool]]:
+    def __call__(
+        self, req_id: str, tokens: Sequence[int], extra: bytes | None
+    ) -> list[list[bool]] | None:
         self.calls += 1
         n = len(tokens) // B
         return [[i in blocks for i in range(n)] for blocks in self.per_group]
 
 
 def test_hit_is_capped_below_the_last_token_and_counted_beyond_local_hits() -> None:
-    book = RequestBook([FULL], Cached({0, 1, 2, 3}))
+    book = RequestBook([FULL], Cached({0, 1, 2, 3}), async_loads=False)
     assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (64, False)
     assert book.num_new_matched_tokens("r", PROMPT, 16, None) == (48, False)
     exact = PROMPT[:64]  # every block cached, but one token must be computed
@@ -44,12 +46,12 @@ def test_hit_is_capped_below_the_last_token_and_counted_beyond_local_hits() -> N
 
 
 def test_a_hole_stops_a_full_attention_hit() -> None:
-    book = RequestBook([FULL], Cached({0, 1, 3}))
+    book = RequestBook([FULL], Cached({0, 1, 3}), async_loads=False)
     assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (32, False)
 
 
 def test_load_plan_covers_the_external_blocks_only_and_saves_follow() -> None:
-    book = RequestBook([FULL], Cached({0, 1, 2}))
+    book = RequestBook([FULL], Cached({0, 1, 2}), async_loads=False)
     assert book.num_new_matched_tokens("r", PROMPT, 16, None) == (32, False)
     block_ids = [[11, 12, 13, 14, 15]]
     book.after_alloc("r", PROMPT, len(PROMPT), b"x", block_ids, 32)
@@ -70,7 +72,7 @@ def test_load_plan_covers_the_external_blocks_only_and_saves_follow() -> None:
 
 
 def test_chunked_prefill_saves_each_block_once_as_it_completes() -> None:
-    book = RequestBook([FULL], Cached(set()))
+    book = RequestBook([FULL], Cached(set()), async_loads=False)
     assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (0, False)
     book.after_alloc("r", PROMPT, len(PROMPT), None, [[1, 2]], 0)
     book.scheduled("r", 0, block_ids=[[1, 2]])
@@ -83,7 +85,7 @@ def test_chunked_prefill_saves_each_block_once_as_it_completes() -> None:
 
 @pytest.mark.parametrize("keep", [True, False, None])
 def test_the_request_hint_rides_on_every_save(keep: bool | None) -> None:
-    book = RequestBook([FULL], Cached(set()))
+    book = RequestBook([FULL], Cached(set()), async_loads=False)
     book.num_new_matched_tokens("r", PROMPT, 0, None)
     book.after_alloc("r", PROMPT, len(PROMPT), None, [[1, 2]], 0, keep=keep)
     book.scheduled("r", 0, block_ids=[[1, 2]])
@@ -94,7 +96,7 @@ def test_the_request_hint_rides_on_every_save(keep: bool | None) -> None:
 
 
 def test_failed_sync_load_is_never_offered_again_and_gets_saved_when_recomputed() -> None:
-    book = RequestBook([FULL], Cached({0, 1, 2, 3}))
+    book = RequestBook([FULL], Cached({0, 1, 2, 3}), async_loads=False)
     assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (64, False)
     ids = [[5, 6, 7, 8, 9]]
     book.after_alloc("r", PROMPT, len(PROMPT), None, ids, 64)
@@ -108,7 +110,7 @@ def test_failed_sync_load_is_never_offered_again_and_gets_saved_when_recomputed(
 
 
 def test_unrelated_bad_blocks_do_not_fail_a_request() -> None:
-    book = RequestBook([FULL], Cached({0, 1}))
+    book = RequestBook([FULL], Cached({0, 1}), async_loads=False)
     book.num_new_matched_tokens("r", PROMPT, 0, None)
     book.after_alloc("r", PROMPT, len(PROMPT), None, [[5, 6, 7, 8, 9]], 32)
     book.build({})
@@ -152,3 +154,54 @@ def test_bad_input_is_refused_by_name() -> None:
     book.num_new_matched_tokens("r", PROMPT, 0, None)
     with pytest.raises(ConfigError, match="needs 4"):
         book.after_alloc("r", PROMPT, 70, None, [[1], [2]], 64)
+
+
+class NotYet(Cached):
+    """A lookup that has not answered until ``ready`` is set."""
+
+    ready = False
+
+    def __call__(
+        self, req_id: str, tokens: Sequence[int], extra: bytes | None
+    ) -> list[list[bool]] | None:
+        return super().__call__(req_id, tokens, extra) if self.ready else None
+
+
+def test_a_lookup_not_answered_yet_says_ask_again_then_loads_async() -> None:
+    lookup = NotYet({0, 1, 2, 3})
+    book = RequestBook([FULL], lookup)
+    assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (None, False)
+    lookup.ready = True
+    assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (64, True)
+    ids = [[5, 6, 7, 8, 9]]
+    book.after_alloc("r", PROMPT, len(PROMPT), None, ids, 64)
+    plan = book.build({})
+    assert plan.async_loads and len(plan.loads) == 1
+    # The load is reported finished with one bad block in the same pass: a failure.
+    assert book.load_results(finished={"r"}, bad_blocks={7}) == {"r"}
+    assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (0, False)
+
+
+def test_async_load_finished_without_errors_is_not_a_failure() -> None:
+    book = RequestBook([FULL], Cached({0, 1, 2, 3}))
+    book.num_new_matched_tokens("r", PROMPT, 0, None)
+    book.after_alloc("r", PROMPT, len(PROMPT), None, [[5, 6, 7, 8, 9]], 64)
+    book.build({})
+    assert book.load_results() == set()  # still in flight
+    assert book.load_results(finished={"r"}, bad_blocks={42}) == set()
+    assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (64, True)
+
+
+def test_a_request_with_a_planned_save_is_held_when_it_finishes() -> None:
+    book = RequestBook([FULL], Cached(set()))
+    book.num_new_matched_tokens("saved", PROMPT, 0, None)
+    book.after_alloc("saved", PROMPT, len(PROMPT), None, [[1, 2, 3, 4, 5]], 0)
+    book.scheduled("saved", 0, block_ids=[[1, 2, 3, 4, 5]])
+    book.num_new_matched_tokens("short", PROMPT[:10], 0, None)
+    book.after_alloc("short", PROMPT[:10], 10, None, [[6]], 0)
+    book.scheduled("short", 0, block_ids=[[6]])
+    plan = book.build({"saved": 70, "short": 10}, preempted=["gone"])
+    assert [s.req_id for s in plan.saves] == ["saved"]
+    assert plan.preempted == ("gone",)
+    assert book.finished("saved") is True  # the engine keeps its blocks until reported
+    assert book.finished("short") is False  # no save: freed at once

@@ -2,27 +2,33 @@
 
 Two "engines" (each its own stores, L1 slabs and KV tensors) share one node:
 engine A saves blocks of a hybrid model (full attention + sliding window),
-engine B finds them through the scheduler-side lookup and loads them into
-different block ids. No engine library is imported: this is the connector
-logic that the vLLM adapter only forwards to.
+engine B finds them through the scheduler-side lookup service and loads them
+into different block ids on its transfer thread. No engine library is
+imported: this is the connector logic that the vLLM adapter only forwards to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
 
+from rdmakv.connectors.lookups import Bitmaps, LookupService
 from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
 from rdmakv.connectors.plan import GroupBlocks, RequestBook, Transfer
 from rdmakv.connectors.store import GroupStores, StoreOptions
+from rdmakv.connectors.transfers import TransferWorker
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from rdmakv.keys import KeyNamespace
 
 pytestmark = pytest.mark.timeout(120)
+
+IO_TIMEOUT_S = 10.0
 
 B = 16
 SPEC = PageSpec(block_tokens=B, num_heads=2, head_size=8, head_size_v=8, dtype=torch.float32)
@@ -33,11 +39,28 @@ NS = KeyNamespace(model="test-model", dtype="float32", kv_layout="test")
 PROMPT = list(range(500, 570))  # 4 full blocks + 6 tokens
 
 
+class Clock:
+    """A clock the test moves by hand: deadlines pass when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class FakeEngine:
-    """An engine's paged KV (2 layers per group, block-first views) plus the connector parts."""
+    """An engine's paged KV (2 layers per group, block-first views) plus the connector parts:
+    a scheduler side's :class:`LookupService`, or a worker's :class:`TransferWorker`."""
 
     def __init__(
-        self, node: str, *, scheduler: bool = False, ns: KeyNamespace = NS, **opts: Any
+        self,
+        node: str,
+        *,
+        scheduler: bool = False,
+        ns: KeyNamespace = NS,
+        clock: Clock | None = None,
+        **opts: Any,
     ) -> None:
         self.kv = [
             [torch.zeros(NUM_BLOCKS, 2, B, 16) for _ in range(2)] for _ in GROUPS
@@ -54,9 +77,44 @@ class FakeEngine:
             )
             for g, layers in enumerate(self.kv)
         ]
+        kw: dict[str, Any] = {} if clock is None else {"clock": clock}
+        self.lookups: LookupService | None = None
+        self.transfers: TransferWorker | None = None
+        if scheduler:
+            self.lookups = LookupService(self.stores, options.timeout, **kw)
+            self.book = RequestBook(GROUPS, self.lookup, null_block=NULL)
+        else:
+            self.transfers = TransferWorker(
+                self.stores, self.copiers, null_block=NULL, timeout=options.timeout, **kw
+            )
+
+    def lookup(self, req_id: str, tokens: Sequence[int], extra: bytes | None) -> Bitmaps | None:
+        assert self.lookups is not None
+        self.lookups.submit(req_id, tokens, extra)
+        return self.lookups.answer(req_id)
+
+    def ask(self, req_id: str, tokens: Sequence[int], extra: bytes | None = None) -> Any:
+        """What the scheduler hears once the lookup answered (it asks again each step)."""
+        deadline = time.monotonic() + IO_TIMEOUT_S
+        while (got := self.book.num_new_matched_tokens(req_id, tokens, 0, extra))[0] is None:
+            assert time.monotonic() < deadline, "the lookup never answered"
+            time.sleep(0.005)
+        return got
+
+    def run(self, *, loads: Sequence[Transfer] = (), saves: Sequence[Transfer] = ()) -> Any:
+        """Queue a step's jobs, wait for them to end, return what they report."""
+        t = self.transfers
+        assert t is not None
+        t.save(saves, after=t.mark())
+        t.wait(t.load(loads, report_async=True))
+        assert t.call(lambda: None, IO_TIMEOUT_S) is None  # the saves queued before ran
+        return t.results()
 
     def close(self) -> None:
-        self.stores.close()
+        if self.lookups is not None:
+            self.lookups.close()
+        elif self.transfers is not None:
+            self.transfers.close()
 
 
 @pytest.fixture
@@ -73,21 +131,32 @@ def engines() -> Iterator[Callable[..., FakeEngine]]:
         e.close()
 
 
+def _prompt_save() -> Transfer:
+    return Transfer(
+        "a", tuple(PROMPT[:64]), None, (GroupBlocks(0, (1, 2, 3, 4)), GroupBlocks(0, (5, 6, 7, 8)))
+    )
+
+
 def _save_prompt(a: FakeEngine) -> list[list[int]]:
     """Engine A computed the prompt into blocks 1-4 (group 0) and 5-8 (group 1); save them."""
-    ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    save = _prompt_save()
+    ids = [list(g.block_ids) for g in save.groups]
     for g, layers in enumerate(a.kv):
         for t in layers:
             t[ids[g]] = torch.randn(4, 2, B, 16)
-    save = Transfer(
-        "a",
+    a.run(saves=[save])
+    assert a.stores.stats.saved_blocks == 8
+    assert a.transfers is not None and a.transfers.flush(10.0)
+    return ids
+
+
+def _load_b() -> Transfer:
+    return Transfer(
+        "b",
         tuple(PROMPT[:64]),
         None,
-        (GroupBlocks(0, tuple(ids[0])), GroupBlocks(0, tuple(ids[1]))),
+        (GroupBlocks(0, (9, 10, 11, 12)), GroupBlocks(0, (0, 0, 13, 14))),
     )
-    assert a.stores.save(save, a.copiers, NULL) == 8
-    assert a.stores.flush(10.0)
-    return ids
 
 
 def test_blocks_saved_by_one_engine_are_found_and_loaded_by_another(
@@ -98,14 +167,14 @@ def test_blocks_saved_by_one_engine_are_found_and_loaded_by_another(
     ids_a = _save_prompt(a)
 
     sched = engines(node.endpoint, scheduler=True)
-    book = RequestBook(GROUPS, sched.stores.hit_bitmaps, null_block=NULL)
-    assert book.num_new_matched_tokens("b", PROMPT, 0, None) == (64, True)
+    assert sched.ask("b", PROMPT) == (64, True)
 
     b = engines(node.endpoint)
     ids_b = [[9, 10, 11, 12], [0, 0, 13, 14]]  # the window group got null blocks 0-1
-    book.after_alloc("b", PROMPT, len(PROMPT), None, ids_b, 64)
-    (load,) = book.build({}).loads
-    assert b.stores.load(load, b.copiers, NULL) == set()
+    sched.book.after_alloc("b", PROMPT, len(PROMPT), None, ids_b, 64)
+    (load,) = sched.book.build({}).loads
+    got = b.run(loads=[load])
+    assert got.finished_recving == {"b"} and not got.failed_recving and not got.bad_blocks
     for g in range(2):
         for layer in range(2):
             for ia, ib in zip(ids_a[g], ids_b[g], strict=True):
@@ -115,18 +184,54 @@ def test_blocks_saved_by_one_engine_are_found_and_loaded_by_another(
     assert b.stores.stats.loaded_blocks == 6
 
 
+def test_lookups_of_many_requests_share_one_batch(
+    node_factory: Any, engines: Callable[..., FakeEngine]
+) -> None:
+    node = node_factory()
+    _save_prompt(engines(node.endpoint))
+    sched = engines(node.endpoint, scheduler=True)
+    assert sched.lookups is not None
+    node.pause()  # the questions queue up behind the first one
+    for i in range(8):
+        sched.lookups.submit(f"r{i}", PROMPT if i % 2 else PROMPT[:40], None)
+    node.resume()
+    answers = [sched.ask(f"r{i}", PROMPT if i % 2 else PROMPT[:40]) for i in range(8)]
+    assert answers == [(32, True) if i % 2 == 0 else (64, True) for i in range(8)]
+    assert sched.lookups.stats.answered == 8
+    assert sched.lookups.stats.batches <= 2  # the first question, then all the others
+
+
 def test_other_extra_or_namespace_misses(
     node_factory: Any, engines: Callable[..., FakeEngine]
 ) -> None:
     node = node_factory()
     _save_prompt(engines(node.endpoint))
     sched = engines(node.endpoint, scheduler=True)
-    book = RequestBook(GROUPS, sched.stores.hit_bitmaps)
-    assert book.num_new_matched_tokens("b", PROMPT, 0, b"lora:x") == (0, False)
+    assert sched.ask("b", PROMPT, b"lora:x") == (0, False)
     other_ns = KeyNamespace(model="another-model", dtype="float32", kv_layout="test")
     other = engines(node.endpoint, scheduler=True, ns=other_ns)
-    book2 = RequestBook(GROUPS, other.stores.hit_bitmaps)
-    assert book2.num_new_matched_tokens("b", PROMPT, 0, None) == (0, False)
+    assert other.ask("b", PROMPT) == (0, False)
+
+
+def test_a_stalled_node_costs_the_scheduler_no_wait_and_no_hit_after_the_timeout(
+    node_factory: Any, engines: Callable[..., FakeEngine]
+) -> None:
+    node = node_factory()
+    _save_prompt(engines(node.endpoint))
+    clock = Clock()
+    sched = engines(node.endpoint, scheduler=True, clock=clock, timeout=30)
+    assert sched.lookups is not None
+    node.pause()
+    try:
+        # Asked while the node is stopped: "ask again", as often as the scheduler likes.
+        for _ in range(3):
+            assert sched.book.num_new_matched_tokens("b", PROMPT, 0, None) == (None, False)
+        assert sched.lookups.pending() == 1
+        clock.now = 30.0  # the lookup's deadline: the request is computed, not held back
+        assert sched.book.num_new_matched_tokens("b", PROMPT, 0, None) == (0, False)
+        assert sched.lookups.stats.expired == 1
+    finally:
+        node.resume()
 
 
 def test_a_dead_node_turns_loads_into_reported_failures(
@@ -135,17 +240,65 @@ def test_a_dead_node_turns_loads_into_reported_failures(
     node = node_factory()
     _save_prompt(engines(node.endpoint))
     b = engines(node.endpoint, timeout=2)
+    sched = engines(node.endpoint, scheduler=True, timeout=2)
     node.kill()
-    load = Transfer(
-        "b",
-        tuple(PROMPT[:64]),
-        None,
-        (GroupBlocks(0, (9, 10, 11, 12)), GroupBlocks(0, (0, 0, 13, 14))),
-    )
-    assert b.stores.load(load, b.copiers, NULL) == {9, 10, 11, 12, 13, 14}
+    got = b.run(loads=[_load_b()])
+    # Two groups: vLLM takes the failure per request, never per block.
+    assert got.finished_recving == {"b"} and got.failed_recving == {"b"}
+    assert not got.bad_blocks
     assert all(torch.count_nonzero(t) == 0 for layers in b.kv for t in layers)
-    sched_book = RequestBook(GROUPS, b.stores.hit_bitmaps)
-    assert sched_book.num_new_matched_tokens("b", PROMPT, 0, None) == (0, False)
+    assert sched.ask("b", PROMPT) == (0, False)
+
+
+def test_a_load_queued_past_its_deadline_fails_without_a_node_call(
+    node_factory: Any, engines: Callable[..., FakeEngine]
+) -> None:
+    node = node_factory()
+    a = engines(node.endpoint)
+    _save_prompt(a)
+    clock = Clock()
+    b = engines(node.endpoint, clock=clock, timeout=30)
+    assert b.transfers is not None
+    gate = threading.Event()
+    b.transfers.call(lambda: None, IO_TIMEOUT_S)  # the thread is up
+    # Hold the transfer thread (as a load stuck on a stalled node would), queue a load.
+    holder = threading.Thread(target=b.transfers.call, args=(gate.wait, IO_TIMEOUT_S))
+    holder.start()
+    while b.transfers.idle():
+        time.sleep(0.001)
+    jobs = b.transfers.load([_load_b()], report_async=True)
+    clock.now = 30.0
+    gate.set()
+    holder.join()
+    b.transfers.wait(jobs)
+    got = b.transfers.results()
+    assert got.failed_recving == {"b"}
+    assert b.stores.stats.loaded_blocks == 0 and b.stores.managers[0].stats.l2_hit_blocks == 0
+
+
+def test_a_held_request_is_reported_once_its_saves_ran_and_preempted_saves_are_dropped(
+    node_factory: Any, engines: Callable[..., FakeEngine]
+) -> None:
+    node = node_factory()
+    a = engines(node.endpoint)
+    t = a.transfers
+    assert t is not None
+    gate = threading.Event()
+    holder = threading.Thread(target=t.call, args=(gate.wait, IO_TIMEOUT_S))
+    holder.start()
+    while t.idle():
+        time.sleep(0.001)
+    preempted = Transfer("p", tuple(PROMPT[:64]), None, (GroupBlocks(0, (9,)), GroupBlocks(0, ())))
+    t.save([_prompt_save(), preempted], after=t.mark())
+    # Finished while its save is queued: not reported yet (vLLM keeps the blocks).
+    assert t.results({"a", "p"}).finished_sending == set()
+    t.drop_saves({"p"})  # the engine reuses p's blocks next: its save must never run
+    gate.set()
+    holder.join()
+    assert t.call(lambda: None, IO_TIMEOUT_S) is None
+    assert t.results().finished_sending == {"a", "p"}
+    assert a.stores.stats.saved_blocks == 8  # a's 8 blocks; p's block was dropped
+    assert t.results({"a"}).finished_sending == set()  # reported once
 
 
 def test_save_skips_null_blocks_and_bad_ids_are_not_fatal(
@@ -156,11 +309,13 @@ def test_save_skips_null_blocks_and_bad_ids_are_not_fatal(
     save = Transfer(
         "a", tuple(PROMPT[:64]), None, (GroupBlocks(0, (1, 2, 3, 4)), GroupBlocks(0, (0, 0, 7, 8)))
     )
-    assert a.stores.save(save, a.copiers, NULL) == 6
+    a.run(saves=[save])
+    assert a.stores.stats.saved_blocks == 6
     bad = Transfer(
         "a", tuple(PROMPT[:64]), None, (GroupBlocks(0, (1, 2, 3, NUM_BLOCKS)), GroupBlocks(0, ()))
     )
-    assert a.stores.save(bad, a.copiers, NULL) == 0  # refused before any copy
+    a.run(saves=[bad])  # refused before any copy
+    assert a.stores.stats.saved_blocks == 6
     assert a.stores.stats.failed_save_blocks == 4
 
 
@@ -171,6 +326,9 @@ def test_options_are_validated_by_name() -> None:
         StoreOptions.from_mapping({"node": "h:1", "l1_sizee": 1})
     with pytest.raises(ConfigError, match="timeout"):
         StoreOptions.from_mapping({"node": "h:1", "timeout": 0})
+    with pytest.raises(ConfigError, match="load_mode must be one of"):
+        StoreOptions.from_mapping({"node": "h:1", "load_mode": "eager"})
+    assert StoreOptions.from_mapping({"node": "h:1"}).load_mode == "async"
     assert StoreOptions.from_mapping({"node": "h:1", "l1_bytes": "2MiB"}).l1_bytes == 2 << 20
     assert StoreOptions.from_mapping({"node": "[::1]:7070"}).node == "[::1]:7070"
     cluster = StoreOptions.from_mapping({"node": "a:1,b:2", "replication": 2})

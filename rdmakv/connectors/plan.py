@@ -12,9 +12,15 @@ Rules it enforces:
 * Only full blocks move; a hit never covers the request's last token (the
   engine must compute at least one token to sample from), and a hit is
   aligned to every group's block size (:func:`rdmakv.hybrid.longest_common_hit`).
-* Hybrid models (more than one KV cache group) load *asynchronously*: the
-  engine cannot take block-level failure reports for several groups, so a
-  failure is reported per request.
+* Loads are *asynchronous* by default (``async_loads``): the request waits
+  for its blocks while the engine runs the others. Hybrid models (more than
+  one KV cache group) always report loads asynchronously: the engine cannot
+  take block-level failure reports for several groups, so a failure is
+  reported per request.
+* The lookup may not have answered yet: the book then answers ``None``
+  ("ask again"), never waits.
+* A request with a save in some plan is *held* when it finishes: the engine
+  keeps its blocks until the workers report its saves done.
 * A request whose load failed is never offered an external hit again (the
   engine would otherwise retry the same failing load forever); the blocks it
   recomputes are saved as usual.
@@ -36,8 +42,9 @@ from dataclasses import dataclass, field
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import KVCacheGroup, longest_common_hit
 
-HitLookup = Callable[[Sequence[int], bytes | None], list[list[bool]]]
-"""``(tokens, extra) -> one hit bitmap per group`` (entry ``i``: block ``i`` is cached)."""
+HitLookup = Callable[[str, Sequence[int], bytes | None], list[list[bool]] | None]
+"""``(req_id, tokens, extra) -> one hit bitmap per group`` (entry ``i``: block ``i`` is
+cached), or None while the answer is not in yet."""
 
 MIN_TOKENS_TO_COMPUTE = 1
 """The engine must compute at least this many tokens itself (it samples from them)."""
@@ -87,6 +94,8 @@ class StepPlan:
     loads: tuple[Transfer, ...] = ()
     saves: tuple[Transfer, ...] = ()
     async_loads: bool = False
+    preempted: tuple[str, ...] = ()
+    """Requests the engine preempted this step: their blocks are reused right away."""
 
 
 @dataclass
@@ -106,8 +115,9 @@ class _Request:
 class RequestBook:
     """Per-request state of a connector's scheduler side; see the module docstring.
 
-    ``lookup`` answers which blocks of each group are cached (one batched call
-    per group at most; :class:`~rdmakv.connectors.store.GroupStores` provides it).
+    ``lookup`` answers which blocks of each group are cached, or not yet
+    (:class:`~rdmakv.connectors.lookups.LookupService` provides it).
+    ``async_loads`` makes every load asynchronous (hybrid models always are).
     """
 
     def __init__(
@@ -116,6 +126,7 @@ class RequestBook:
         lookup: HitLookup,
         *,
         null_block: int | None = 0,
+        async_loads: bool = True,
     ) -> None:
         if not groups:
             raise ConfigError("a connector needs at least one KV cache group")
@@ -123,6 +134,8 @@ class RequestBook:
         self.lookup = lookup
         self.null_block = null_block
         self.hybrid = len(self.groups) > 1
+        self.async_loads = async_loads or self.hybrid
+        self._held: set[str] = set()
         self._reqs: dict[str, _Request] = {}
         self._no_external: set[str] = set()
         self._pending_loads: list[Transfer] = []
@@ -132,19 +145,22 @@ class RequestBook:
     # -- questions from the scheduler ------------------------------------------------------
     def num_new_matched_tokens(
         self, req_id: str, tokens: Sequence[int], num_computed: int, extra: bytes | None
-    ) -> tuple[int, bool]:
-        """``(tokens loadable beyond num_computed, load is asynchronous)``. No side effects
-        on what is cached; remembers ``num_computed`` for :meth:`after_alloc`."""
+    ) -> tuple[int | None, bool]:
+        """``(tokens loadable beyond num_computed, load is asynchronous)``; ``(None,
+        False)`` while the lookup is out. No side effects on what is cached; remembers
+        ``num_computed`` for :meth:`after_alloc`."""
         if num_computed < 0:
             raise ConfigError(f"num_computed must be >= 0, got {num_computed}")
         self._asked[req_id] = num_computed
         limit = len(tokens) - MIN_TOKENS_TO_COMPUTE
         if req_id in self._no_external or limit <= num_computed:
             return 0, False
-        hits = self.lookup(tokens, extra)
+        hits = self.lookup(req_id, tokens, extra)
+        if hits is None:
+            return None, False
         hit = longest_common_hit(self.groups, hits, limit)
         n = max(0, hit - num_computed)
-        return n, self.hybrid and n > 0
+        return n, self.async_loads and n > 0
 
     def after_alloc(
         self,
@@ -227,8 +243,9 @@ class RequestBook:
                 have.extend(extra_ids)
         req.num_computed = num_computed
 
-    def build(self, num_scheduled: Mapping[str, int]) -> StepPlan:
-        """The plan of this step; resets the pending loads."""
+    def build(self, num_scheduled: Mapping[str, int], preempted: Iterable[str] = ()) -> StepPlan:
+        """The plan of this step; resets the pending loads. ``preempted`` are the
+        requests the engine preempted this step (the workers drop their saves)."""
         saves: list[Transfer] = []
         for req_id, n in num_scheduled.items():
             req = self._reqs.get(req_id)
@@ -247,6 +264,7 @@ class RequestBook:
                 req.saved_blocks[k] = last
                 furthest = max(furthest, last * g.block_size)
             if furthest:
+                self._held.add(req_id)
                 saves.append(
                     Transfer(
                         req_id, tuple(req.tokens[:furthest]), req.extra, tuple(parts), req.keep
@@ -256,7 +274,7 @@ class RequestBook:
         self._pending_loads = []
         for load in loads:
             self._inflight[load.req_id] = self._reqs[load.req_id]
-        return StepPlan(loads, tuple(saves), self.hybrid)
+        return StepPlan(loads, tuple(saves), self.async_loads, tuple(preempted))
 
     # -- feedback ----------------------------------------------------------------------------
     def load_results(
@@ -267,7 +285,7 @@ class RequestBook:
     ) -> set[str]:
         """Record the workers' load outcome; returns the requests whose load failed.
 
-        ``failed`` are request ids (hybrid/async), ``bad_blocks`` engine block
+        ``failed`` are request ids (hybrid models), ``bad_blocks`` engine block
         ids (single group/sync). A failed request is never offered a hit again,
         and its unloaded blocks become due for saving once recomputed.
         """
@@ -277,7 +295,7 @@ class RequestBook:
         for req_id, req in list(self._inflight.items()):
             if req_id in failed_ids or req.loaded_block_ids & bad:
                 failed_ids.add(req_id)
-            if req_id in failed_ids or req_id in done or not self.hybrid:
+            if req_id in failed_ids or req_id in done or not self.async_loads:
                 self._inflight.pop(req_id, None)
         for req_id in failed_ids:
             self._no_external.add(req_id)
@@ -289,12 +307,17 @@ class RequestBook:
                 ]
         return failed_ids
 
-    def finished(self, req_id: str) -> None:
-        """The request is gone: forget it."""
+    def finished(self, req_id: str) -> bool:
+        """The request is gone: forget it. True when it is held: a save of it was
+        planned, and the engine must keep its blocks until the workers report it."""
         self._reqs.pop(req_id, None)
         self._inflight.pop(req_id, None)
         self._no_external.discard(req_id)
         self._asked.pop(req_id, None)
+        if req_id in self._held:
+            self._held.discard(req_id)
+            return True
+        return False
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._reqs

@@ -8,7 +8,8 @@ groups never see each other's blocks even on one node.
 Used by both connector sides:
 
 * scheduler side: :meth:`GroupStores.hit_bitmaps` answers "which blocks are
-  cached" (the L1 of that process plus one batched node call per group);
+  cached" for a batch of prompts (the L1 of that process plus one batched node
+  call per group), on the :class:`~rdmakv.connectors.lookups.LookupService` thread;
 * worker side: :meth:`GroupStores.load` / :meth:`GroupStores.save` execute a
   :class:`~rdmakv.connectors.plan.Transfer` through a
   :class:`~rdmakv.connectors.paged.PagedGroupCopier` per group.
@@ -24,10 +25,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rdmakv.config import load_config, parse_size
+from rdmakv.connectors.copy_stream import CopyStream
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
 from rdmakv.errors import ConfigError, RdmakvError
@@ -46,6 +49,12 @@ DEFAULT_L1_BYTES = 1 << 30
 SCHEDULER_L1_BLOCKS = 1
 """The scheduler side never holds KV; its managers get the smallest L1 possible."""
 
+
+LOAD_ASYNC = "async"
+"""Load mode: a request with a hit waits for its blocks while the engine runs the others."""
+LOAD_SYNC = "sync"
+"""Load mode: a step's loads finish before its forward pass (the whole batch waits)."""
+LOAD_MODES = (LOAD_ASYNC, LOAD_SYNC)
 
 CONFIG_OPTION = "rdmakv_config"
 """Connector option naming an rdmakv YAML file (docs/config.md) whose ``client`` section
@@ -100,6 +109,8 @@ class StoreOptions:
     streams: int | None = None
     metrics_port: int | None = None
     """Serve this process's rdmakv metrics on ``/metrics`` (worker side; None = off)."""
+    load_mode: str = LOAD_ASYNC
+    """``async`` or ``sync`` (see :data:`LOAD_ASYNC`, :data:`LOAD_SYNC`, docs/engines.md)."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
@@ -139,6 +150,10 @@ class StoreOptions:
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ConfigError(f"replication must be an int >= 1, got {r!r}")
         check_streams(values.get("streams"))
+        if values.get("load_mode", LOAD_ASYNC) not in LOAD_MODES:
+            raise ConfigError(
+                f"load_mode must be one of {list(LOAD_MODES)}, got {values['load_mode']!r}"
+            )
         port = values.get("metrics_port")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                                  or not 0 <= port <= 65535):
@@ -264,20 +279,30 @@ class GroupStores:
             log.warning("rdmakv client metrics not served: %s", e)
 
     # -- scheduler side --------------------------------------------------------------------
-    def hit_bitmaps(self, tokens: Sequence[int], extra: bytes | None) -> list[list[bool]]:
-        """Per group: which leading blocks of ``tokens`` are cached (L1, then the node)."""
-        # Real bitmaps, not leading runs: a sliding-window or state group may hit
-        # after a hole (its early blocks were never saved or were evicted).
-        return [
-            mgr.hit_bitmap(tokens, extra=g.key_extra(extra))
+    def hit_bitmaps(
+        self, prompts: Sequence[tuple[Sequence[int], bytes | None]]
+    ) -> list[list[list[bool]]]:
+        """Per ``(tokens, extra)`` and per group: which full blocks are cached (L1, then the
+        node), with one batched node call per group for all the prompts together."""
+        per_group = [
+            mgr.hit_bitmaps([(tokens, g.key_extra(extra), None) for tokens, extra in prompts])
             for g, mgr in zip(self.groups, self.managers, strict=True)
         ]
+        # Real bitmaps, not leading runs: a sliding-window or state group may hit
+        # after a hole (its early blocks were never saved or were evicted).
+        return [[bitmaps[p] for bitmaps in per_group] for p in range(len(prompts))]
 
     # -- worker side -----------------------------------------------------------------------
     def load(
-        self, transfer: Transfer, copiers: Sequence[PagedGroupCopier], null_block: int | None
+        self,
+        transfer: Transfer,
+        copiers: Sequence[PagedGroupCopier],
+        null_block: int | None,
+        stream: CopyStream,
     ) -> set[int]:
-        """Fill the transfer's engine blocks from rdmakv; returns the block ids not filled."""
+        """Fill the transfer's engine blocks from rdmakv; returns the block ids not filled.
+
+        The slab -> engine copies run on ``stream`` and have completed on return."""
         failed: set[int] = set()
         for g, part, copier, mgr in zip(
             self.groups, transfer.groups, copiers, self.managers, strict=True
@@ -298,7 +323,9 @@ class GroupStores:
                 )
                 have = [(h, b) for h, (_, b) in zip(got, wanted, strict=True) if h is not None]
                 failed.update(b for h, (_, b) in zip(got, wanted, strict=True) if h is None)
-                copier.load(mgr.slab, [h for h, _ in have], [b for _, b in have])
+                stream.run(
+                    partial(copier.load, mgr.slab, [h for h, _ in have], [b for _, b in have])
+                )
                 self.stats.loaded_blocks += len(have)
             except RdmakvError as e:
                 log.warning(
@@ -311,9 +338,18 @@ class GroupStores:
         return failed
 
     def save(
-        self, transfer: Transfer, copiers: Sequence[PagedGroupCopier], null_block: int | None
+        self,
+        transfer: Transfer,
+        copiers: Sequence[PagedGroupCopier],
+        null_block: int | None,
+        stream: CopyStream,
+        after: Any = None,
     ) -> int:
-        """Store the transfer's engine blocks (null blocks skipped); returns how many were saved."""
+        """Store the transfer's engine blocks (null blocks skipped); returns how many were saved.
+
+        The engine -> slab copies run on ``stream`` after the engine work ``after``
+        marks (:meth:`CopyStream.engine_mark`) and have completed on return: the
+        engine may reuse the blocks from then on."""
         saved = 0
         for g, part, copier, mgr in zip(
             self.groups, transfer.groups, copiers, self.managers, strict=True
@@ -324,7 +360,7 @@ class GroupStores:
                 handles: list[int] = []
                 try:
                     handles = mgr.allocate_for(len(ids))
-                    copier.save(mgr.slab, handles, ids)
+                    stream.run(partial(copier.save, mgr.slab, handles, ids), after)
                 except RdmakvError as e:
                     mgr.discard(handles)
                     self.stats.failed_save_blocks += len(ids)
@@ -375,4 +411,13 @@ def _runs(
     return runs
 
 
-__all__ = ["CONFIG_OPTION", "DEFAULT_L1_BYTES", "GroupStores", "StoreOptions", "StoreStats"]
+__all__ = [
+    "CONFIG_OPTION",
+    "DEFAULT_L1_BYTES",
+    "LOAD_ASYNC",
+    "LOAD_MODES",
+    "LOAD_SYNC",
+    "GroupStores",
+    "StoreOptions",
+    "StoreStats",
+]

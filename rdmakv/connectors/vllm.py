@@ -52,6 +52,7 @@ before and after the forward pass), so CUDA graphs need no piecewise mode.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
@@ -69,9 +70,11 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
 
+from rdmakv.connectors.lookups import LookupService
 from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
 from rdmakv.connectors.plan import RequestBook, StepPlan
-from rdmakv.connectors.store import GroupStores, StoreOptions
+from rdmakv.connectors.store import LOAD_ASYNC, GroupStores, StoreOptions
+from rdmakv.connectors.transfers import TransferWorker
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
 from rdmakv.keys import KeyNamespace, extra_bytes
@@ -105,7 +108,14 @@ class RdmakvConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
-    """rdmakv as a vLLM v1 KV connector (both roles; vLLM makes one instance per role)."""
+    """rdmakv as a vLLM v1 KV connector (both roles; vLLM makes one instance per role).
+
+    Scheduler side: a :class:`~rdmakv.connectors.lookups.LookupService` thread
+    owns the control-only stores; the scheduler thread only reads answers.
+    Worker side: a :class:`~rdmakv.connectors.transfers.TransferWorker` thread
+    owns the stores and copiers from ``register_kv_caches`` on; the engine
+    thread only queues jobs and reads results.
+    """
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -135,20 +145,48 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.stores = GroupStores(
             namespace, self.groups, block_bytes, self.options, scheduler=self.is_scheduler
         )
-        self.book = RequestBook(self.groups, self.stores.hit_bitmaps, null_block=NULL_BLOCK_ID)
-        self.copiers: list[PagedGroupCopier] | None = None
+        self.lookups: LookupService | None = None
+        if self.is_scheduler:
+            self.lookups = LookupService(self.stores, self.options.timeout)
+        self.book = RequestBook(
+            self.groups,
+            self._lookup,
+            null_block=NULL_BLOCK_ID,
+            async_loads=self.options.load_mode == LOAD_ASYNC,
+        )
+        self.transfers: TransferWorker | None = None
         self._bad_blocks: set[int] = set()
-        self._recv_done: set[str] = set()
-        self._recv_failed: set[str] = set()
 
     # ----------------------------------------------------------------- scheduler side
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a miss is never an error
 
+    def _need_lookups(self) -> LookupService:
+        if self.lookups is None:
+            raise ConfigError("lookups run on the scheduler side of the connector only")
+        return self.lookups
+
+    def _lookup(
+        self, req_id: str, tokens: Sequence[int], extra: bytes | None
+    ) -> list[list[bool]] | None:
+        lookups = self._need_lookups()
+        lookups.submit(req_id, tokens, extra)
+        return lookups.answer(req_id)
+
+    def on_new_request(self, request: Any) -> None:
+        # Ask the node as the request arrives: by the time the scheduler reaches
+        # it, the answer is usually in and costs the scheduler no step.
+        try:
+            self._need_lookups().submit(
+                request.request_id, list(request.all_token_ids), _extra(request)
+            )
+        except RdmakvError as e:
+            log.warning("request %s: rdmakv lookup not started: %s", request.request_id, e)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         try:
             return self.book.num_new_matched_tokens(
                 request.request_id,
@@ -161,6 +199,8 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        # The answer is used: a request that comes back (preempted) is asked anew.
+        self._need_lookups().forget(request.request_id)
         self.book.after_alloc(
             request.request_id,
             list(request.all_token_ids),
@@ -181,7 +221,10 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.book.scheduled(req_id, cached.num_computed_tokens[i], block_ids=ids)
             else:
                 self.book.scheduled(req_id, cached.num_computed_tokens[i], new_block_ids=ids)
-        return RdmakvConnectorMetadata(self.book.build(scheduler_output.num_scheduled_tokens))
+        plan = self.book.build(
+            scheduler_output.num_scheduled_tokens, scheduler_output.preempted_req_ids or ()
+        )
+        return RdmakvConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         failed = self.book.load_results(
@@ -192,20 +235,26 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if failed:
             log.info("rdmakv loads failed for %d request(s); vLLM recomputes them", len(failed))
 
+    def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._need_lookups().forget(request.request_id)
+        # Held: a save of it may still read its blocks; the workers report it in
+        # finished_sending once their saves are done, and vLLM frees the blocks then.
+        return self.book.finished(request.request_id), None
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.book.finished(request.request_id)
-        return False, None  # saves finish within the step: vLLM may free the blocks now
+        return self._finished(request)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.book.finished(request.request_id)
-        return False, None
+        return self._finished(request)
 
     # -------------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.transfers is not None:
+            raise ConfigError("register_kv_caches was called twice")
         copiers = []
         for k, (names, spec) in enumerate(zip(self.layer_names, self.page_specs, strict=True)):
             missing = [n for n in names if n not in kv_caches]
@@ -222,7 +271,9 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     f"the spec {self.stores.block_bytes[k]}"
                 )
             copiers.append(copier)
-        self.copiers = copiers
+        self.transfers = TransferWorker(
+            self.stores, copiers, null_block=NULL_BLOCK_ID, timeout=self.options.timeout
+        )
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
@@ -232,55 +283,69 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         return meta.plan
 
-    def _need_copiers(self) -> list[PagedGroupCopier]:
-        if self.copiers is None:
+    def _need_transfers(self) -> TransferWorker:
+        if self.transfers is None:
             raise ConfigError("register_kv_caches was not called before the first transfer")
-        return self.copiers
+        return self.transfers
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, RdmakvConnectorMetadata):
+            preempted = kv_connector_metadata.plan.preempted
+            if preempted and self.transfers is not None:
+                self.transfers.drop_saves(preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
         if not plan.loads:
             return
-        copiers = self._need_copiers()
-        for load in plan.loads:
-            failed = self.stores.load(load, copiers, NULL_BLOCK_ID)
-            if plan.async_loads:
-                self._recv_done.add(load.req_id)
-                if failed:
-                    self._recv_failed.add(load.req_id)
-            else:
-                self._bad_blocks |= failed
+        transfers = self._need_transfers()
+        jobs = transfers.load(plan.loads, report_async=plan.async_loads)
+        if not plan.async_loads:
+            transfers.wait(jobs)  # load_mode "sync": this step's forward needs them
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # start_load_kv filled every layer already
+        return None  # loads fill every layer before the request runs
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # whole blocks are saved in wait_for_save, after the forward pass
+        return None  # whole blocks are saved after the forward pass
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if not plan.saves:
-            return
-        copiers = self._need_copiers()
-        for save in plan.saves:
-            self.stores.save(save, copiers, NULL_BLOCK_ID)
+        if plan.saves:
+            transfers = self._need_transfers()
+            transfers.save(plan.saves, after=transfers.mark())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        done, failed = self._recv_done, self._recv_failed
-        self._recv_done, self._recv_failed = set(), set()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        if self.transfers is None:
+            return KVConnectorTransferResults()
+        r = self.transfers.results(finished_req_ids)
+        # Reported with (never after) the pass that reports the request as loaded.
+        self._bad_blocks |= r.bad_blocks
+        return KVConnectorTransferResults(
+            finished_sending=r.finished_sending,
+            finished_recving=r.finished_recving,
+            failed_recving=r.failed_recving,
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # saves are synchronous; async loads go through get_transfer_results
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._bad_blocks = self._bad_blocks, set()
         return bad
 
     def shutdown(self) -> None:
-        self.stores.close()
+        if self.lookups is not None:
+            self.lookups.close()  # closes the stores
+            self.lookups = None
+        elif self.transfers is not None:
+            self.transfers.close()  # closes the stores
+            self.transfers = None
+        else:
+            self.stores.close()
 
 
 def _groups(kv_cache_config: Any) -> tuple[list[KVCacheGroup], list[PageSpec], list[list[str]]]:
