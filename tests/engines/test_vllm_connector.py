@@ -23,6 +23,8 @@ import copy
 import json
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,7 @@ from vllm.v1.core.kv_cache_planning import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -66,6 +68,8 @@ from rdmakv.connectors.vllm import RdmakvConnector
 from rdmakv.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(240)
+
+IO_WAIT_S = 20.0
 
 BLOCK = 16
 HEADS = 2
@@ -248,8 +252,9 @@ class Engine:
                         layer = self.layer_of[name]
                         self.kv[name][bid, :, pos % BLOCK, :] = kv_value(tokens[pos], pos, layer)
 
-    def step(self) -> tuple[Any, Any]:
-        out = self.sched.schedule()
+    def worker_step(self, out: Any) -> Any:
+        """The model runner's part of a step: what GPUModelRunner does around its forward."""
+        self.worker.handle_preemptions(out.kv_connector_metadata)
         self.fake_forward(out)
         with set_current_vllm_config(self.vc):
             mro = copy.copy(KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.vc))
@@ -257,16 +262,76 @@ class Engine:
         mro.req_ids = ids
         mro.req_id_to_index = {r: i for i, r in enumerate(ids)}
         mro.sampled_token_ids = [[5] for _ in ids]
+        return mro
+
+    def step(self) -> tuple[Any, Any]:
+        out = self.sched.schedule()
+        mro = self.worker_step(out)
         self.sched.update_from_output(out, mro)
         return out, mro
 
-    def run(self, req: Request, max_steps: int = 12) -> list[tuple[Any, Any]]:
+    def settle(self) -> None:
+        """Wait until the scheduler side's lookups are answered (the test's pace, not
+        vLLM's: vLLM simply asks again next step)."""
+        lookups = self.connector.lookups
+        assert lookups is not None
+        deadline = time.monotonic() + IO_WAIT_S
+        while lookups.pending():
+            assert time.monotonic() < deadline, "the lookups never answered"
+            time.sleep(0.002)
+
+    def run(self, req: Request) -> list[tuple[Any, Any]]:
+        """Step until ``req`` finished. Steps that schedule nothing (the request waits
+        for a lookup or a load on the connector's threads) are not returned."""
         steps = []
-        for _ in range(max_steps):
-            steps.append(self.step())
+        deadline = time.monotonic() + IO_WAIT_S
+        while time.monotonic() < deadline:
+            out, mro = self.step()
+            if out.num_scheduled_tokens:
+                steps.append((out, mro))
             if req.is_finished():
                 return steps
-        raise AssertionError(f"request {req.request_id} did not finish in {max_steps} steps")
+            time.sleep(0.002)
+        raise AssertionError(f"request {req.request_id} did not finish in {IO_WAIT_S} s")
+
+    def step_until_scheduled(self, req_id: str) -> tuple[Any, Any]:
+        """Step until a step computes tokens of ``req_id``; return that step."""
+        deadline = time.monotonic() + IO_WAIT_S
+        while time.monotonic() < deadline:
+            out, mro = self.step()
+            if req_id in out.num_scheduled_tokens:
+                return out, mro
+            time.sleep(0.002)
+        raise AssertionError(f"request {req_id} was not scheduled in {IO_WAIT_S} s")
+
+    def ask(self, req_id: str, prompt: list[int]) -> tuple[int | None, bool]:
+        """The scheduler side's answer for ``prompt`` once its lookup is in."""
+        book = self.connector.book
+        deadline = time.monotonic() + IO_WAIT_S
+        while (got := book.num_new_matched_tokens(req_id, prompt, 0, None))[0] is None:
+            assert time.monotonic() < deadline, "the lookup never answered"
+            time.sleep(0.002)
+        return got
+
+    def free_blocks(self) -> int:
+        return int(self.sched.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def leaks(self) -> list[str]:
+        """What rdmakv still holds once every request ended: slab references handed
+        out, queued jobs, held requests, unanswered lookups."""
+        found = []
+        worker = self.worker
+        assert isinstance(worker, RdmakvConnector) and worker.transfers is not None
+        if not worker.transfers.idle():
+            found.append("transfer jobs queued or running")
+        for k, mgr in enumerate(worker.stores.managers):
+            if mgr.l1.held_handles:
+                found.append(f"group {k}: {mgr.l1.held_handles} slab references held")
+        lookups = self.connector.lookups
+        assert lookups is not None
+        if lookups.pending():
+            found.append(f"{lookups.pending()} lookups unanswered")
+        return found
 
     def blocks_hold(self, req_id: str, prompt: list[int], n_blocks: int) -> bool:
         """Whether the request's first ``n_blocks`` blocks hold the fake KV of ``prompt``."""
@@ -312,12 +377,13 @@ def engines(model_dir: Path) -> Iterator[Callable[..., Engine]]:
 
 def _fill_cache(
     engines: Callable[..., Engine], node: str, hybrid: bool, layout: str = "NHD"
-) -> None:
+) -> Engine:
     """Engine A computes PROMPT_A and saves its prompt blocks; wait until they reach the node."""
     a = engines(node, hybrid=hybrid, layout=layout)
     a.run(a.add("a", PROMPT_A))
+    assert a.worker.transfers.flush(10.0)
     assert a.worker.stores.stats.saved_blocks == 4 * len(a.group_layers)
-    assert a.worker.stores.flush(10.0)
+    return a
 
 
 # ------------------------------------------------------------------------------------------
@@ -371,6 +437,9 @@ def test_unknown_option_is_refused_by_name(node_factory: Any) -> None:
     )
     with pytest.raises(ConfigError, match="l1_size"):
         KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+    ktc.kv_connector_extra_config = {"node": node.endpoint, "model": "m", "load_mode": "later"}
+    with pytest.raises(ConfigError, match="load_mode"):
+        KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kcc)
 
 
 @pytest.mark.parametrize(("layout_a", "layout_b"), [("NHD", "NHD"), ("HND", "NHD")])
@@ -383,15 +452,36 @@ def test_single_group_prefix_saved_by_one_engine_is_loaded_by_another(
 
     b = engines(node.endpoint, layout=layout_b)
     req = b.add("b", PROMPT_B)
-    out, mro = b.step()
-    # The scheduler asked the connector and took its 64-token hit: only the tail runs.
+    b.settle()
+    out, _ = b.step()
+    # The hit is loaded asynchronously: the request waits, nothing of it runs yet.
+    assert out.num_scheduled_tokens == {}
+    assert not out.has_sync_kv_loads
+    out, _ = b.step_until_scheduled("b")
+    # vLLM took the connector's 64-token hit: only the tail runs.
     assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - len(SHARED)}
-    assert out.has_sync_kv_loads
-    assert not mro.kv_connector_output or not mro.kv_connector_output.invalid_block_ids
     assert b.worker.stores.stats.loaded_blocks == 4
     assert b.blocks_hold("b", PROMPT_B, 4)  # bytes written by engine A, read by engine B
     b.run(req)
     assert req.is_finished()
+    assert b.worker.transfers.flush(10.0)
+    assert not b.leaks()
+
+
+def test_sync_load_mode_loads_before_the_forward(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_cache(engines, node.endpoint, hybrid=False)
+    b = engines(node.endpoint, options={"load_mode": "sync"})
+    req = b.add("b", PROMPT_B)
+    b.settle()
+    out, mro = b.step()
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - len(SHARED)}
+    assert out.has_sync_kv_loads
+    assert not mro.kv_connector_output or not mro.kv_connector_output.invalid_block_ids
+    assert b.blocks_hold("b", PROMPT_B, 4)
+    b.run(req)
 
 
 def test_single_group_failed_load_is_reported_and_recomputed(
@@ -402,27 +492,23 @@ def test_single_group_failed_load_is_reported_and_recomputed(
 
     b = engines(node.endpoint)
     req = b.add("b", PROMPT_B)
+    b.settle()
     out = b.sched.schedule()
-    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - len(SHARED)}
+    assert out.num_scheduled_tokens == {}  # waiting for its 64-token load
     node.restart()  # the cached blocks vanish between the lookup and the load
-    b.fake_forward(out)
-    with set_current_vllm_config(b.vc):
-        mro = copy.copy(KVConnectorModelRunnerMixin.kv_connector_no_forward(out, b.vc))
-    bad = mro.kv_connector_output.invalid_block_ids
-    assert bad == set(b.blocks["b"][0][:4])
-    mro.req_ids = ["b"]
-    mro.req_id_to_index = {"b": 0}
-    mro.sampled_token_ids = [[5]]
-    b.sched.update_from_output(out, mro)
-    assert req.num_computed_tokens == 0  # vLLM rescheduled the whole prompt
+    b.sched.update_from_output(out, b.worker_step(out))
+    out, _ = b.step_until_scheduled("b")
+    # vLLM took the block-level report: the whole prompt is recomputed.
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B)}
+    assert b.worker.stores.stats.failed_load_blocks == 4
     # The connector never offers that request a hit again (the failure would loop).
     assert b.connector.book.num_new_matched_tokens("b", PROMPT_B, 0, None) == (0, False)
-    steps = b.run(req)
-    # Recomputed, not fetched again: the whole prompt ran, no further loads.
-    assert steps[0][0].num_scheduled_tokens == {"b": len(PROMPT_B)}
+    b.run(req)
     assert b.worker.stores.stats.loaded_blocks == 0
     assert b.blocks_hold("b", PROMPT_B, 4)  # computed by the (fake) forward this time
+    assert b.worker.transfers.flush(10.0)
     assert b.worker.stores.stats.saved_blocks == 4  # and saved again for others
+    assert not b.leaks()
 
 
 def test_hybrid_groups_load_async_and_bytes_match(
@@ -434,12 +520,8 @@ def test_hybrid_groups_load_async_and_bytes_match(
     b = engines(node.endpoint, hybrid=True)
     assert len(b.kcc.kv_cache_groups) == 2
     req = b.add("b", PROMPT_B)
-    out, mro = b.step()
-    # Async: nothing computed this step, the load finished within it.
-    assert out.num_scheduled_tokens == {}
-    assert mro.kv_connector_output.finished_recving == {"b"}
-    assert not mro.kv_connector_output.failed_recving
-    out, _ = b.step()
+    b.settle()
+    out, _ = b.step_until_scheduled("b")
     assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - len(SHARED)}
     # Full attention needs all 4 blocks; the 32-token window only the last 2 before the
     # hit end: vLLM gave the null block for the others, and the connector skipped it.
@@ -458,19 +540,131 @@ def test_hybrid_failed_load_is_reported_per_request_and_not_retried(
 
     b = engines(node.endpoint, hybrid=True)
     req = b.add("b", PROMPT_B)
+    b.settle()
     out = b.sched.schedule()
     assert out.num_scheduled_tokens == {}  # waiting for the async load
     node.restart()
-    with set_current_vllm_config(b.vc):
-        mro = copy.copy(KVConnectorModelRunnerMixin.kv_connector_no_forward(out, b.vc))
-    kco = mro.kv_connector_output
-    assert kco.failed_recving == {"b"} and "b" in kco.finished_recving
-    assert not kco.invalid_block_ids  # block-level reports are refused for hybrid models
-    b.sched.update_from_output(out, mro)
-    steps = b.run(req)
-    assert steps[0][0].num_scheduled_tokens == {"b": len(PROMPT_B)}  # recomputed in full
+    b.sched.update_from_output(out, b.worker_step(out))
+    out, _ = b.step_until_scheduled("b")
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B)}  # recomputed in full
+    b.run(req)
     assert b.worker.stores.stats.loaded_blocks == 0
     assert b.blocks_hold("b", PROMPT_B, 4)
+
+
+def test_a_stalled_node_never_stalls_the_engine_and_its_loads_become_recomputes(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_cache(engines, node.endpoint, hybrid=False)
+    b = engines(node.endpoint, options={"timeout": 2})
+    hit = b.add("hit", PROMPT_B)
+    other = b.add("other", [*range(700, 740)])  # no hit
+    b.settle()
+    node.pause()
+    try:
+        # The hit's load hangs on the stopped node; the other request runs to
+        # completion meanwhile: the engine keeps stepping.
+        steps = b.run(other)
+        assert steps and all("hit" not in o.num_scheduled_tokens for o, _ in steps)
+        assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        # The hanging load fails within the client timeout: the request is recomputed.
+        out, _ = b.step_until_scheduled("hit")
+        assert out.num_scheduled_tokens == {"hit": len(PROMPT_B)}
+    finally:
+        node.resume()
+    b.run(hit)
+    assert b.blocks_hold("hit", PROMPT_B, 4)
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_frees_its_blocks_once(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_cache(engines, node.endpoint, hybrid=False)
+    b = engines(node.endpoint, options={"timeout": 2})
+    free_before = b.free_blocks()
+    b.add("b", PROMPT_B)
+    b.settle()
+    node.pause()  # the load hangs on the node
+    try:
+        b.step()
+        assert b.free_blocks() < free_before  # blocks allocated for the load
+        b.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        # vLLM keeps the blocks until the load reports back (it may still write them).
+        assert b.free_blocks() < free_before
+    finally:
+        node.resume()
+    deadline = time.monotonic() + IO_WAIT_S
+    while b.free_blocks() != free_before:
+        assert time.monotonic() < deadline, "the aborted request's blocks were never freed"
+        b.step()
+        time.sleep(0.002)
+    assert "b" not in b.sched.requests
+    assert not b.leaks()
+
+
+def test_a_finished_request_is_held_until_its_saves_ran(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    a = engines(node.endpoint)
+    free_before = a.free_blocks()
+    gate = threading.Event()
+    # Hold the transfer thread, as a slow copy would.
+    holder = threading.Thread(target=a.worker.transfers.call, args=(gate.wait, IO_WAIT_S))
+    holder.start()
+    while a.worker.transfers.idle():
+        time.sleep(0.001)
+    req = a.add("a", PROMPT_A)
+    a.run(req)
+    for _ in range(5):
+        a.step()
+    # Finished, but its save has not run: vLLM must not free (and reuse) its blocks.
+    assert "a" in a.sched.requests and a.free_blocks() < free_before
+    gate.set()
+    holder.join()
+    deadline = time.monotonic() + IO_WAIT_S
+    while "a" in a.sched.requests:
+        assert time.monotonic() < deadline, "the held request was never released"
+        a.step()
+        time.sleep(0.002)
+    assert a.free_blocks() == free_before
+    assert a.worker.transfers.flush(10.0)
+    assert a.worker.stores.stats.saved_blocks == 4
+    assert not a.leaks()
+
+
+def test_a_preempted_request_drops_its_pending_saves_and_saves_what_it_recomputes(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    a = engines(node.endpoint)
+    gate = threading.Event()
+    holder = threading.Thread(target=a.worker.transfers.call, args=(gate.wait, IO_WAIT_S))
+    holder.start()
+    while a.worker.transfers.idle():
+        time.sleep(0.001)
+    req = a.add("a", PROMPT_A)
+    a.settle()
+    a.step_until_scheduled("a")  # the prompt ran; its 4 block saves are queued
+    assert a.sched.reset_prefix_cache(reset_running_requests=True)  # preempts "a"
+    out = a.sched.schedule()
+    assert "a" in (out.preempted_req_ids or ())
+    # The worker drops the queued saves before the engine reuses the blocks.
+    a.sched.update_from_output(out, a.worker_step(out))
+    gate.set()
+    holder.join()
+    a.run(req)
+    assert a.worker.transfers.flush(10.0)
+    # Saved once, from the recomputed blocks (the dropped saves never ran).
+    assert a.worker.stores.stats.saved_blocks == 4
+    b = engines(node.endpoint)
+    rb = b.add("b", PROMPT_B)
+    b.settle()
+    b.step_until_scheduled("b")
+    assert b.blocks_hold("b", PROMPT_B, 4)
+    b.run(rb)
 
 
 def test_mamba_groups_are_refused_at_start_up(node_factory: Any) -> None:
@@ -510,10 +704,9 @@ def test_keep_hint_in_kv_transfer_params_drives_the_reuse_offload(
     rc = a.add("odd", [*range(600, 664), 1, 2], {"rdmakv_keep": "yes"})  # ignored, warned
     for r in (ra, rb, rc):
         a.run(r)
-    assert a.worker.stores.flush(10.0)
+    assert a.worker.transfers.flush(10.0)
     assert a.worker.stores.stats.saved_blocks == 12  # every request saved into its L1
     b = engines(node.endpoint)
-    book = b.connector.book
     # The kept prompt's 4 blocks reached the node; the dropped one's did not.
-    assert book.num_new_matched_tokens("x", kept, 0, None) == (64, False)
-    assert book.num_new_matched_tokens("y", dropped, 0, None) == (0, False)
+    assert b.ask("x", kept) == (64, True)
+    assert b.ask("y", dropped) == (0, False)
