@@ -35,6 +35,7 @@ if os.environ.get("RDMAKV_REQUIRE_ENGINES") != "1":  # deploy/engines.sh: missin
     pytest.importorskip("vllm", reason="needs the engine venv: bash deploy/engines.sh")
 
 import torch
+from chaos.wire_proxy import Direction, WireProxy
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -575,6 +576,44 @@ def test_a_stalled_node_never_stalls_the_engine_and_its_loads_become_recomputes(
         node.resume()
     b.run(hit)
     assert b.blocks_hold("hit", PROMPT_B, 4)
+
+
+def test_a_node_answering_garbage_mid_load_costs_a_recompute_never_wrong_kv(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_cache(engines, node.endpoint, hybrid=False)
+    with WireProxy(("127.0.0.1", node.port)) as proxy:
+        b = engines(proxy.endpoint, options={"timeout": 2})
+        req = b.add("b", PROMPT_B)
+        b.settle()  # the lookup answered: a hit of 64 tokens
+        proxy.flip_bits(Direction.DOWN, mean_gap=2048, seed=7)  # the load's reply is garbage
+        b.run(req)
+        proxy.clear()
+    assert b.worker.stores.stats.loaded_blocks == 0
+    assert b.worker.stores.stats.failed_load_blocks == 4
+    assert b.blocks_hold("b", PROMPT_B, 4)  # recomputed, never the corrupted bytes
+
+
+def test_a_save_corrupted_on_the_wire_never_reaches_another_engine(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    with WireProxy(("127.0.0.1", node.port)) as proxy:
+        a = engines(proxy.endpoint, options={"timeout": 2})
+        req = a.add("a", PROMPT_A)
+        a.settle()
+        proxy.flip_bits(Direction.UP, mean_gap=4096, seed=11)  # the save's bytes are garbage
+        a.run(req)
+        a.worker.transfers.flush(10.0)
+        proxy.clear()
+    b = engines(node.endpoint)
+    rb = b.add("b", PROMPT_B)
+    b.settle()
+    b.run(rb)
+    # Whatever the node kept, engine B computed or loaded the right KV.
+    assert b.blocks_hold("b", PROMPT_B, 4)
+    assert not b.leaks()
 
 
 def test_a_request_aborted_while_its_load_is_in_flight_frees_its_blocks_once(
