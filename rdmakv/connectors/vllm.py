@@ -11,27 +11,40 @@ Load it through vLLM's connector factory, no patching::
 ``"rdmakv_config": PATH`` takes their defaults from an rdmakv config file's ``client``
 section; ``docs/engines.md`` has the whole story). Checked against vLLM 0.33.0.
 
-How one request flows:
+How one request flows (no engine thread waits on the network):
 
-1. *Scheduler side* (engine-core process): ``get_num_new_matched_tokens``
-   asks the node which blocks of the prompt are cached, per KV cache group,
-   and answers the longest common hit beyond vLLM's own prefix-cache hit
-   (:class:`~rdmakv.connectors.plan.RequestBook`). ``update_state_after_alloc``
+1. *Scheduler side* (engine-core process): ``on_new_request`` hands the
+   prompt to a :class:`~rdmakv.connectors.lookups.LookupService` thread, which
+   asks the node which blocks are cached, per KV cache group, batching the
+   questions that arrived meanwhile. ``get_num_new_matched_tokens`` answers
+   ``None`` (vLLM asks again next step) until the answer is in, then the
+   longest common hit beyond vLLM's own prefix-cache hit
+   (:class:`~rdmakv.connectors.plan.RequestBook`); an unanswered lookup
+   expires after the client timeout as no hit. ``update_state_after_alloc``
    records the engine blocks to fill; ``build_connector_meta`` ships a
-   :class:`~rdmakv.connectors.plan.StepPlan` (loads + saves) to the workers.
+   :class:`~rdmakv.connectors.plan.StepPlan` (loads, saves, preemptions) to
+   the workers.
 2. *Worker side* (each TP rank): ``register_kv_caches`` wraps each group's
-   layer tensors in a :class:`~rdmakv.connectors.paged.PagedGroupCopier`.
-   ``start_load_kv`` fetches the planned blocks (L1, then the node) and copies
-   them into vLLM's blocks before the forward pass; ``wait_for_save`` copies the
-   prompt blocks computed in this step into slab blocks and puts them (the
-   offloader thread writes them to the node).
-3. Failures become recomputation: a single-group model loads synchronously
-   and reports unfilled blocks through ``get_block_ids_with_load_errors``; a
-   hybrid model (several groups) loads asynchronously and reports failed
-   requests through ``get_transfer_results(...).failed_recving`` (vLLM refuses
-   block-level reports with several groups). A failed request is never offered
-   a hit again. Set ``"kv_load_failure_policy": "recompute"`` (vLLM's default
-   "fail" aborts such requests).
+   layer tensors in a :class:`~rdmakv.connectors.paged.PagedGroupCopier` and
+   starts a :class:`~rdmakv.connectors.transfers.TransferWorker` thread.
+   ``start_load_kv`` queues the planned loads (L1, then the node, then the
+   copy into vLLM's blocks) and ``wait_for_save`` the step's new prompt blocks
+   (copy into slab blocks, then the offloader thread writes them to the
+   node); ``get_transfer_results`` reports what finished.
+3. Loads are asynchronous (``load_mode: async``, the default): the request
+   waits in ``WAITING_FOR_REMOTE_KVS`` while the others run.
+   ``load_mode: sync`` makes ``start_load_kv`` wait for the step's loads.
+4. Failures become recomputation: a single-group model reports unfilled
+   blocks through ``get_block_ids_with_load_errors`` (in the pass that reports
+   the load finished); a hybrid model (several groups) reports failed requests
+   through ``get_transfer_results(...).failed_recving`` (vLLM refuses
+   block-level reports with several groups). A failed request is never
+   offered a hit again. Set ``"kv_load_failure_policy": "recompute"`` (vLLM's
+   default "fail" aborts such requests).
+5. A finished request with a save is held (``request_finished`` returns True)
+   until its saves' copies ran (``finished_sending``); a preempted request's
+   queued saves are dropped in ``handle_preemptions`` before vLLM reuses its
+   blocks.
 
 Keys: the namespace is the model (name + revision, or the ``model`` option),
 the KV dtype, each group's page geometry and, under tensor parallelism, the
@@ -46,7 +59,7 @@ Limits (say so, don't guess): mamba/state groups and cross-attention specs are
 refused at start-up with a clear error; pipeline parallelism is refused; only
 prompt blocks are saved;
 ``wait_for_layer_load`` / ``save_kv_layer`` are no-ops (whole blocks move
-before and after the forward pass), so CUDA graphs need no piecewise mode.
+outside the forward pass), so CUDA graphs need no piecewise mode.
 """
 
 from __future__ import annotations

@@ -616,6 +616,28 @@ def test_a_save_corrupted_on_the_wire_never_reaches_another_engine(
     assert not b.leaks()
 
 
+def test_a_node_that_dies_mid_save_costs_the_saves_and_holds_nothing(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    a = engines(node.endpoint, options={"timeout": 2, "offload": "all"})
+    free_before = a.free_blocks()
+    req = a.add("a", PROMPT_A)
+    a.settle()
+    node.kill()  # the prompt's saves will find no node
+    a.run(req)
+    deadline = time.monotonic() + IO_WAIT_S
+    while "a" in a.sched.requests:  # held until its saves ran (and failed)
+        assert time.monotonic() < deadline, "the held request was never released"
+        a.step()
+        time.sleep(0.002)
+    assert a.free_blocks() == free_before
+    assert a.worker.transfers.flush(10.0)  # the offloads ended: they failed, not hung
+    offloader = a.worker.stores.managers[0].offloader
+    assert offloader is not None and offloader.failed_blocks == 4
+    assert not a.leaks()
+
+
 def test_a_request_aborted_while_its_load_is_in_flight_frees_its_blocks_once(
     node_factory: Any, engines: Callable[..., Engine]
 ) -> None:
