@@ -9,6 +9,7 @@ imported: this is the connector logic that the vLLM adapter only forwards to.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -109,6 +110,22 @@ class FakeEngine:
         t.wait(t.load(loads, report_async=True))
         assert t.call(lambda: None, IO_TIMEOUT_S) is None  # the saves queued before ran
         return t.results()
+
+    @contextlib.contextmanager
+    def transfers_held(self) -> Iterator[TransferWorker]:
+        """Hold the transfer thread for the block, as a load stuck on a stalled node would."""
+        t = self.transfers
+        assert t is not None
+        gate = threading.Event()
+        holder = threading.Thread(target=t.call, args=(gate.wait, IO_TIMEOUT_S))
+        holder.start()
+        while t.idle():
+            time.sleep(0.001)
+        try:
+            yield t
+        finally:
+            gate.set()
+            holder.join()
 
     def close(self) -> None:
         if self.lookups is not None:
@@ -258,20 +275,11 @@ def test_a_load_queued_past_its_deadline_fails_without_a_node_call(
     _save_prompt(a)
     clock = Clock()
     b = engines(node.endpoint, clock=clock, timeout=30)
-    assert b.transfers is not None
-    gate = threading.Event()
-    b.transfers.call(lambda: None, IO_TIMEOUT_S)  # the thread is up
-    # Hold the transfer thread (as a load stuck on a stalled node would), queue a load.
-    holder = threading.Thread(target=b.transfers.call, args=(gate.wait, IO_TIMEOUT_S))
-    holder.start()
-    while b.transfers.idle():
-        time.sleep(0.001)
-    jobs = b.transfers.load([_load_b()], report_async=True)
-    clock.now = 30.0
-    gate.set()
-    holder.join()
-    b.transfers.wait(jobs)
-    got = b.transfers.results()
+    with b.transfers_held() as t:
+        jobs = t.load([_load_b()], report_async=True)
+        clock.now = 30.0
+    t.wait(jobs)
+    got = t.results()
     assert got.failed_recving == {"b"}
     assert b.stores.stats.loaded_blocks == 0 and b.stores.managers[0].stats.l2_hit_blocks == 0
 
@@ -281,20 +289,12 @@ def test_a_held_request_is_reported_once_its_saves_ran_and_preempted_saves_are_d
 ) -> None:
     node = node_factory()
     a = engines(node.endpoint)
-    t = a.transfers
-    assert t is not None
-    gate = threading.Event()
-    holder = threading.Thread(target=t.call, args=(gate.wait, IO_TIMEOUT_S))
-    holder.start()
-    while t.idle():
-        time.sleep(0.001)
     preempted = Transfer("p", tuple(PROMPT[:64]), None, (GroupBlocks(0, (9,)), GroupBlocks(0, ())))
-    t.save([_prompt_save(), preempted], after=t.mark())
-    # Finished while its save is queued: not reported yet (vLLM keeps the blocks).
-    assert t.results({"a", "p"}).finished_sending == set()
-    t.drop_saves({"p"})  # the engine reuses p's blocks next: its save must never run
-    gate.set()
-    holder.join()
+    with a.transfers_held() as t:
+        t.save([_prompt_save(), preempted], after=t.mark())
+        # Finished while its save is queued: not reported yet (vLLM keeps the blocks).
+        assert t.results({"a", "p"}).finished_sending == set()
+        t.drop_saves({"p"})  # the engine reuses p's blocks next: its save must never run
     assert t.call(lambda: None, IO_TIMEOUT_S) is None
     assert t.results().finished_sending == {"a", "p"}
     assert a.stores.stats.saved_blocks == 8  # a's 8 blocks; p's block was dropped

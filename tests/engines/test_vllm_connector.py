@@ -19,6 +19,7 @@ values prove the bytes came through rdmakv.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -304,6 +305,29 @@ class Engine:
                 return out, mro
             time.sleep(0.002)
         raise AssertionError(f"request {req_id} was not scheduled in {IO_WAIT_S} s")
+
+    @contextlib.contextmanager
+    def transfers_held(self) -> Iterator[None]:
+        """Hold the worker's transfer thread for the block, as a slow copy would."""
+        gate = threading.Event()
+        transfers = self.worker.transfers
+        holder = threading.Thread(target=transfers.call, args=(gate.wait, IO_WAIT_S))
+        holder.start()
+        while transfers.idle():
+            time.sleep(0.001)
+        try:
+            yield
+        finally:
+            gate.set()
+            holder.join()
+
+    def step_while(self, busy: Callable[[], bool], what: str) -> None:
+        """Step while ``busy()``; fail naming ``what`` if it lasts past the wait."""
+        deadline = time.monotonic() + IO_WAIT_S
+        while busy():
+            assert time.monotonic() < deadline, what
+            self.step()
+            time.sleep(0.002)
 
     def ask(self, req_id: str, prompt: list[int]) -> tuple[int | None, bool]:
         """The scheduler side's answer for ``prompt`` once its lookup is in."""
@@ -626,11 +650,8 @@ def test_a_node_that_dies_mid_save_costs_the_saves_and_holds_nothing(
     a.settle()
     node.kill()  # the prompt's saves will find no node
     a.run(req)
-    deadline = time.monotonic() + IO_WAIT_S
-    while "a" in a.sched.requests:  # held until its saves ran (and failed)
-        assert time.monotonic() < deadline, "the held request was never released"
-        a.step()
-        time.sleep(0.002)
+    # Held until its saves ran (and failed).
+    a.step_while(lambda: "a" in a.sched.requests, "the held request was never released")
     assert a.free_blocks() == free_before
     assert a.worker.transfers.flush(10.0)  # the offloads ended: they failed, not hung
     offloader = a.worker.stores.managers[0].offloader
@@ -656,11 +677,9 @@ def test_a_request_aborted_while_its_load_is_in_flight_frees_its_blocks_once(
         assert b.free_blocks() < free_before
     finally:
         node.resume()
-    deadline = time.monotonic() + IO_WAIT_S
-    while b.free_blocks() != free_before:
-        assert time.monotonic() < deadline, "the aborted request's blocks were never freed"
-        b.step()
-        time.sleep(0.002)
+    b.step_while(
+        lambda: b.free_blocks() != free_before, "the aborted request's blocks were never freed"
+    )
     assert "b" not in b.sched.requests
     assert not b.leaks()
 
@@ -671,25 +690,14 @@ def test_a_finished_request_is_held_until_its_saves_ran(
     node = node_factory(block_size="64KiB")
     a = engines(node.endpoint)
     free_before = a.free_blocks()
-    gate = threading.Event()
-    # Hold the transfer thread, as a slow copy would.
-    holder = threading.Thread(target=a.worker.transfers.call, args=(gate.wait, IO_WAIT_S))
-    holder.start()
-    while a.worker.transfers.idle():
-        time.sleep(0.001)
-    req = a.add("a", PROMPT_A)
-    a.run(req)
-    for _ in range(5):
-        a.step()
-    # Finished, but its save has not run: vLLM must not free (and reuse) its blocks.
-    assert "a" in a.sched.requests and a.free_blocks() < free_before
-    gate.set()
-    holder.join()
-    deadline = time.monotonic() + IO_WAIT_S
-    while "a" in a.sched.requests:
-        assert time.monotonic() < deadline, "the held request was never released"
-        a.step()
-        time.sleep(0.002)
+    with a.transfers_held():
+        req = a.add("a", PROMPT_A)
+        a.run(req)
+        for _ in range(5):
+            a.step()
+        # Finished, but its save has not run: vLLM must not free (and reuse) its blocks.
+        assert "a" in a.sched.requests and a.free_blocks() < free_before
+    a.step_while(lambda: "a" in a.sched.requests, "the held request was never released")
     assert a.free_blocks() == free_before
     assert a.worker.transfers.flush(10.0)
     assert a.worker.stores.stats.saved_blocks == 4
@@ -701,21 +709,15 @@ def test_a_preempted_request_drops_its_pending_saves_and_saves_what_it_recompute
 ) -> None:
     node = node_factory(block_size="64KiB")
     a = engines(node.endpoint)
-    gate = threading.Event()
-    holder = threading.Thread(target=a.worker.transfers.call, args=(gate.wait, IO_WAIT_S))
-    holder.start()
-    while a.worker.transfers.idle():
-        time.sleep(0.001)
-    req = a.add("a", PROMPT_A)
-    a.settle()
-    a.step_until_scheduled("a")  # the prompt ran; its 4 block saves are queued
-    assert a.sched.reset_prefix_cache(reset_running_requests=True)  # preempts "a"
-    out = a.sched.schedule()
-    assert "a" in (out.preempted_req_ids or ())
-    # The worker drops the queued saves before the engine reuses the blocks.
-    a.sched.update_from_output(out, a.worker_step(out))
-    gate.set()
-    holder.join()
+    with a.transfers_held():
+        req = a.add("a", PROMPT_A)
+        a.settle()
+        a.step_until_scheduled("a")  # the prompt ran; its 4 block saves are queued
+        assert a.sched.reset_prefix_cache(reset_running_requests=True)  # preempts "a"
+        out = a.sched.schedule()
+        assert "a" in (out.preempted_req_ids or ())
+        # The worker drops the queued saves before the engine reuses the blocks.
+        a.sched.update_from_output(out, a.worker_step(out))
     a.run(req)
     assert a.worker.transfers.flush(10.0)
     # Saved once, from the recomputed blocks (the dropped saves never ran).
