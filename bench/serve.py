@@ -81,6 +81,7 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.parallel_state import model_parallel_is_initialized
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
@@ -160,7 +161,7 @@ MAX_NUM_BATCHED_TOKENS = 8192
 MAX_MODEL_LEN = 131072
 
 # -- replay ------------------------------------------------------------------------------------
-TIME_SCALE = 2.0
+TIME_SCALE = 3.0
 """Replay seconds per trace second: the trace is a whole cluster's traffic; at 1.0 it
 offers one modelled H100 more prefill than it can do."""
 DEFAULT_START = 3000
@@ -182,6 +183,9 @@ RUN_DEADLINE_S = 1800.0
 NODE_ROOM = 1.15
 """Node pool: the blocks of the earlier turns and the slice, plus room for puts in flight."""
 QUICK_REQUESTS = 8
+QUICK_START = 242
+"""--quick replays the committed slice (the same in every checkout) from here: short
+prompts, and one request that continues an earlier conversation (a remote hit)."""
 QUICK_OUTPUT_CAP = 16
 DEFAULT_OUTPUT_CAP = 1024
 KV_SEED = 0x5EED_0F_CAFE
@@ -329,9 +333,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_DIST_READY: list[bool] = []
-
-
 def _model_dir() -> Path:
     """A local model directory with the named model's config.json only (no weights)."""
     d = Path(tempfile.mkdtemp(prefix="rdmakv-serve-model-"))
@@ -406,6 +407,7 @@ class ServeEngine:
         node: str | None,
         *,
         load_mode: str = "async",
+        transport: str = "tcp",
         cost: CostModel | None,
         pool_blocks: int,
     ) -> None:
@@ -418,7 +420,7 @@ class ServeEngine:
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config={
                     "node": node,
-                    "transport": "tcp",
+                    "transport": transport,
                     "l1_bytes": L1_BYTES,
                     "lock_slab": False,
                     "timeout": CONNECTOR_TIMEOUT_S,
@@ -473,14 +475,15 @@ class ServeEngine:
             block_size=BLOCK_TOKENS,
         )
         with set_current_vllm_config(vc):
-            if not _DIST_READY:
+            # Once per process (a test process may have set it up already).
+            if not torch.distributed.is_initialized():
                 init_distributed_environment(
                     world_size=1, rank=0,
                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
                     local_rank=0, backend="gloo",
                 )
+            if not model_parallel_is_initialized():
                 initialize_model_parallel(1, 1)
-                _DIST_READY.append(True)
             # vLLM keeps one worker connector per process: forget the previous engine's.
             kv_transfer_state._KV_CONNECTOR_AGENT = None
             if ktc is not None:
@@ -754,6 +757,7 @@ class Plan:
     stall_s: float
     model_dir: Path
     cost: CostModel
+    transport: str = "tcp"
 
     @property
     def slice(self) -> list[TraceRequest]:
@@ -765,7 +769,9 @@ def prewarm(plan: Plan, node: str, pool_blocks: int) -> dict[str, Any]:
     sleeps) and its connector saves their prompt blocks to the node."""
     t = time.monotonic()
     turns = earlier_turns(plan.trace, plan.start, plan.count)
-    eng = ServeEngine(plan.model_dir, node, cost=None, pool_blocks=pool_blocks)
+    eng = ServeEngine(
+        plan.model_dir, node, cost=None, pool_blocks=pool_blocks, transport=plan.transport
+    )
     try:
         for k, i in enumerate(turns):
             eng.add(f"warm-{i}", i, _prompt(plan.trace, plan.trace[i]), 1)
@@ -943,7 +949,7 @@ def run_config(
         {
             "pool-size": str(node_pool_bytes(plan)),
             "block-size": str(int(held * BLOCK_TOKENS)),
-            "transport": "tcp",
+            "transport": plan.transport,
         },
         extra_args=["--no-lock"],
     ) as node:
@@ -952,6 +958,7 @@ def run_config(
         eng = ServeEngine(
             plan.model_dir, node.endpoint, cost=plan.cost, pool_blocks=pool,
             load_mode="sync" if name == "rdmakv_sync" else "async",
+            transport=plan.transport,
         )
         stall_info: dict[str, Any] = {}
         stall = None
@@ -1077,6 +1084,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def exit_status(results: dict[str, dict[str, Any]]) -> int:
+    """1 if any configuration had a wrong block or an unfinished request, else 0."""
+    wrong = sum(r["wrong_blocks"] + r["wrong_local_blocks"] for r in results.values())
+    unfinished = sum(r["requests"] - r["finished"] for r in results.values())
+    if wrong or unfinished:
+        print(
+            f"bench/serve.py: FAIL: {wrong} wrong block(s), {unfinished} unfinished request(s)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trace", type=Path, default=None,
@@ -1088,8 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="slice length")
     p.add_argument("--full", action="store_true", help="the whole trace from --start")
     p.add_argument("--quick", action="store_true",
-                   help=f"CI: {QUICK_REQUESTS} requests, outputs capped at {QUICK_OUTPUT_CAP}, "
-                   "a shorter stall")
+                   help=f"CI: {QUICK_REQUESTS} requests of the committed slice from "
+                   f"{QUICK_START}, outputs capped at {QUICK_OUTPUT_CAP}, a 3 s stall")
     p.add_argument("--output-cap", type=int, default=DEFAULT_OUTPUT_CAP,
                    help="cap on output tokens per request")
     p.add_argument("--time-scale", type=float, default=TIME_SCALE,
@@ -1097,9 +1117,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall", type=float, default=STALL_S, help="node SIGSTOP seconds")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--transport", choices=["tcp", "rdma"], default="tcp",
+                   help="node and connector transport (rdma: inside the soft-RoCE VM)")
     p.add_argument("--out", type=Path, default=RESULTS, help="where serve.json/.png go")
     args = p.parse_args(argv)
-    trace_path = args.trace or (DEFAULT_TRACE if DEFAULT_TRACE.exists() else FALLBACK_TRACE)
+    if args.quick:
+        trace_path = args.trace or FALLBACK_TRACE
+        if args.start is None:
+            args.start = QUICK_START
+    else:
+        trace_path = args.trace or (DEFAULT_TRACE if DEFAULT_TRACE.exists() else FALLBACK_TRACE)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
@@ -1120,7 +1147,10 @@ def main(argv: list[str] | None = None) -> int:
     count = min(count, len(trace) - start)
     if count <= 0:
         p.error(f"no requests in the slice (trace has {len(trace)}, start {start})")
-    plan = Plan(trace, start, count, cap, args.time_scale, stall_s, _model_dir(), CostModel())
+    plan = Plan(
+        trace, start, count, cap, args.time_scale, stall_s, _model_dir(), CostModel(),
+        args.transport,
+    )
     t0 = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     for name in configs:
@@ -1142,17 +1172,12 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {
             "trace": str(trace_path), "start": start, "requests": count,
             "earlier_turns": len(earlier_turns(trace, start, count)),
-            "stall_s": stall_s, **provenance(), "seconds": round(time.monotonic() - t0, 1),
+            "stall_s": stall_s, "transport": plan.transport,
+            **provenance(), "seconds": round(time.monotonic() - t0, 1),
         },
     }
     publish(result, args.out, "serve", plot)
-    wrong = sum(r["wrong_blocks"] + r["wrong_local_blocks"] for r in results.values())
-    unfinished = sum(r["requests"] - r["finished"] for r in results.values())
-    if wrong or unfinished:
-        print(f"bench/serve.py: FAIL: {wrong} wrong block(s), {unfinished} unfinished request(s)",
-              file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(results)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ RUNTIME_DEPS=(
   prometheus_client==0.26.0 xgrammar==0.2.8 fastapi==0.165.0
   partial_json_parser==0.2.1.1.post7 llguidance==1.7.6 orjson==3.13.0 ipython==9.18.1
   einops==0.8.2 dill==0.4.1
+  # bench/serve.py's plots
+  matplotlib==3.11.2
   # rdmakv itself and the test runner
   numpy==2.4.6 "cffi>=1.16" "xxhash>=4.1" "pytest>=8" "pytest-timeout>=2.3"
 )
