@@ -71,6 +71,38 @@ HINTED, PROVEN, OPEN = 0, 1, 2
 CANDIDATE_CLASSES = 3
 
 
+KeepHint = bool | int | None
+"""A request's reuse hint, as callers give it (``KVCacheManager.put(keep=)``):
+
+* ``True``: the request's prefix will be asked for again (a conversation that
+  goes on, an agent loop); ``False``: it will not (a one-shot request);
+  ``None``: unknown;
+* an ``int`` N >= 0: *the first N tokens* will be asked for again (a system
+  prompt, a shared document) and the rest will not. Blocks wholly inside the
+  first N tokens get ``keep=True``, the others ``keep=False``
+  (:func:`block_keep`).
+"""
+
+
+def check_keep_hint(keep: object) -> KeepHint:
+    """``keep`` if it is a :data:`KeepHint`, else a :class:`ConfigError` naming it."""
+    if keep is None or isinstance(keep, bool):
+        return keep
+    if isinstance(keep, int) and keep >= 0:
+        return keep
+    raise ConfigError(
+        f"keep must be True, False, None or a token count >= 0 (the first N tokens "
+        f"will be reused), got {keep!r}"
+    )
+
+
+def block_keep(keep: KeepHint, depth: int, block_tokens: int) -> bool | None:
+    """The per-block hint the policies take, for the block at ``depth`` of a request."""
+    if keep is None or isinstance(keep, bool):
+        return keep
+    return (depth + 1) * block_tokens <= keep
+
+
 class OffloadMode(enum.Enum):
     """The built-in offload policies, by the name configs use."""
 
