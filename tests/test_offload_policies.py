@@ -154,14 +154,19 @@ def test_reuse_ghost_is_bounded(evictions: list[int], capacity: int) -> None:
         assert p.in_ghost(key(evictions[-1]))
 
 
-def test_reuse_depth_limit_spends_exactly_the_budget_of_the_last_window() -> None:
+def test_reuse_depth_limit_spends_the_budget_and_carries_what_was_not_spent() -> None:
     p = ReuseOffload(100, 0.5, window=10)
     # Nothing measured yet: the budget's share of first blocks, nothing deeper.
     assert (p.depth_limit, p.edge_share) == (0, 0.5)
     for d in range(1, 11):
         assert not p.on_insert(key(d), d, None)
-    # The 10th insert closed the window: candidates at depths 1..10 one each and
-    # nothing sent, so half the window (5 blocks) buys depths 1..5, none at 6.
+    # The 10th insert closed the window: nothing of its budget (5) was spent, so
+    # the next may spend 10, which buys every depth seen (1..10, one each).
+    assert p.depth_limit == math.inf
+    assert all(p.on_insert(key(20 + d), d, None) for d in range(1, 11))
+    # That window spent its 5 and the 5 carried: the debt is 0. Decayed, the two
+    # windows weigh 15 blocks, budget 7.5, and depths 1..10 weigh 1.5 each:
+    # depths 1..5 fit, none at 6.
     assert (p.depth_limit, p.edge_share) == (6, 0.0)
     assert p.on_insert(key(101), 5, None)
     assert not p.on_insert(key(102), 6, None)
@@ -184,10 +189,12 @@ def test_reuse_forced_sends_come_out_of_the_budget() -> None:
         p.on_hot(key(50 + i), 0, None)  # 4 proven reuses
     for i in range(4):
         p.on_insert(key(60 + i), 0, True)  # and 4 hinted blocks: 10 inserts
-    # Budget 5 of 10 computed: the 4 hinted ones fit, the proven ones only
-    # partly (a quarter of those at depth 0, by key), nothing is left for depth.
-    assert (p.limit_class, p.depth_limit, p.edge_share) == (PROVEN, 0, 0.25)
+    # Budget 5 of 10 computed; sent: 4 proven, 4 hinted (and key(0), under the
+    # first guess): 4 over. What is left (1) buys a quarter of the 4 hinted
+    # blocks at depth 0, by key; nothing proven, nothing by depth alone.
+    assert (p.limit_class, p.depth_limit, p.edge_share) == (HINTED, 0, 0.25)
     assert not p.on_insert(key(99), 0, None)
+    assert not p.on_hot(key(98), 0, None)
 
 
 def test_reuse_rations_hints_and_proven_reuse_by_depth_beyond_the_budget() -> None:
@@ -196,21 +203,23 @@ def test_reuse_rations_hints_and_proven_reuse_by_depth_beyond_the_budget() -> No
     for d in range(40):
         p.on_insert(key(d), d, None)
         p.on_evict(key(d), d, None)
-    assert p.limit_class == OPEN and p.depth_limit == 10  # a quarter of 40 depths
-    # The same chain, computed again: every block proven, a quarter is sent,
-    # shallowest first (and the recomputations are not in all's base).
+    assert p.limit_class == OPEN
+    # The same chain, computed again: every block proven, sent while the limit
+    # (set for open blocks) allows; the recomputations add nothing to all's base.
     sent = [p.on_insert(key(d), d, None) for d in range(40)]
-    assert sent == [True] * 40  # the limit moves only once the window closed
-    # 40 sent in a window that added nothing to all's base (recomputations do
-    # not count): nothing goes, hints included, until that debt is paid.
+    assert sent == [True] * 40
+    # 40 sent for a base that did not grow: nothing goes, hints included, until
+    # that debt is paid.
     assert (p.limit_class, p.depth_limit, p.edge_share) == (HINTED, 0, 0.0)
     for d in range(40):
         p.on_evict(key(d), d, None)
     assert not any(p.on_insert(key(d), d, True) for d in range(40))
     # New blocks pay it back at a quarter each; then the budget's share goes again.
-    fresh = [p.on_insert(hashed_key(i), 0, None) for i in range(320)]
+    fresh = [p.on_insert(hashed_key(i), 0, None) for i in range(400)]
     assert not any(fresh[:120])
-    assert 0.15 * 160 <= sum(fresh[160:]) <= 0.35 * 160
+    assert 0.15 * 160 <= sum(fresh[240:]) <= 0.35 * 160
+    total = p.offered_hint + p.offered_ghost + p.offered_hot + p.offered_prefix
+    assert total <= 0.25 * 440 + 10  # all's base: 440 distinct blocks
 
 
 def test_reuse_recomputed_blocks_do_not_count_as_computed() -> None:
@@ -222,8 +231,10 @@ def test_reuse_recomputed_blocks_do_not_count_as_computed() -> None:
         p.on_evict(key(d), d, None)
     for d in range(5):
         assert p.on_insert(key(d), d, None)  # computed again: proven, sent; 10 inserts
-    # Base 5 (not 10): budget 2.5, which buys proven depths 0 and 1 and half of 2.
-    assert (p.limit_class, p.depth_limit, p.edge_share) == (PROVEN, 2, 0.5)
+    # Base 5 (not 10): budget 2.5, and 5 were sent: nothing more goes. With a
+    # base of 10 the budget (5) would have been spent exactly, and open blocks
+    # at depth 0 would be next.
+    assert (p.limit_class, p.depth_limit, p.edge_share) == (PROVEN, 0, 0.0)
 
 
 def test_seen_filter_remembers_one_generation_and_forgets_after_two() -> None:

@@ -66,6 +66,9 @@ SEEN_BITS_PER_KEY = 16
 """Bloom filter bits per remembered key: with 4 probes, ~0.25% false positives
 per generation (a false positive under-counts the base by that share)."""
 _SEEN_PROBES = 4  # 32-bit slices of a 16-byte key, each a probe
+REUSE_CREDIT_WINDOWS = 8
+"""Spending below the budget is carried forward for at most this many windows' budget:
+enough to even out requests longer than a window, too little to bank a burst."""
 HINTED, PROVEN, OPEN = 0, 1, 2
 """``reuse``'s candidate classes, best first (see :class:`ReuseOffload`)."""
 CANDIDATE_CLASSES = 3
@@ -291,10 +294,9 @@ class ReuseOffload:
         # forgotten overshoot is bytes sent beyond the budget for good: where
         # all's base grows slowly, as on re-read documents, forgetting it per
         # window let the share drift 20% over). Credit for spending below the
-        # budget is capped at one window's budget, so a stretch with nothing
-        # worth sending cannot bank a burst for later.
+        # budget is capped (REUSE_CREDIT_WINDOWS), so a stretch with nothing
+        # worth sending cannot bank a large burst for later.
         self._debt = 0.0
-        self._measured = False
         self._window_base = 0.0
         self._window_offered = 0
         self._until_update = self.window
@@ -364,12 +366,10 @@ class ReuseOffload:
     def _update_limit(self) -> None:
         """The limit whose candidates, best first, fill what the budget allows."""
         self._until_update = self.window
-        if self._measured:  # the first window ran on a guess: neither debt nor credit
-            self._debt = max(
-                self._debt + self._window_offered - self.budget * self._window_base,
-                -self.budget * self.window,
-            )
-        self._measured = True
+        self._debt = max(
+            self._debt + self._window_offered - self.budget * self._window_base,
+            -self.budget * self.window * REUSE_CREDIT_WINDOWS,
+        )
         self._window_offered = 0
         self._window_base = 0.0
         allowance = self.budget * self._computed - self._debt
