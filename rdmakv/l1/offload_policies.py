@@ -422,9 +422,6 @@ class SeenFilter:
     def _has(self, probes: list[int]) -> bool:
         return any(all(g[p >> 3] >> (p & 7) & 1 for p in probes) for g in (self._new, self._old))
 
-    def __contains__(self, key: BlockKey) -> bool:
-        return self._has(self._probes(key))
-
     def add(self, key: BlockKey) -> bool:
         """Remember ``key``; True when it was not remembered already."""
         probes = self._probes(key)
