@@ -12,15 +12,26 @@ trace) through the real L1 cache and offload policies (``rdmakv.replay``):
     JSON object::
 
         {"0.05": {"all": {"hit_rate": .., "bytes_vs_all": ..}, "hot": .., "cold": ..,
-                  "oracle": .., "reuse": {.., "budget": 0.5}, "reuse+hint": ..,
-                  "best": "reuse"}, "0.1": {..}}
+                  "oracle": .., "reuse": {.., "budget": 0.5, "achieved_budget": ..},
+                  "reuse+hint": .., "reuse+prefix-hint": ..,
+                  "best": "reuse@0.75",
+                  "frontier": {"0.25": {"hit_rate": .., "achieved_budget": ..},
+                               "0.5": {..}, "0.75": {..}}},
+         "0.1": {..}}
 
     ``bytes_vs_all`` is the steady-state cost: blocks sent during the replay
     plus those a policy still owes when L1 empties at the end (``cold`` sends at
-    eviction), over what ``all`` sends. The ``reuse`` row is budget 0.5 (its
-    default, 1, sends what ``all`` sends unless hints say otherwise; that is
-    the ``reuse+hint`` row); every budget, hint and the undrained figures are
-    in the results file.
+    eviction), over what ``all`` sends; for a budgeted mode it is also its
+    ``achieved_budget``. The ``reuse`` row is budget 0.5 (its default, 1,
+    sends what ``all`` sends unless hints say otherwise; those are the
+    ``reuse+hint`` rows: one bool per request, and ``prefix-hint``, the number
+    of first tokens reused). ``best`` is the cheapest online mode and budget
+    whose hit rate is within :data:`BEST_MAX_LOSS` of ``all`` on *this* trace at
+    this L1 size (``all`` when none is; hints and the oracle are not
+    candidates: they need knowledge the replay takes from the trace's
+    future). ``frontier`` is ``reuse``'s hit rate at 0.25x / 0.5x / 0.75x
+    of all's bytes. Every budget, hint and the undrained figures are in the
+    results file.
 
 ``--full``
     Also L1 = 2% and 20%, the node at 25% and 50% of the unique blocks, a finer
@@ -71,12 +82,14 @@ FULL_NODE: tuple[float | None, ...] = (None, 0.5, 0.25)
 FLEET_ENGINES = 4
 FLEET_L1 = 0.1
 """The fleet's L1, as a share of unique blocks, split across its engines."""
+BEST_MAX_LOSS = 0.01
+"""``best``: at most this much hit rate (absolute) below ``all`` on the replayed trace."""
+BEST_CANDIDATES = ("all", "hot", "cold", "reuse")
+"""Modes ``best`` may name: the online ones, without hints."""
 BYTES_TARGET = 0.5
 """The issue's bar for a selective mode: at most this share of all's bytes..."""
 HIT_LOSS_TARGET = 0.01
 """...losing at most this much hit rate (absolute)."""
-RECOMMENDED = "reuse"
-"""The selective mode docs/offload.md recommends when bandwidth must be saved."""
 
 _KEYS: TraceKeys | None = None  # set before the pool forks: workers inherit it
 
@@ -123,6 +136,7 @@ def model_setups(
                 setups.append(ReplaySetup(l1, nb, "reuse", b))
             for noise in HINT_NOISE if ns is None else (0.0,):
                 setups.append(ReplaySetup(l1, nb, "reuse", hints=True, hint_noise=noise))
+            setups.append(ReplaySetup(l1, nb, "reuse", hints=True, hint_form="prefix"))
     if full:
         per_engine = max(1, round(FLEET_L1 * u / FLEET_ENGINES))
         for routing in ("prefix", "random"):
@@ -146,6 +160,12 @@ def _share(n: int | None, unique: int) -> float | None:
     return None if n is None else round(n / unique, 4)
 
 
+def _share_of(node_share: float | None, keys: TraceKeys) -> float | None:
+    """A --node share as the rows spell it (rounded through the block count)."""
+    u = keys.unique_blocks
+    return None if node_share is None else _share(max(1, round(node_share * u)), u)
+
+
 def summarize(keys: TraceKeys, results: list[ReplayResult]) -> list[dict[str, Any]]:
     """One flat row per replay, with ratios to ``all`` of the same L1, node and fleet."""
     u = keys.unique_blocks
@@ -165,6 +185,7 @@ def summarize(keys: TraceKeys, results: list[ReplayResult]) -> list[dict[str, An
                 "budget": s.offload_budget,
                 "hints": s.hints,
                 "hint_noise": s.hint_noise,
+                "hint_form": s.hint_form,
                 "l1_share": round(s.l1_blocks * s.engines / u, 4),
                 "node_share": _share(s.node_blocks, u),
                 "engines": s.engines,
@@ -185,31 +206,61 @@ def summarize(keys: TraceKeys, results: list[ReplayResult]) -> list[dict[str, An
     return rows
 
 
-def headline(rows: list[dict[str, Any]], l1_shares: Iterable[float]) -> dict[str, Any]:
-    """The printed object: per L1 share, each mode's hit rate and bytes; unbounded node."""
+def headline(
+    rows: list[dict[str, Any]], l1_shares: Iterable[float], node_share: float | None = None
+) -> dict[str, Any]:
+    """The printed object: per L1 share, each mode's hit rate and bytes, at one node size."""
     out: dict[str, Any] = {}
     for share in l1_shares:
         mine = [
             r
             for r in rows
-            if r["engines"] == 1 and r["node_share"] is None and abs(r["l1_share"] - share) < 1e-3
+            if r["engines"] == 1
+            and r["node_share"] == node_share
+            and abs(r["l1_share"] - share) < 1e-3
         ]
         entry: dict[str, Any] = {}
+        frontier: dict[str, Any] = {}
         for r in mine:
             name = r["label"]
-            if name == f"reuse@{HEADLINE_BUDGET:g}":
-                name = "reuse"
-            elif name not in (*BASE_MODES, "reuse+hint"):
-                continue
-            entry[name] = {
+            figures = {
                 "hit_rate": round(r["hit_rate"], 5),
                 "bytes_vs_all": round(r["bytes_vs_all"], 4),
             }
-            if name == "reuse":
-                entry[name]["budget"] = HEADLINE_BUDGET
-        entry["best"] = RECOMMENDED
+            if r["offload"] == "reuse" and not r["hints"] and r["budget"] in BUDGETS:
+                frontier[f"{r['budget']:g}"] = {
+                    "hit_rate": figures["hit_rate"],
+                    "achieved_budget": figures["bytes_vs_all"],
+                }
+            if name == f"reuse@{HEADLINE_BUDGET:g}":
+                name = "reuse"
+                figures.update(budget=HEADLINE_BUDGET, achieved_budget=figures["bytes_vs_all"])
+            elif name not in (*BASE_MODES, "reuse+hint", "reuse+prefix-hint"):
+                continue
+            entry[name] = figures
+        entry["best"] = best_mode(mine)
+        entry["frontier"] = dict(sorted(frontier.items(), key=lambda kv: float(kv[0])))
         out[f"{share:g}"] = entry
     return out
+
+
+def best_mode(rows: list[dict[str, Any]]) -> str:
+    """The cheapest online mode and budget within :data:`BEST_MAX_LOSS` of ``all``.
+
+    ``rows`` are the replays of one trace at one L1 and node size: the
+    recommendation comes from them alone, never from another trace's figures.
+    """
+    ref = next(r for r in rows if r["offload"] == "all")
+    fit = [
+        r
+        for r in rows
+        if r["offload"] in BEST_CANDIDATES
+        and not r["hints"]
+        and r["hit_rate"] >= ref["hit_rate"] - BEST_MAX_LOSS
+    ]
+    # Ties (cold and all both send everything): the plainer mode, all, wins.
+    best = min(fit, key=lambda r: (r["bytes_vs_all"], r["offload"] != "all"))
+    return str(best["label"])
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -271,10 +322,19 @@ MODE_STYLE = {
     "oracle": ("black", "*"),
     "reuse": ("tab:green", "o"),
     "hint": ("tab:purple", "P"),
+    "prefix-hint": ("tab:pink", "X"),
 }
 
 
-def plot_pareto(rows: list[dict[str, Any]], path: Path) -> None:
+def style_name(row: dict[str, Any]) -> str:
+    """The :data:`MODE_STYLE` entry of a result row."""
+    if not row["hints"]:
+        return str(row["offload"])
+    return "prefix-hint" if row["hint_form"] == "prefix" else "hint"
+
+
+
+def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,7 +358,7 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> None:
                 key=lambda r: r["bytes_vs_all"],
             )
             hinted = sorted(
-                (r for r in rs if r["hints"]), key=lambda r: r["hint_noise"]
+                (r for r in rs if style_name(r) == "hint"), key=lambda r: r["hint_noise"]
             )
             if len(hinted) > 1:
                 ax.plot(
@@ -311,15 +371,15 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> None:
                 [100 * r["hit_rate"] for r in frontier],
                 "-o", color=MODE_STYLE["reuse"][0], label="reuse (budget 0.15-0.9)", ms=4,
             )
+            labels = {"hint": "reuse + perfect hint", "prefix-hint": "reuse + prefix hint"}
             for r in rs:
-                name = "hint" if r["hints"] else r["offload"]
+                name = style_name(r)
                 if name == "reuse" or r["hint_noise"]:
                     continue
                 color, marker = MODE_STYLE[name]
                 ax.plot(
                     r["bytes_vs_all"], 100 * r["hit_rate"], marker, color=color,
-                    ms=12 if name == "oracle" else 8,
-                    label="reuse + perfect hint" if name == "hint" else name,
+                    ms=12 if name == "oracle" else 8, label=labels.get(name, name),
                 )
             node_txt = "unbounded node" if node == 9 else f"node {node:.0%} of unique"
             ax.set_title(f"L1 {share:.0%} of unique, {node_txt}", fontsize=9)
@@ -328,7 +388,7 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> None:
             ax.set_xlim(0, 1.1)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle("Offload policies on the Mooncake conversation trace (model replay)")
+    fig.suptitle(f"Offload policies on {title} (model replay)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -348,7 +408,7 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, share: float) -> None:
             r["offload"] == "reuse" and not r["hints"] and r["budget"] != HEADLINE_BUDGET
         ):
             continue
-        name = "hint" if r["hints"] else r["offload"]
+        name = style_name(r)
         t = [p[0] / 60 for p in r["timeline"]]
         rate = [100 * p[2] / p[1] if p[1] else 0.0 for p in r["timeline"]]
         ax.plot(t, rate, color=MODE_STYLE[name][0], lw=1.2, label=r["label"])
@@ -374,7 +434,8 @@ def cmd_model(args: argparse.Namespace) -> int:
     node = FULL_NODE if args.full else args.node
     results = run_grid(keys, model_setups(keys, l1, node, args.full), args.jobs)
     rows = summarize(keys, results)
-    head = headline(rows, args.l1)
+    # The first node size asked (--full: the unbounded node, as docs/offload.md's tables).
+    head = headline(rows, args.l1, None if args.full else _share_of(args.node[0], keys))
     out = {
         "meta": meta(args.trace, keys, time.monotonic() - t0, kind="model"),
         "headline": head,
@@ -385,7 +446,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     path = write_json(args.out, name, out)
     print(f"[trace] wrote {path}", file=sys.stderr)
     if args.full or args.plots:
-        plot_pareto(rows, args.out / f"{name}_pareto.png")
+        plot_pareto(rows, args.out / f"{name}_pareto.png", args.trace.name)
         for share in (0.05, 0.1):
             if any(abs(r["l1_share"] - share) < 1e-3 for r in rows):
                 plot_timeline(rows, args.out / f"{name}_timeline_l1_{share:g}.png", share)

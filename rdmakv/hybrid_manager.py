@@ -45,7 +45,7 @@ import numpy as np
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import KVCacheGroup, hit_alignment, longest_common_hit
 from rdmakv.keys import KeyNamespace
-from rdmakv.l1 import OffloadMode
+from rdmakv.l1 import KeepHint, OffloadMode
 from rdmakv.manager import KVCacheManager, Tokens
 
 MAX_ACQUIRE_ATTEMPTS = 4
@@ -171,7 +171,7 @@ class HybridKVCacheManager:
         *,
         extra: bytes | None = None,
         first_block: int = 0,
-        keep: bool | None = None,
+        keep: KeepHint = None,
     ) -> int:
         """Cache blocks ``first_block..`` of group ``group_id`` (takes over the handles).
 

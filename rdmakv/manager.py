@@ -60,11 +60,14 @@ from rdmakv.client import NodeClient
 from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey, BlockKeyer, KeyNamespace
 from rdmakv.l1 import (
+    KeepHint,
     L1Cache,
     OffloadItem,
     OffloadMode,
     OffloadPolicy,
     OffloadQueue,
+    block_keep,
+    check_keep_hint,
     make_offload_policy,
 )
 from rdmakv.remote import check_address, open_remote
@@ -323,7 +326,7 @@ class KVCacheManager:
         *,
         extra: bytes | None = None,
         first_block: int = 0,
-        keep: bool | None = None,
+        keep: KeepHint = None,
     ) -> int:
         """Cache blocks ``first_block..`` of ``tokens`` held in ``handles``; return the new count.
 
@@ -333,10 +336,13 @@ class KVCacheManager:
 
         ``keep`` is the request's reuse hint for the offload policy: True when
         the application says this prefix will be asked for again (e.g. a chat
-        session that stays open), False when it will not, None when unknown.
-        ``reuse`` sends ``keep=True`` blocks at once and holds ``keep=False``
-        ones back until they prove reuse; the other modes ignore it.
+        session that stays open), False when it will not, None when unknown,
+        or a token count N: the first N tokens will be asked for again (a
+        system prompt, a document), the rest will not. ``reuse`` sends the
+        blocks hinted to be kept first and holds the others back until they
+        prove reuse; the other modes ignore it.
         """
+        keep = check_keep_hint(keep)
         chain = self.keyer.chain(tokens, extra)
         last = first_block + len(handles)
         if first_block < 0 or last > len(chain):
@@ -349,7 +355,10 @@ class KVCacheManager:
         for depth, ((_, key, digest), h) in enumerate(
             zip(chain[first_block:last], handles, strict=True), start=first_block
         ):
-            new += self.l1.insert(key, h, self.block_bytes, digest, depth=depth, keep=keep)
+            new += self.l1.insert(
+                key, h, self.block_bytes, digest, depth=depth,
+                keep=block_keep(keep, depth, self.block_tokens),
+            )
         return new
 
     # -- reading -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from rdmakv.connectors.plan import GroupBlocks, RequestBook
+from rdmakv.connectors.plan import GroupBlocks, RequestBook, request_keep_hint
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
@@ -205,3 +205,45 @@ def test_a_request_with_a_planned_save_is_held_when_it_finishes() -> None:
     assert plan.preempted == ("gone",)
     assert book.finished("saved") is True  # the engine keeps its blocks until reported
     assert book.finished("short") is False  # no save: freed at once
+
+
+# -- the reuse hint a request's fields carry ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "hint"),
+    [
+        (None, None),
+        ({}, None),
+        ({"rdmakv_keep": True}, True),
+        ({"rdmakv_keep": False, "session_id": "s1"}, False),  # the explicit hint wins
+        ({"rdmakv_keep": 4096}, 4096),  # the first 4096 tokens will be reused
+        ({"rdmakv_keep": 0}, 0),
+        ({"prompt_cache_key": "support-bot-v3"}, True),
+        ({"session_id": "s1"}, True),
+        ({"conversation_id": "c-9"}, True),
+        ({"other": 1}, None),
+    ],
+)
+def test_request_keep_hint_maps_the_fields(params: dict[str, object] | None, hint: object) -> None:
+    assert request_keep_hint(params, "r1") == hint
+    assert type(request_keep_hint(params, "r1")) is type(hint)
+
+
+@pytest.mark.parametrize(
+    ("params", "hint", "warning"),
+    [
+        ({"rdmakv_keep": "yes"}, None, "'rdmakv_keep' must be true, false or a token count"),
+        ({"rdmakv_keep": -5, "session_id": "s"}, True, "'rdmakv_keep' must be true"),
+        ({"rdmakv_keep": 1.5}, None, "got 1.5; ignored"),
+        ({"session_id": ""}, None, "'session_id' must be a non-empty string"),
+        ({"prompt_cache_key": 7, "conversation_id": "c"}, True, "'prompt_cache_key' must be"),
+        (["rdmakv_keep"], None, "must be a mapping, got list"),
+    ],
+)
+def test_request_keep_hint_warns_about_bad_values_and_goes_on(
+    params: object, hint: object, warning: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="rdmakv.connectors"):
+        assert request_keep_hint(params, "req-7") == hint  # type: ignore[arg-type]
+    assert warning in caplog.text and "request req-7" in caplog.text

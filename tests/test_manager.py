@@ -20,6 +20,7 @@ from conftest import NodeProcess
 from rdmakv.client import KVClient
 from rdmakv.errors import ConfigError
 from rdmakv.keys import BlockKey, KeyNamespace
+from rdmakv.l1 import KeepHint
 from rdmakv.manager import Acquired, KVCacheManager, tp_namespace
 
 BLOCK_TOKENS = 4
@@ -96,7 +97,7 @@ def compute_and_put(
     tokens: np.ndarray,
     first: int = 0,
     count: int | None = None,
-    keep: bool | None = None,
+    keep: KeepHint = None,
 ) -> list[BlockKey]:
     """Compute (fill) blocks ``first..first+count`` of ``tokens`` and put them; their keys."""
     keys = mgr.keyer.keys(tokens)
@@ -170,6 +171,22 @@ def test_default_offload_sends_everything_but_what_a_hint_excludes(
     m.release(got)
     assert m.flush(FLUSH_TIMEOUT)
     assert probe.exists(one_shot) == [True] * 2 + [False] * 2
+
+
+def test_keep_hint_as_a_prefix_length_sends_only_the_blocks_inside_it(
+    managers: ManagerFactory, probe: KVClient
+) -> None:
+    m = managers(offload=None)
+    # "The first 2.5 blocks' tokens will be reused": blocks 0 and 1 lie inside.
+    keys = compute_and_put(m, tokens_of(15, 4), keep=2 * BLOCK_TOKENS + BLOCK_TOKENS // 2)
+    assert m.flush(FLUSH_TIMEOUT)
+    assert probe.exists(keys) == [True, True, False, False]
+    tokens = tokens_of(16, 2)
+    handles = m.allocate_for(2)
+    for bad in (-1, "yes", 1.5):
+        with pytest.raises(ConfigError, match=r"keep must be True, False, None or a token count"):
+            m.put(tokens, handles, keep=bad)  # type: ignore[arg-type]
+    m.discard(handles)
 
 
 def test_offload_budget_sends_less_and_is_checked(

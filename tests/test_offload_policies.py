@@ -25,6 +25,7 @@ from rdmakv.l1 import (
     ReuseOffload,
     make_offload_policy,
 )
+from rdmakv.l1.offload_policies import HINTED, OPEN, PROVEN, SeenFilter
 from rdmakv.slab import Slab
 
 BS = 64
@@ -69,7 +70,7 @@ def test_simple_modes_answer_at_one_moment_each(
 ) -> None:
     for keep in (None, True, False):  # the simple modes ignore hints
         assert policy.on_insert(key(1), 3, keep) is insert
-        assert policy.on_hot(key(1)) is hot
+        assert policy.on_hot(key(1), 3, keep) is hot
         assert policy.on_evict(key(1), 3, keep) is evict
     assert policy.needs_queue is (policy.name != "none")
 
@@ -109,8 +110,9 @@ def test_reuse_other_knobs_are_checked() -> None:
 
 
 def only_proven(p: ReuseOffload, depth_limit: int = 0) -> ReuseOffload:
-    """Set the budget rule to send blocks shallower than ``depth_limit``, none at it."""
-    p.depth_limit, p.edge_share = depth_limit, 0.0
+    """Set the limit to send hinted and proven blocks, and open ones shallower than
+    ``depth_limit``, none at it."""
+    p.limit_class, p.depth_limit, p.edge_share = OPEN, depth_limit, 0.0
     return p
 
 
@@ -133,9 +135,12 @@ def test_reuse_ghost_sends_a_block_computed_again_after_eviction_unsent() -> Non
     assert not p.on_insert(key(1), 5, None)  # the ghost entry was used up
 
 
-def test_reuse_hot_blocks_are_always_sent() -> None:
+def test_reuse_hot_blocks_are_sent_while_proven_reuse_fits() -> None:
     p = ReuseOffload(10, 0.1)
-    assert p.on_hot(key(9)) and p.offered_hot == 1
+    assert p.on_hot(key(9), 3, None) and p.offered_hot == 1
+    p.limit_class, p.depth_limit, p.edge_share = PROVEN, 2, 0.0
+    assert p.on_hot(key(10), 1, None) and not p.on_hot(key(11), 2, None)
+    assert p.on_hot(key(12), 7, True)  # hinted: a better class than the limit
 
 
 @settings(max_examples=100, deadline=None)
@@ -149,14 +154,19 @@ def test_reuse_ghost_is_bounded(evictions: list[int], capacity: int) -> None:
         assert p.in_ghost(key(evictions[-1]))
 
 
-def test_reuse_depth_limit_spends_exactly_the_budget_of_the_last_window() -> None:
+def test_reuse_depth_limit_spends_the_budget_and_carries_what_was_not_spent() -> None:
     p = ReuseOffload(100, 0.5, window=10)
     # Nothing measured yet: the budget's share of first blocks, nothing deeper.
     assert (p.depth_limit, p.edge_share) == (0, 0.5)
     for d in range(1, 11):
         assert not p.on_insert(key(d), d, None)
-    # The 10th insert closed the window: candidates at depths 1..10 one each and
-    # nothing sent, so half the window (5 blocks) buys depths 1..5, none at 6.
+    # The 10th insert closed the window: nothing of its budget (5) was spent, so
+    # the next may spend 10, which buys every depth seen (1..10, one each).
+    assert p.depth_limit == math.inf
+    assert all(p.on_insert(key(20 + d), d, None) for d in range(1, 11))
+    # That window spent its 5 and the 5 carried: the debt is 0. Decayed, the two
+    # windows weigh 15 blocks, budget 7.5, and depths 1..10 weigh 1.5 each:
+    # depths 1..5 fit, none at 6.
     assert (p.depth_limit, p.edge_share) == (6, 0.0)
     assert p.on_insert(key(101), 5, None)
     assert not p.on_insert(key(102), 6, None)
@@ -176,26 +186,64 @@ def test_reuse_forced_sends_come_out_of_the_budget() -> None:
     for d in range(6):
         p.on_insert(key(d), d, None)
     for i in range(4):
-        p.on_hot(key(50 + i))  # 4 proven reuses
+        p.on_hot(key(50 + i), 0, None)  # 4 proven reuses
     for i in range(4):
         p.on_insert(key(60 + i), 0, True)  # and 4 hinted blocks: 10 inserts
-    # Budget 5 of 10 computed, 8 already forced: nothing is left for depth.
-    assert (p.depth_limit, p.edge_share) == (0, 0.0)
+    # Budget 5 of 10 computed; sent: 4 proven, 4 hinted (and key(0), under the
+    # first guess): 4 over. What is left (1) buys a quarter of the 4 hinted
+    # blocks at depth 0, by key; nothing proven, nothing by depth alone.
+    assert (p.limit_class, p.depth_limit, p.edge_share) == (HINTED, 0, 0.25)
     assert not p.on_insert(key(99), 0, None)
+    assert not p.on_hot(key(98), 0, None)
 
 
-def test_reuse_ghost_hits_do_not_count_as_computed() -> None:
+def test_reuse_rations_hints_and_proven_reuse_by_depth_beyond_the_budget() -> None:
+    """Where nearly everything is proven (agent loops), the budget still holds."""
+    p = ReuseOffload(100, 0.25, window=40)
+    for d in range(40):
+        p.on_insert(key(d), d, None)
+        p.on_evict(key(d), d, None)
+    assert p.limit_class == OPEN
+    # The same chain, computed again: every block proven, sent while the limit
+    # (set for open blocks) allows; the recomputations add nothing to all's base.
+    sent = [p.on_insert(key(d), d, None) for d in range(40)]
+    assert sent == [True] * 40
+    # 40 sent for a base that did not grow: nothing goes, hints included, until
+    # that debt is paid.
+    assert (p.limit_class, p.depth_limit, p.edge_share) == (HINTED, 0, 0.0)
+    for d in range(40):
+        p.on_evict(key(d), d, None)
+    assert not any(p.on_insert(key(d), d, True) for d in range(40))
+    # New blocks pay it back at a quarter each; then the budget's share goes again.
+    fresh = [p.on_insert(hashed_key(i), 0, None) for i in range(400)]
+    assert not any(fresh[:120])
+    assert 0.15 * 160 <= sum(fresh[240:]) <= 0.35 * 160
+    total = p.offered_hint + p.offered_ghost + p.offered_hot + p.offered_prefix
+    assert total <= 0.25 * 440 + 10  # all's base: 440 distinct blocks
+
+
+def test_reuse_recomputed_blocks_do_not_count_as_computed() -> None:
     """A block computed twice because reuse did not send it costs 'all' nothing: the
     budget is a share of all's bytes, so the recomputation is not part of the base."""
     p = only_proven(ReuseOffload(100, 0.5, window=10))
-    for i in range(5):
-        p.on_evict(key(i), 0, None)
     for d in range(5):
-        p.on_insert(key(10 + d), d, None)  # 5 candidates
-    for i in range(5):
-        assert p.on_insert(key(i), 0, None)  # 5 ghost hits, forced: 10 inserts
-    # Base 5 (not 10): budget 2.5, all spent by the ghost hits.
-    assert (p.depth_limit, p.edge_share) == (0, 0.0)
+        assert not p.on_insert(key(d), d, None)  # 5 candidates, unsent
+        p.on_evict(key(d), d, None)
+    for d in range(5):
+        assert p.on_insert(key(d), d, None)  # computed again: proven, sent; 10 inserts
+    # Base 5 (not 10): budget 2.5, and 5 were sent: nothing more goes. With a
+    # base of 10 the budget (5) would have been spent exactly, and open blocks
+    # at depth 0 would be next.
+    assert (p.limit_class, p.depth_limit, p.edge_share) == (PROVEN, 0, 0.0)
+
+
+def test_seen_filter_remembers_one_generation_and_forgets_after_two() -> None:
+    f = SeenFilter(100)
+    assert all(f.add(hashed_key(i)) for i in range(100))
+    assert not any(f.add(hashed_key(i)) for i in range(100))  # all remembered
+    fresh = sum(f.add(hashed_key(1000 + i)) for i in range(200))
+    assert fresh >= 197  # new keys are new (false positives: ~0.5%)
+    assert sum(f.add(hashed_key(i)) for i in range(100)) >= 97  # two generations on: new
 
 
 @settings(max_examples=60, deadline=None)
@@ -223,7 +271,7 @@ def test_reuse_long_run_share_tracks_the_budget(budget: float, lengths: list[int
 def test_reuse_budget_one_sends_everything() -> None:
     p = ReuseOffload(10, 1.0, window=2)
     for i in range(20):
-        p.on_hot(key(1000 + i))  # forced sends cannot eat into budget 1
+        p.on_hot(key(1000 + i), 0, None)  # forced sends cannot eat into budget 1
         assert p.on_insert(key(i), 100 + i, None)
 
 

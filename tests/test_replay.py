@@ -181,6 +181,21 @@ def test_perfect_hint_sends_the_continued_request(known: TraceKeys) -> None:
     assert hinted.extra["offered_hint"] == 3 and hinted.extra["offered_ghost"] == 1
 
 
+def test_perfect_prefix_hint_names_the_reused_prefix_and_reaches_the_oracle(
+    known: TraceKeys,
+) -> None:
+    assert [known.reused_tokens(r) for r in range(5)] == [3 * BT, 1 * BT, 2 * BT, 0, 0]
+    setup = ReplaySetup(l1_blocks=3, offload="reuse", hints=True, hint_form="prefix")
+    assert setup.label == "reuse+prefix-hint"
+    hinted = replay_model(known, setup)
+    oracle = replay_model(known, ReplaySetup(l1_blocks=3, offload="oracle"))
+    # B's hint covers its block 4 only, so D hits it: one more than the request hint.
+    assert (hinted.node_hits, hinted.sent_blocks) == (oracle.node_hits, oracle.sent_blocks)
+    assert hinted.node_hits == 6 and hinted.extra["offered_hint"] == 4
+    with pytest.raises(ConfigError, match="hint_form must be one of"):
+        replay_model(known, ReplaySetup(l1_blocks=3, hints=True, hint_form="session"))
+
+
 def test_node_model_follows_the_node_rules() -> None:
     n = NodeModel(2)
     assert n.put([b"a" * 16, b"b" * 16]) == 2

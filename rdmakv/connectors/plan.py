@@ -36,15 +36,29 @@ owns it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import KVCacheGroup, longest_common_hit
+from rdmakv.l1 import KeepHint
+
+log = logging.getLogger("rdmakv.connectors")
 
 HitLookup = Callable[[str, Sequence[int], bytes | None], list[list[bool]] | None]
 """``(req_id, tokens, extra) -> one hit bitmap per group`` (entry ``i``: block ``i`` is
 cached), or None while the answer is not in yet."""
+
+KEEP_PARAM = "rdmakv_keep"
+"""The explicit hint in a request's transfer parameters (vLLM: ``kv_transfer_params``):
+true, false, or a token count N (the first N tokens will be asked for again)."""
+SESSION_PARAMS = ("prompt_cache_key", "session_id", "conversation_id")
+"""OpenAI-style fields that name a group of requests sharing a prefix (a
+prompt-cache key, a chat session, a conversation): a request carrying one
+will be continued or joined, so its prefix is kept (``True``) unless
+:data:`KEEP_PARAM` says otherwise."""
 
 MIN_TOKENS_TO_COMPUTE = 1
 """The engine must compute at least this many tokens itself (it samples from them)."""
@@ -81,7 +95,7 @@ class Transfer:
     tokens: tuple[int, ...]
     extra: bytes | None
     groups: tuple[GroupBlocks, ...]
-    keep: bool | None = None
+    keep: KeepHint = None
 
     def engine_block_ids(self, null_block: int | None) -> set[int]:
         return {b for g in self.groups for b in g.block_ids if b != null_block}
@@ -105,7 +119,7 @@ class _Request:
     extra: bytes | None
     block_ids: list[list[int]]
     saved_blocks: list[int]
-    keep: bool | None = None
+    keep: KeepHint = None
     num_computed: int = 0
     load_start: int = 0
     load_end: int = 0
@@ -171,7 +185,7 @@ class RequestBook:
         block_ids: Sequence[Sequence[int]],
         num_external: int,
         num_computed: int | None = None,
-        keep: bool | None = None,
+        keep: KeepHint = None,
     ) -> None:
         """The engine allocated ``block_ids`` (per group) and will load ``num_external`` tokens.
 
@@ -331,3 +345,43 @@ class RequestBook:
 
 
 __all__ = ["GroupBlocks", "HitLookup", "RequestBook", "StepPlan", "Transfer"]
+
+
+def request_keep_hint(params: Mapping[str, Any] | None, request_id: str = "?") -> KeepHint:
+    """The offload hint (``KVCacheManager.put(keep=)``) a request's fields carry.
+
+    ``params`` are the request's transfer parameters (vLLM: the request's
+    ``kv_transfer_params``, which the OpenAI-compatible server fills from the
+    request body's ``kv_transfer_params``). :data:`KEEP_PARAM` wins when
+    valid: ``true``/``false``, or an integer token count >= 0. Otherwise a
+    non-empty string in one of :data:`SESSION_PARAMS` means ``True``.
+    Otherwise ``None`` (no hint: the budget decides). A bad value never
+    fails a request: it is ignored with a warning naming the request and the
+    field, and the next field is tried.
+    """
+    if not params:
+        return None
+    if not isinstance(params, Mapping):
+        log.warning(
+            "request %s: transfer parameters must be a mapping, got %s; no offload hint",
+            request_id, type(params).__name__,
+        )
+        return None
+    value = params.get(KEEP_PARAM)
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
+        return value
+    if value is not None:
+        log.warning(
+            "request %s: %r must be true, false or a token count >= 0, got %r; ignored",
+            request_id, KEEP_PARAM, value,
+        )
+    for name in SESSION_PARAMS:
+        value = params.get(name)
+        if value is None:
+            continue
+        if isinstance(value, str) and value.strip():
+            return True
+        log.warning(
+            "request %s: %r must be a non-empty string, got %r; ignored", request_id, name, value
+        )
+    return None

@@ -65,7 +65,7 @@ outside the forward pass), so CUDA graphs need no piecewise mode.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
@@ -85,12 +85,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[impo
 
 from rdmakv.connectors.lookups import LookupService
 from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
-from rdmakv.connectors.plan import RequestBook, StepPlan
+from rdmakv.connectors.plan import RequestBook, StepPlan, request_keep_hint
 from rdmakv.connectors.store import LOAD_ASYNC, GroupStores, StoreOptions
 from rdmakv.connectors.transfers import TransferWorker
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
 from rdmakv.keys import KeyNamespace, extra_bytes
+from rdmakv.l1 import KeepHint
 from rdmakv.manager import tp_namespace
 
 if TYPE_CHECKING:
@@ -434,24 +435,15 @@ def _namespace(
     return tp_namespace(base, tp_rank=rank, tp_size=tp_size, num_kv_heads=int(total_heads))
 
 
-KEEP_PARAM = "rdmakv_keep"
-"""Request hint, in ``kv_transfer_params``: true (this prefix will be asked for
-again, e.g. the conversation goes on), false (it will not), absent (unknown).
-The ``reuse`` offload mode acts on it; see docs/offload.md."""
-
-
-def _keep(request: Any) -> bool | None:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    value = params.get(KEEP_PARAM) if isinstance(params, dict) else None
-    if value is None or isinstance(value, bool):
-        return value
-    log.warning(
-        "request %s: kv_transfer_params[%r] must be true or false, got %r; ignored",
-        request.request_id,
-        KEEP_PARAM,
-        value,
-    )
-    return None
+def _keep(request: Any) -> KeepHint:
+    """The request's offload hint (docs/offload.md): ``kv_transfer_params``'
+    ``rdmakv_keep`` or session fields, else vLLM's own ``session_id`` (the
+    OpenAI-compatible server's ``session_id`` request field)."""
+    params = getattr(request, "kv_transfer_params", None)
+    session = getattr(request, "session_id", None)
+    if session is not None and (params is None or isinstance(params, Mapping)):
+        params = {"session_id": session, **(params or {})}
+    return request_keep_hint(params, request.request_id)
 
 
 def _extra(request: Any) -> bytes | None:

@@ -12,10 +12,13 @@ from rdmakv.l1.offload_policies import (
     AllOffload,
     ColdOffload,
     HotOffload,
+    KeepHint,
     NoOffload,
     OffloadMode,
     OffloadPolicy,
     ReuseOffload,
+    block_keep,
+    check_keep_hint,
     make_offload_policy,
 )
 from rdmakv.l1.policies import (
@@ -35,6 +38,7 @@ __all__ = [
     "EvictionPolicy",
     "FIFOPolicy",
     "HotOffload",
+    "KeepHint",
     "L1Cache",
     "L1Stats",
     "LRUPolicy",
@@ -45,6 +49,8 @@ __all__ = [
     "OffloadQueue",
     "ReuseOffload",
     "S3FIFOPolicy",
+    "block_keep",
+    "check_keep_hint",
     "make_offload_policy",
     "make_policy",
 ]

@@ -440,7 +440,7 @@ class L1Cache:
         e = self._entries.get(key)
         # Once per resident entry; a refused (dropped) offer may be retried on a
         # later hot signal, when the queue may have room.
-        if e is not None and not e.offered and self.offload_policy.on_hot(key):
+        if e is not None and not e.offered and self.offload_policy.on_hot(key, e.depth, e.keep):
             self._offer(e)
 
     # -- internals -----------------------------------------------------------

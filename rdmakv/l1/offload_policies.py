@@ -5,7 +5,7 @@ computed block's life, and offers the block to the offload queue when the
 policy says yes (see :mod:`rdmakv.l1.offload` for the queue):
 
 * ``on_insert(key, depth, keep)``: the block was just computed and inserted;
-* ``on_hot(key)``: the eviction policy reports the resident block as hot (LRU,
+* ``on_hot(key, depth, keep)``: the eviction policy reports the resident block as hot (LRU,
   FIFO: any re-access; S3FIFO: promotion to main or a hit there);
 * ``on_evict(key, depth, keep)``: the block leaves L1 (it is gone afterwards).
 
@@ -54,8 +54,56 @@ REUSE_MAX_DEPTH = 4096
 """Depths at or beyond this share one histogram bucket (bounds the window's work)."""
 REUSE_DECAY = 0.5
 """Weight of the past at each window: the depth histogram tracks the last few windows."""
-REUSE_DEBT_DECAY = 0.9
-"""Weight of past over- or under-spending at each window (about the last ten count)."""
+REUSE_SEEN_FACTOR = 64
+"""Keys the *seen* filter remembers per generation, as a multiple of the L1 capacity.
+
+The budget is a share of what ``all`` sends, which is every distinct block
+once; a block this policy did not send and computes again is not in that base.
+Recognising those recomputations needs a memory as long as the gap between
+a block's uses, which on agent loops and re-read documents is far longer than
+the ghost's (docs/offload.md)."""
+SEEN_BITS_PER_KEY = 16
+"""Bloom filter bits per remembered key: with 4 probes, ~0.25% false positives
+per generation (a false positive under-counts the base by that share)."""
+_SEEN_PROBES = 4  # 32-bit slices of a 16-byte key, each a probe
+REUSE_CREDIT_WINDOWS = 8
+"""Spending below the budget is carried forward for at most this many windows' budget:
+enough to even out requests longer than a window, too little to bank a burst."""
+HINTED, PROVEN, OPEN = 0, 1, 2
+"""``reuse``'s candidate classes, best first (see :class:`ReuseOffload`)."""
+CANDIDATE_CLASSES = 3
+
+
+KeepHint = bool | int | None
+"""A request's reuse hint, as callers give it (``KVCacheManager.put(keep=)``):
+
+* ``True``: the request's prefix will be asked for again (a conversation that
+  goes on, an agent loop); ``False``: it will not (a one-shot request);
+  ``None``: unknown;
+* an ``int`` N >= 0: *the first N tokens* will be asked for again (a system
+  prompt, a shared document) and the rest will not. Blocks wholly inside the
+  first N tokens get ``keep=True``, the others ``keep=False``
+  (:func:`block_keep`).
+"""
+
+
+def check_keep_hint(keep: object) -> KeepHint:
+    """``keep`` if it is a :data:`KeepHint`, else a :class:`ConfigError` naming it."""
+    if keep is None or isinstance(keep, bool):
+        return keep
+    if isinstance(keep, int) and keep >= 0:
+        return keep
+    raise ConfigError(
+        f"keep must be True, False, None or a token count >= 0 (the first N tokens "
+        f"will be reused), got {keep!r}"
+    )
+
+
+def block_keep(keep: KeepHint, depth: int, block_tokens: int) -> bool | None:
+    """The per-block hint the policies take, for the block at ``depth`` of a request."""
+    if keep is None or isinstance(keep, bool):
+        return keep
+    return (depth + 1) * block_tokens <= keep
 
 
 class OffloadMode(enum.Enum):
@@ -94,7 +142,7 @@ class OffloadPolicy(Protocol):
     def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         """Offer the freshly computed block now?"""
 
-    def on_hot(self, key: BlockKey) -> bool:
+    def on_hot(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         """Offer the resident block the eviction policy just reported hot?"""
 
     def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
@@ -110,7 +158,7 @@ class NoOffload:
     def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         return False
 
-    def on_hot(self, key: BlockKey) -> bool:
+    def on_hot(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         return False
 
     def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
@@ -139,7 +187,7 @@ class HotOffload(NoOffload):
     name = OffloadMode.HOT.value
     needs_queue = True
 
-    def on_hot(self, key: BlockKey) -> bool:
+    def on_hot(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         return True
 
 
@@ -158,32 +206,43 @@ class ColdOffload(NoOffload):
 
 
 class ReuseOffload:
-    """Proven reuse, hints, and the chain prefix that fits a byte budget.
+    """Hints, proven reuse, and the chain prefix, all within one byte budget.
 
-    A block is offered at insert (so other engines can use it at once) when
+    Every block the cache asks about is a *candidate* of one of three classes,
+    best first:
 
-    1. the request said ``keep=True``; or
-    2. its key is in the *ghost*: it was evicted unsent and has now been
-       computed again -- its reuse is proven, and the next one will hit; or
-    3. no hint said ``keep=False`` and ``depth < depth_limit``, or
-       ``depth == depth_limit`` and the key falls in the ``edge_share`` of
-       keys (keys are uniform hashes, so that is a share of the blocks).
+    1. *hinted*: the request said ``keep=True``;
+    2. *proven*: its key is in the ghost (it was evicted unsent and has now
+       been computed again: its reuse is proven, and the next one will hit),
+       or it turned hot while resident (reuse seen in L1);
+    3. *open*: no hint, nothing proven. A ``keep=False`` block that is not
+       proven is never a candidate.
 
-    A resident block is also offered when it turns hot (reuse proven while in
-    L1). Rule 3 spends the budget: every ``window`` computed blocks,
-    ``depth_limit`` and ``edge_share`` are recomputed from a decayed histogram
-    of the candidates' depths, so that the blocks offered are ``budget`` of
-    those ``all`` would send. Depth is the signal because a chain's reuse
-    probability never grows with depth (a later request that reuses block
-    ``d`` reuses every block before it), and a block is useful only with all
-    its parents: for a given number of bytes per chain, its first blocks are
-    the best ones to send. Only the edge level is split, so every chain sent
-    stays closed up to one block short.
+    Candidates are ordered by (class, depth in the request's chain) and sent
+    when they fall before a *limit* in that order: ``limit_class``,
+    ``depth_limit`` and, exactly at the limit, the ``edge_share`` of keys
+    (keys are uniform hashes, so that is a share of the blocks). Every
+    ``window`` computed blocks the limit is recomputed from a decayed
+    histogram of the candidates so that the blocks offered are ``budget`` of
+    those ``all`` would send, whatever kind of candidate spends it.
 
-    ``budget >= 1`` sends every block at insert, like ``all``.
+    Within a class, depth is the order because a chain's reuse probability
+    never grows with depth (a later request that reuses block ``d`` reuses
+    every block before it), and a block is useful only with all its parents:
+    for a given number of bytes per chain, its first blocks are the best ones
+    to send, and only the edge level is split, so every chain sent stays
+    closed up to one block short. When hints and proven reuse alone need
+    more than the budget (a workload where nearly everything is reused:
+    documents asked about again, agent loops re-sending their context), the
+    limit moves into their class and they too are sent shallowest first,
+    instead of overshooting the budget (docs/offload.md).
 
-    Memory: the ghost holds at most ``ghost_limit`` keys (FIFO); the histogram
-    :data:`REUSE_MAX_DEPTH` + 1 floats. Single-threaded, like the L1 cache.
+    ``budget >= 1`` sends every candidate at insert, like ``all`` less what
+    hints exclude.
+
+    Memory: the ghost holds at most ``ghost_limit`` keys (FIFO); the
+    histograms 3 x (:data:`REUSE_MAX_DEPTH` + 1) floats. Single-threaded, like
+    the L1 cache.
     """
 
     name = OffloadMode.REUSE.value
@@ -215,25 +274,29 @@ class ReuseOffload:
         self.budget = float(budget)
         self.ghost_limit = int(ghost_factor * capacity_blocks)
         self.window = window or max(REUSE_MIN_WINDOW, capacity_blocks // REUSE_WINDOW_DIVISOR)
-        # Before the first window has been measured: the first blocks of chains
-        # only, at the budget's share (never more than the budget).
+        # Before the first window has been measured: hints and proven reuse, and
+        # the first blocks of chains at the budget's share.
+        self.limit_class = OPEN
+        """Candidates of a better class than this are offered..."""
         self.depth_limit: float = 0
-        """Unproven, unhinted blocks shallower than this are offered at insert..."""
+        """...and of this class, those shallower than this..."""
         self.edge_share = self.budget
         """...and this share of those exactly at the limit."""
         self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
-        self._hist = [0.0] * (REUSE_MAX_DEPTH + 1)
+        self._seen = SeenFilter(REUSE_SEEN_FACTOR * capacity_blocks)
+        self._hist = [[0.0] * (REUSE_MAX_DEPTH + 1) for _ in range(CANDIDATE_CLASSES)]
         self._deepest = 0  # highest histogram bucket ever used: bounds the window's scans
-        # Decayed: blocks computed that 'all' would have computed too. A ghost
-        # hit is a block computed again because this policy did not send it,
-        # which 'all' would not have paid: the budget is a share of all's bytes.
+        # Decayed: blocks computed that 'all' would have computed too. A block
+        # seen before is one computed again because this policy did not send
+        # it, which 'all' would not have paid: the budget is a share of all's bytes.
         self._computed = 0.0
-        self._forced = 0.0  # decayed: offered without rule 3 (hints, ghost, hot)
-        # Integral term: offers beyond the budget so far (negative: below it),
-        # slowly forgotten. The histogram answers with a window's lag and hot
-        # sends come late, which left the long-run share ~1% over the budget.
+        # Integral term: offers beyond the budget so far, never forgotten (a
+        # forgotten overshoot is bytes sent beyond the budget for good: where
+        # all's base grows slowly, as on re-read documents, forgetting it per
+        # window let the share drift 20% over). Credit for spending below the
+        # budget is capped (REUSE_CREDIT_WINDOWS), so a stretch with nothing
+        # worth sending cannot bank a large burst for later.
         self._debt = 0.0
-        self._measured = False
         self._window_base = 0.0
         self._window_offered = 0
         self._until_update = self.window
@@ -245,8 +308,9 @@ class ReuseOffload:
 
     # -- the policy ---------------------------------------------------------------
     def on_insert(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
-        self._computed += 1.0
-        self._window_base += 1.0
+        if self._seen.add(key):
+            self._computed += 1.0
+            self._window_base += 1.0
         offer = self._decide(key, depth, keep)
         self._window_offered += offer
         self._until_update -= 1
@@ -255,37 +319,41 @@ class ReuseOffload:
         return offer
 
     def _decide(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
-        if keep is True:
-            self.offered_hint += 1
-            self._forced += 1.0
-            return True
-        if key in self._ghost:
+        proven = key in self._ghost
+        if proven:
             del self._ghost[key]
-            self.offered_ghost += 1
-            self._forced += 1.0
-            self._computed -= 1.0
-            self._window_base -= 1.0
-            return True
-        if keep is False:
-            return False
-        bucket = depth if depth < REUSE_MAX_DEPTH else REUSE_MAX_DEPTH
-        self._hist[bucket] += 1.0
-        if bucket > self._deepest:
-            self._deepest = bucket
-        if (
-            depth < self.depth_limit
-            or (depth == self.depth_limit and _key_fraction(key) < self.edge_share)
-            or self.budget >= 1.0
-        ):
+        if keep is True:
+            if self._admit(HINTED, key, depth):
+                self.offered_hint += 1
+                return True
+        elif proven:
+            if self._admit(PROVEN, key, depth):
+                self.offered_ghost += 1
+                return True
+        elif keep is None and self._admit(OPEN, key, depth):
             self.offered_prefix += 1
             return True
         return False
 
-    def on_hot(self, key: BlockKey) -> bool:
-        self.offered_hot += 1
-        self._forced += 1.0
-        self._window_offered += 1
-        return True
+    def _admit(self, cls: int, key: BlockKey, depth: int) -> bool:
+        """Count the candidate; whether it falls before the limit."""
+        bucket = depth if depth < REUSE_MAX_DEPTH else REUSE_MAX_DEPTH
+        self._hist[cls][bucket] += 1.0
+        if bucket > self._deepest:
+            self._deepest = bucket
+        if self.budget >= 1.0 or cls < self.limit_class:
+            return True
+        return cls == self.limit_class and (
+            depth < self.depth_limit
+            or (depth == self.depth_limit and _key_fraction(key) < self.edge_share)
+        )
+
+    def on_hot(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
+        offer = self._admit(HINTED if keep is True else PROVEN, key, depth)
+        if offer:
+            self.offered_hot += 1
+            self._window_offered += 1
+        return offer
 
     def on_evict(self, key: BlockKey, depth: int, keep: bool | None) -> bool:
         if self.ghost_limit:
@@ -296,32 +364,31 @@ class ReuseOffload:
 
     # -- budget ---------------------------------------------------------------------
     def _update_limit(self) -> None:
-        """Deepest limit whose candidates fit what the budget leaves after forced offers."""
+        """The limit whose candidates, best first, fill what the budget allows."""
         self._until_update = self.window
-        if self._measured:  # the first window ran on a guess: neither debt nor credit
-            self._debt = REUSE_DEBT_DECAY * self._debt + (
-                self._window_offered - self.budget * self._window_base
-            )
-        self._measured = True
+        self._debt = max(
+            self._debt + self._window_offered - self.budget * self._window_base,
+            -self.budget * self.window * REUSE_CREDIT_WINDOWS,
+        )
         self._window_offered = 0
         self._window_base = 0.0
-        allowance = self.budget * self._computed - self._forced - self._debt
-        hist = self._hist
+        allowance = self.budget * self._computed - self._debt
         taken = 0.0
-        limit: float = math.inf
-        edge = 0.0
-        for d in range(self._deepest + 1):
-            if taken + hist[d] > allowance:
-                limit = d
-                edge = max(0.0, allowance - taken) / hist[d] if hist[d] else 0.0
-                break
-            taken += hist[d]
-        self.depth_limit = limit
-        self.edge_share = edge
+        self.limit_class, self.depth_limit, self.edge_share = OPEN, math.inf, 0.0
+        for cls, hist in enumerate(self._hist):
+            for d in range(self._deepest + 1):
+                if taken + hist[d] > allowance:
+                    self.limit_class, self.depth_limit = cls, d
+                    self.edge_share = max(0.0, allowance - taken) / hist[d] if hist[d] else 0.0
+                    break
+                taken += hist[d]
+            else:
+                continue
+            break
         self._computed *= REUSE_DECAY
-        self._forced *= REUSE_DECAY
-        for d in range(self._deepest + 1):
-            hist[d] *= REUSE_DECAY
+        for hist in self._hist:
+            for d in range(self._deepest + 1):
+                hist[d] *= REUSE_DECAY
 
     @property
     def ghost_size(self) -> int:
@@ -329,6 +396,45 @@ class ReuseOffload:
 
     def in_ghost(self, key: BlockKey) -> bool:
         return key in self._ghost
+
+
+class SeenFilter:
+    """Keys inserted lately, as two generations of a Bloom filter: "computed before?".
+
+    :meth:`add` answers whether the key is new; each generation holds
+    ``keys`` keys, then becomes the old one and a fresh one starts, so a key
+    is remembered for at least ``keys`` and at most ``2 * keys`` insertions.
+    Keys are uniform hashes, so the probes are slices of the key itself: O(1),
+    no hashing. Memory: ``2 * keys * SEEN_BITS_PER_KEY`` bits.
+    """
+
+    def __init__(self, keys: int) -> None:
+        self.keys = max(1, keys)
+        self._bits = self.keys * SEEN_BITS_PER_KEY
+        self._new = bytearray((self._bits + 7) // 8)
+        self._old = bytearray(len(self._new))
+        self._count = 0
+
+    def _probes(self, key: BlockKey) -> list[int]:
+        x = int.from_bytes(key[: 4 * _SEEN_PROBES], "little")
+        return [((x >> (32 * i)) & 0xFFFFFFFF) % self._bits for i in range(_SEEN_PROBES)]
+
+    def _has(self, probes: list[int]) -> bool:
+        return any(all(g[p >> 3] >> (p & 7) & 1 for p in probes) for g in (self._new, self._old))
+
+    def add(self, key: BlockKey) -> bool:
+        """Remember ``key``; True when it was not remembered already."""
+        probes = self._probes(key)
+        if self._has(probes):
+            return False
+        if self._count >= self.keys:
+            self._old, self._new = self._new, self._old
+            self._new[:] = bytes(len(self._new))
+            self._count = 0
+        for p in probes:
+            self._new[p >> 3] |= 1 << (p & 7)
+        self._count += 1
+        return True
 
 
 def _key_fraction(key: BlockKey) -> float:

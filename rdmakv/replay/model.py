@@ -19,8 +19,21 @@ from collections.abc import Callable, Sequence
 
 from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey
-from rdmakv.l1 import L1Cache, OffloadPolicy, OffloadQueue, make_offload_policy
-from rdmakv.replay.result import AFFINITY_BLOCK, ROUTINGS, ReplayResult, ReplaySetup
+from rdmakv.l1 import (
+    KeepHint,
+    L1Cache,
+    OffloadPolicy,
+    OffloadQueue,
+    block_keep,
+    make_offload_policy,
+)
+from rdmakv.replay.result import (
+    AFFINITY_BLOCK,
+    HINT_FORMS,
+    ROUTINGS,
+    ReplayResult,
+    ReplaySetup,
+)
 from rdmakv.replay.trace import OracleOffload, TraceKeys
 from rdmakv.slab import Slab
 
@@ -93,6 +106,7 @@ class ModelEngine:
         pending_blocks: int,
     ) -> None:
         self.node = node
+        self.block_tokens = keys.trace.block_tokens
         offload: OffloadPolicy
         self.oracle: OracleOffload | None = None
         if setup.offload == "oracle":
@@ -108,7 +122,7 @@ class ModelEngine:
         self.l1 = L1Cache(self.slab, setup.l1_blocks * b, setup.policy, offload, self.queue)
 
     def request(
-        self, r: int, keys: list[BlockKey], digests: list[bytes], keep: bool | None
+        self, r: int, keys: list[BlockKey], digests: list[bytes], keep: KeepHint
     ) -> tuple[int, int]:
         """Replay request ``r``; returns its (L1 hits, node hits)."""
         if self.oracle is not None:
@@ -161,7 +175,7 @@ class ModelEngine:
                 MODEL_BLOCK_BYTES,
                 digests[depth],
                 depth=depth,
-                keep=keep,
+                keep=block_keep(keep, depth, self.block_tokens),
             )
         self.drain()
         return l1_hits, node_hits
@@ -196,10 +210,21 @@ def check_setup(setup: ReplaySetup) -> None:
         raise ConfigError(f"engines must be positive, got {setup.engines}")
     if setup.routing not in ROUTINGS:
         raise ConfigError(f"routing must be one of {ROUTINGS}, got {setup.routing!r}")
+    if setup.hint_form not in HINT_FORMS:
+        raise ConfigError(f"hint_form must be one of {HINT_FORMS}, got {setup.hint_form!r}")
     if not 0.0 <= setup.hint_noise <= 1.0:
         raise ConfigError(f"hint_noise must be in [0, 1], got {setup.hint_noise}")
     if setup.timeline_s <= 0:
         raise ConfigError(f"timeline_s must be positive, got {setup.timeline_s}")
+
+
+def replay_hint(keys: TraceKeys, setup: ReplaySetup, r: int) -> KeepHint:
+    """The ``keep`` hint request ``r`` carries in this replay (see :class:`ReplaySetup`)."""
+    if not setup.hints:
+        return None
+    if setup.hint_form == "prefix":
+        return keys.reused_tokens(r)
+    return keys.hint(r, setup.hint_noise)
 
 
 def pending_room(keys: TraceKeys) -> int:
@@ -224,7 +249,7 @@ def replay_model(
     try:
         for r, req in enumerate(trace):
             ks, ds = keys.keys[r], keys.digests[r]
-            keep = keys.hint(r, setup.hint_noise) if setup.hints else None
+            keep = replay_hint(keys, setup, r)
             engine = engines[route(setup, ks, r)]
             l1_hits, node_hits = engine.request(r, ks, ds, keep)
             result.count_request(req.timestamp_ms, len(ks), l1_hits, node_hits)

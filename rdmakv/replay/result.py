@@ -6,6 +6,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ROUTINGS = ("prefix", "random")
+HINT_FORMS = ("request", "prefix")
+"""What the replayed ``keep`` hint says: ``request``, one bool per request
+(whether a later request continues it); ``prefix``, a token count (how many
+of its first tokens a later request asks for again; see
+:data:`rdmakv.l1.KeepHint`)."""
 AFFINITY_BLOCK = 1
 """``prefix`` routing sends a request to the engine chosen by its block at this index
 (or its last full block if shorter): requests that share their first blocks --
@@ -21,7 +26,9 @@ class ReplaySetup:
     node's (None: unbounded). ``offload`` is an offload mode name or
     ``"oracle"``; ``hints`` passes each request's ``keep`` hint to the manager:
     whether the trace continues it (:meth:`~rdmakv.replay.trace.TraceKeys.hint`),
-    wrong for a ``hint_noise`` share of the requests.
+    wrong for a ``hint_noise`` share of the requests; or, with ``hint_form``
+    ``"prefix"``, how many of its first tokens are asked for again
+    (:meth:`~rdmakv.replay.trace.TraceKeys.reused_tokens`).
     ``engines`` > 1 replays a fleet sharing one node, each request routed by
     ``routing`` (:data:`ROUTINGS`).
     """
@@ -32,6 +39,7 @@ class ReplaySetup:
     offload_budget: float | None = None
     hints: bool = False
     hint_noise: float = 0.0
+    hint_form: str = "request"
     policy: str = "lru"
     engines: int = 1
     routing: str = "prefix"
@@ -39,12 +47,14 @@ class ReplaySetup:
 
     @property
     def label(self) -> str:
-        """Short name: ``all``, ``reuse@0.5``, ``reuse+hint``, ``reuse+hint~0.2`` (noisy)."""
+        """Short name: ``all``, ``reuse@0.5``, ``reuse+hint``, ``reuse+hint~0.2`` (noisy),
+        ``reuse+prefix-hint`` (the token-count form)."""
         name = self.offload
         if self.offload_budget is not None:
             name += f"@{self.offload_budget:g}"
         if self.hints:
-            name += "+hint" + (f"~{self.hint_noise:g}" if self.hint_noise else "")
+            name += "+prefix-hint" if self.hint_form == "prefix" else "+hint"
+            name += f"~{self.hint_noise:g}" if self.hint_noise else ""
         return name
 
 

@@ -24,7 +24,7 @@ from rdmakv.errors import ConfigError
 from rdmakv.l1 import OffloadPolicy
 from rdmakv.manager import KVCacheManager
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.replay.model import PROGRESS_EVERY, Progress, check_setup, pending_room
+from rdmakv.replay.model import PROGRESS_EVERY, Progress, check_setup, pending_room, replay_hint
 from rdmakv.replay.result import ReplayResult, ReplaySetup
 from rdmakv.replay.trace import OracleOffload, TraceKeys
 from rdmakv.synthetic_kv import fill_kv, kv_matches
@@ -101,7 +101,7 @@ def replay_stack(
             if oracle is not None:
                 oracle.now = r
             block_keys = keys.keys[r]
-            keep = keys.hint(r, setup.hint_noise) if setup.hints else None
+            keep = replay_hint(keys, setup, r)
             tokens = trace.prompt_tokens(req)
             got = mgr.acquire(tokens, max_tokens=mgr.exists(tokens))
             try:

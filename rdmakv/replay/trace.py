@@ -255,6 +255,20 @@ class TraceKeys:
         wrong = noise > 0.0 and zlib.crc32(r.to_bytes(8, "little")) < noise * 2**32
         return self.continued(r) != wrong
 
+    def reused_tokens(self, r: int) -> int:
+        """Tokens of request ``r``'s first blocks that a later request asks for again.
+
+        The perfect prefix-length hint (:data:`rdmakv.l1.KeepHint`): a later
+        request that asks for block ``d`` of the chain asks for every block
+        before it, so the reused blocks are a prefix.
+        """
+        n = 0
+        for k in self.keys[r]:
+            if self.last_use[k] <= r:
+                break
+            n += 1
+        return n * self.trace.block_tokens
+
     def reused_later(self, key: BlockKey, r: int) -> bool:
         """Whether a request after ``r`` asks for ``key``: the oracle's knowledge."""
         return self.last_use.get(key, -1) > r

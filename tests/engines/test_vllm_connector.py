@@ -220,11 +220,15 @@ class Engine:
         return c
 
     def add(
-        self, req_id: str, prompt: list[int], kv_transfer_params: dict[str, Any] | None = None
+        self,
+        req_id: str,
+        prompt: list[int],
+        kv_transfer_params: dict[str, Any] | None = None,
+        session_id: str | None = None,
     ) -> Request:
         extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         params = SamplingParams(max_tokens=2, ignore_eos=True, extra_args=extra)
-        req = Request(req_id, prompt, params, None)
+        req = Request(req_id, prompt, params, None, session_id=session_id)
         self.requests[req_id] = req
         self.sched.add_request(req)
         return req
@@ -762,14 +766,22 @@ def test_keep_hint_in_kv_transfer_params_drives_the_reuse_offload(
     a = engines(node.endpoint, options={"offload": "reuse", "offload_budget": 0.01})
     kept = [*range(300, 364), 1, 2]
     dropped = [*range(400, 464), 1, 2]
-    ra = a.add("kept", kept, {"rdmakv_keep": True})
-    rb = a.add("dropped", dropped, {"rdmakv_keep": False})
-    rc = a.add("odd", [*range(600, 664), 1, 2], {"rdmakv_keep": "yes"})  # ignored, warned
-    for r in (ra, rb, rc):
+    session = [*range(500, 564), 1, 2]
+    half = [*range(700, 764), 1, 2]
+    reqs = [
+        a.add("kept", kept, {"rdmakv_keep": True}),
+        a.add("dropped", dropped, {"rdmakv_keep": False}),
+        a.add("odd", [*range(600, 664), 1, 2], {"rdmakv_keep": "yes"}),  # ignored, warned
+        a.add("session", session, session_id="chat-42"),  # vLLM's own session_id field
+        a.add("half", half, {"rdmakv_keep": 32}),  # only the first 32 tokens will be reused
+    ]
+    for r in reqs:
         a.run(r)
     assert a.worker.transfers.flush(10.0)
-    assert a.worker.stores.stats.saved_blocks == 12  # every request saved into its L1
+    assert a.worker.stores.stats.saved_blocks == 20  # every request saved into its L1
     b = engines(node.endpoint)
-    # The kept prompt's 4 blocks reached the node; the dropped one's did not.
+    # The kept prompts' blocks reached the node; the dropped one's did not.
     assert b.ask("x", kept) == (64, True)
     assert b.ask("y", dropped) == (0, False)
+    assert b.ask("z", session) == (64, True)
+    assert b.ask("w", half) == (32, True)
