@@ -10,6 +10,7 @@ imported: this is the connector logic that the vLLM adapter only forwards to.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -282,6 +283,28 @@ def test_a_load_queued_past_its_deadline_fails_without_a_node_call(
     got = t.results()
     assert got.failed_recving == {"b"}
     assert b.stores.stats.loaded_blocks == 0 and b.stores.managers[0].stats.l2_hit_blocks == 0
+
+
+def test_loads_queued_behind_one_stuck_on_a_stalled_node_fail_with_it(
+    node_factory: Any, engines: Callable[..., FakeEngine]
+) -> None:
+    node = node_factory()
+    _save_prompt(engines(node.endpoint))
+    b = engines(node.endpoint, timeout=2)
+    t = b.transfers
+    assert t is not None
+    node.pause()
+    try:
+        first = t.load([_load_b()], report_async=True)
+        while t.idle():  # the first load is on the node, stuck
+            time.sleep(0.001)
+        behind = t.load([dataclasses.replace(_load_b(), req_id="c")], report_async=True)
+        t.wait(first + behind)
+    finally:
+        node.resume()
+    assert t.results().failed_recving == {"b", "c"}
+    # One node call per group timed out; the load queued behind it made none.
+    assert [m.stats.l2_errors for m in b.stores.managers] == [1, 1]
 
 
 def test_a_held_request_is_reported_once_its_saves_ran_and_preempted_saves_are_dropped(

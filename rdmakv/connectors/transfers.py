@@ -17,10 +17,13 @@ Invariants (who owns what, when it ends):
   (a finished request's blocks are freed only once its saves are done), and
   a save's work is local (its network write goes through the manager's
   offloader thread), so it never queues behind a slow node's load for long.
-* A load that has not started ``timeout`` seconds after it was submitted fails
-  without a node call (the engine recomputes it): a stalled node turns the loads
-  queued behind it into misses after the timeout, never into a pile-up. A
-  load therefore completes or fails within two client timeouts.
+* A load fails without a node call (the engine recomputes it) when it was
+  submitted before a node call of an earlier load failed (a stalled or dead
+  node: the loads queued behind the stuck one fail with it, they do not wait
+  the timeout in turn), or when it has not started ``timeout`` seconds after
+  it was submitted. A load therefore ends within one client timeout of its
+  submission, or two when it waited its turn behind slow loads and then found
+  the node stalled.
 * A request with a save is *held*: once the engine says it finished, it is
   reported in ``finished_sending`` when none of its saves is queued or running
   (the engine keeps its blocks until then). The scheduler side asks the engine
@@ -69,8 +72,11 @@ class TransferResults:
 
 @dataclass
 class LoadJob:
+    """One request's load: submitted at ``submitted``, failed unstarted at ``deadline``."""
+
     transfer: Transfer
     report_async: bool
+    submitted: float
     deadline: float
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -126,6 +132,7 @@ class TransferWorker:
         self._held: set[str] = set()
         self._finished: set[str] = set()
         self._results = TransferResults()
+        self._node_failed_at = float("-inf")
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="rdmakv-transfer", daemon=True)
         self._thread.start()
@@ -134,8 +141,8 @@ class TransferWorker:
     def load(self, transfers: Sequence[Transfer], *, report_async: bool) -> list[LoadJob]:
         """Queue loads; returns their jobs (to :meth:`wait` for, in synchronous mode).
         ``report_async`` loads are reported in ``finished_recving`` when they end."""
-        deadline = self._clock() + self.timeout
-        jobs = [LoadJob(t, report_async, deadline) for t in transfers]
+        now = self._clock()
+        jobs = [LoadJob(t, report_async, now, now + self.timeout) for t in transfers]
         if jobs:
             with self._lock:
                 self._check_open()
@@ -266,19 +273,28 @@ class TransferWorker:
     def _load(self, job: LoadJob) -> None:
         t = job.transfer
         if self._clock() >= job.deadline:
-            log.warning(
-                "request %s: load not started within %.1f s (node slow?); recomputed",
-                t.req_id,
-                self.timeout,
-            )
-            failed = t.engine_block_ids(self.null_block)
+            reason = f"not started within {self.timeout:.1f} s"
+        elif job.submitted <= self._node_failed_at:
+            reason = "queued while the node was failing"
         else:
-            try:
-                failed = self.stores.load(t, self.copiers, self.null_block, self.stream)
-            except RdmakvError as e:
-                log.warning("request %s: load failed: %s", t.req_id, e)
-                failed = t.engine_block_ids(self.null_block)
+            reason = ""
+        if reason:
+            log.warning("request %s: load %s; recomputed", t.req_id, reason)
+            self._report_load(job, t.engine_block_ids(self.null_block))
+            return
+        errors = self._node_errors()
+        try:
+            failed = self.stores.load(t, self.copiers, self.null_block, self.stream)
+        except RdmakvError as e:
+            log.warning("request %s: load failed: %s", t.req_id, e)
+            failed = t.engine_block_ids(self.null_block)
+        if self._node_errors() > errors:
+            # Loads queued behind this one would wait the same timeout in turn.
+            self._node_failed_at = self._clock()
         self._report_load(job, failed)
+
+    def _node_errors(self) -> int:
+        return sum(m.stats.l2_errors for m in self.stores.managers)
 
     def _report_load(self, job: LoadJob, failed: set[int]) -> None:
         req_id = job.transfer.req_id
