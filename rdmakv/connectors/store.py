@@ -23,6 +23,7 @@ always given back before a call returns (no lease outlives a call).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
@@ -201,12 +202,18 @@ def _size(value: object, what: str) -> int:
 
 @dataclass
 class StoreStats:
-    """What the connector did, for logs and tests."""
+    """What the connector did, for logs, benchmarks and tests (written by the one
+    thread that runs the loads and saves)."""
 
     loaded_blocks: int = 0
+    loaded_bytes: int = 0
     failed_load_blocks: int = 0
     saved_blocks: int = 0
     failed_save_blocks: int = 0
+    fetch_s: float = 0.0
+    """Time spent getting the blocks of loads into the slab (L1, then the node)."""
+    load_copy_s: float = 0.0
+    """Time spent copying loaded blocks from the slab into the engine's blocks."""
 
 
 class GroupStores:
@@ -315,18 +322,23 @@ class GroupStores:
             # Exactly the blocks the engine gave real ids for (a sliding window
             # needs only its last blocks), L1 first, then one batched node fetch.
             got: list[int | None] = []
+            started = time.perf_counter()
             try:
                 got = mgr.acquire_blocks(
                     transfer.tokens[: part.end_block * g.block_size],
                     [i for i, _ in wanted],
                     extra=g.key_extra(transfer.extra),
                 )
+                fetched = time.perf_counter()
+                self.stats.fetch_s += fetched - started
                 have = [(h, b) for h, (_, b) in zip(got, wanted, strict=True) if h is not None]
                 failed.update(b for h, (_, b) in zip(got, wanted, strict=True) if h is None)
                 stream.run(
                     partial(copier.load, mgr.slab, [h for h, _ in have], [b for _, b in have])
                 )
+                self.stats.load_copy_s += time.perf_counter() - fetched
                 self.stats.loaded_blocks += len(have)
+                self.stats.loaded_bytes += len(have) * copier.block_bytes
             except RdmakvError as e:
                 log.warning(
                     "request %s: load of group %d failed: %s", transfer.req_id, g.group_id, e
