@@ -200,6 +200,8 @@ def test_blocks_saved_by_one_engine_are_found_and_loaded_by_another(
                     assert torch.equal(b.kv[g][layer][ib], a.kv[g][layer][ia])
     assert torch.count_nonzero(b.kv[1][0][0]) == 0  # the null block was never written
     assert b.stores.stats.loaded_blocks == 6
+    assert b.stores.stats.loaded_bytes == 6 * 2 * SPEC.page_bytes
+    assert b.stores.stats.fetch_s > 0 and b.stores.stats.load_copy_s > 0  # both were timed
 
 
 def test_lookups_of_many_requests_share_one_batch(
