@@ -327,6 +327,21 @@ _CHANNELS = torch.from_numpy(
 )
 
 
+def _add_timer(obj: Any, name: str, into: dict[str, float], key: str) -> None:
+    """Wrap ``obj.name`` (an instance attribute from now on) to add its run time to
+    ``into[key]``."""
+    real = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.monotonic()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            into[key] += time.monotonic() - t
+
+    setattr(obj, name, timed)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -375,6 +390,8 @@ class ReqStats:
     """Tokens the connector offered (some may have failed and been recomputed)."""
     load_started: float | None = None
     load_done: float | None = None
+    lookup_answered: float | None = None
+    """When the scheduler first read the connector's answer (hit or not)."""
 
     @property
     def ttft(self) -> float | None:
@@ -491,7 +508,6 @@ class ServeEngine:
         self.worker: Any = kv_transfer_state.get_kv_transfer_group() if ktc else None
         if self.worker is not None:
             self.worker.register_kv_caches(self.kv)  # GPUModelRunner.initialize_kv_cache
-            self._time_loads()
         self.requests: dict[str, Request] = {}
         self.stats: dict[str, ReqStats] = {}
         self.blocks: dict[str, list[int]] = {}
@@ -502,26 +518,39 @@ class ServeEngine:
         self.verified_local_blocks = 0
         self.failed_load_blocks = 0
         self.failed_load_requests = 0
-        self.load_seconds = 0.0
-        self.loaded_bytes = 0
+        self.load_time: dict[str, float] = {"total": 0.0, "fetch": 0.0, "copy": 0.0}
         self.t0 = time.monotonic()
+        if self.worker is not None:
+            self._time_loads()
+
+    @property
+    def loaded_bytes(self) -> int:
+        if self.worker is None:
+            return 0
+        stores = self.worker.stores
+        return int(stores.stats.loaded_blocks * sum(stores.block_bytes))
 
     # -- measurement of the connector's loads (timing wrapper, behaviour unchanged) --------
     def _time_loads(self) -> None:
+        """Time the connector's loads (whole, node fetch, slab -> paged copy) and its
+        lookups, by wrapping the real methods on their instances; behaviour unchanged."""
         stores = self.worker.stores
-        real = stores.load
-        block_bytes = sum(stores.block_bytes)
+        _add_timer(stores, "load", self.load_time, "total")
+        for mgr in stores.managers:
+            _add_timer(mgr, "acquire_blocks", self.load_time, "fetch")
+        for copier in self.worker.transfers.copiers:
+            _add_timer(copier, "load", self.load_time, "copy")
+        lookups = self.sched.connector.lookups
+        real_answer = lookups.answer
 
-        def timed(transfer: Any, *args: Any, **kwargs: Any) -> set[int]:
-            before = stores.stats.loaded_blocks
-            t = time.monotonic()
-            try:
-                return real(transfer, *args, **kwargs)  # type: ignore[no-any-return]
-            finally:
-                self.load_seconds += time.monotonic() - t
-                self.loaded_bytes += (stores.stats.loaded_blocks - before) * block_bytes
+        def answer(req_id: str) -> Any:
+            got = real_answer(req_id)
+            st = self.stats.get(req_id)
+            if got is not None and st is not None and st.lookup_answered is None:
+                st.lookup_answered = self.now()
+            return got
 
-        stores.load = timed
+        lookups.answer = answer
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -884,8 +913,9 @@ def summarize(eng: ServeEngine, plan: Plan, wall_s: float) -> dict[str, Any]:
         "load_wait_p50_s": _pct(loads, 50),
         "load_wait_max_s": round(max(loads), 4) if loads else None,
         "link_rate_seen_bytes_per_s": (
-            round(eng.loaded_bytes / eng.load_seconds) if eng.load_seconds else None
+            round(eng.loaded_bytes / eng.load_time["total"]) if eng.load_time["total"] else None
         ),
+        "load_seconds": {k: round(v, 3) for k, v in eng.load_time.items()},
         "steps": len(eng.steps),
         "steps_cpu_over_model": len(over),
         "steps_cpu_over_model_share": round(len(over) / len(eng.steps), 4) if eng.steps else 0,
@@ -908,7 +938,9 @@ def summarize(eng: ServeEngine, plan: Plan, wall_s: float) -> dict[str, Any]:
     out["per_request"] = [
         {"i": s.index, "arrival": round(s.arrival, 4), "ttft": s.ttft and round(s.ttft, 4),
          "remote": s.remote_hit_tokens, "local": s.local_hit_tokens,
-         "first_compute": s.first_compute and round(s.first_compute, 4)}
+         "first_compute": s.first_compute and round(s.first_compute, 4),
+         "lookup_wait": _since(s.arrival, s.lookup_answered),
+         "load_wait": _since(s.load_started, s.load_done)}
         for s in stats
     ]
     return out
@@ -987,19 +1019,31 @@ def run_config(
         return res
 
 
+def _since(start: float | None, end: float | None) -> float | None:
+    return round(end - start, 4) if start is not None and end is not None else None
+
+
 def _stall_summary(res: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
-    """Requests arriving during the stall: how long until they were computed."""
-    lo, hi = info["from_s"], info["to_s"]
-    waits = [
-        p["first_compute"] - p["arrival"] for p in res["per_request"]
-        if lo <= p["arrival"] <= hi and p["first_compute"] is not None
-    ]
+    """Requests the stall could hold up (arriving from two timeouts before it to its
+    end): how long the connector kept them waiting, and until they were computed."""
+    lo, hi = info["from_s"] - 2 * CONNECTOR_TIMEOUT_S, info["to_s"]
+    during = [p for p in res["per_request"] if lo <= p["arrival"] <= hi]
+
+    def worst(key: str) -> float | None:
+        vals = [p[key] for p in during if p[key] is not None]
+        return max(vals) if vals else None
+
     return {
         **info,
-        "seconds": round(hi - lo, 2),
+        "seconds": round(info["to_s"] - info["from_s"], 2),
         "timeout_s": CONNECTOR_TIMEOUT_S,
-        "arrived_during": len(waits),
-        "arrival_to_compute_max_s": round(max(waits), 3) if waits else None,
+        "requests_exposed": len(during),
+        "lookup_wait_max_s": worst("lookup_wait"),
+        "load_wait_max_s": worst("load_wait"),
+        "arrival_to_compute_max_s": max(
+            (round(p["first_compute"] - p["arrival"], 3) for p in during
+             if p["first_compute"] is not None), default=None,
+        ),
     }
 
 
