@@ -441,13 +441,18 @@ The ``reuse`` offload mode acts on it; see docs/offload.md."""
 
 
 def _keep(request: Any) -> bool | None:
-    params = getattr(request, "kv_transfer_params", None) or {}
+    return keep_hint(getattr(request, "kv_transfer_params", None), request.request_id)
+
+
+def keep_hint(params: object, req_id: str) -> bool | None:
+    """The request's :data:`KEEP_PARAM` from its ``kv_transfer_params`` (None: no hint;
+    a value that is not a bool is ignored with a warning)."""
     value = params.get(KEEP_PARAM) if isinstance(params, dict) else None
     if value is None or isinstance(value, bool):
         return value
     log.warning(
         "request %s: kv_transfer_params[%r] must be true or false, got %r; ignored",
-        request.request_id,
+        req_id,
         KEEP_PARAM,
         value,
     )
@@ -465,4 +470,4 @@ def _extra(request: Any) -> bytes | None:
     )
 
 
-__all__ = ["RdmakvConnector", "RdmakvConnectorMetadata"]
+__all__ = ["KEEP_PARAM", "RdmakvConnector", "RdmakvConnectorMetadata", "keep_hint"]
