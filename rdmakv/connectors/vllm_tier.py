@@ -223,7 +223,7 @@ class RdmakvTier(SecondaryTierManager):  # type: ignore[misc]
         end = ctx.get_offload_key_position(key)
         if end is None:
             return 0
-        tokens = self._chunk_tokens[get_offload_group_idx(key)]
+        tokens = self._chunk_tokens[int(get_offload_group_idx(key))]
         return max(0, -(-int(end) // tokens) - 1)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
