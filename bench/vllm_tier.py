@@ -233,6 +233,7 @@ def client_round(host: str, port: int, slab: Slab, chunks: int, tag: str) -> dic
 def lookup_latency(node: str, chunk: int, rounds: int, steps: list[float]) -> list[float]:
     e = Engine(node, chunk, LOOKUP_KEYS + 1, steps)
     out: list[float] = []
+    lookups = e.tier.core.lookups
     try:
         for r in range(rounds):
             ctx = ReqContext(req_id=f"l{r}")
@@ -242,7 +243,6 @@ def lookup_latency(node: str, chunk: int, rounds: int, steps: list[float]) -> li
             t0 = time.perf_counter()
             e.lookup(keys, ctx)
             e.step()  # the 64 questions go out as one batch
-            lookups = e.tier.core.lookups
             until(lambda: lookups.pending() == 0, "a lookup", lambda: time.sleep(POLL_S))
             out.append(time.perf_counter() - t0)
             assert set(e.lookup(keys, ctx)) == {LookupResult.MISS}
