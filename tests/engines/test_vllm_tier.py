@@ -167,6 +167,18 @@ class Engine:
             self.step()
             time.sleep(0.005)
 
+    def ask(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Look ``keys`` up and end the step (the questions go out); wait until the
+        node answered them all (the next lookups then start promotions)."""
+        self.lookup(keys, ctx)
+        self.step()
+        lookups = self.tier.core.lookups
+        assert lookups is not None
+        deadline = time.monotonic() + WAIT_S
+        while lookups.pending():
+            assert time.monotonic() < deadline, "the node never answered"
+            time.sleep(0.005)
+
     def read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bytes]:
         """The CPU-tier bytes of ``keys`` (HITs), as vLLM's worker would load them."""
         with self.manager.lock:
@@ -246,12 +258,7 @@ def test_load_with_chunks_gone_reports_successful_keys(node_factory: Any, engine
     keys = chunk_keys("partial", 6)
     a.store(keys)
     ctx = b.request()
-    b.lookup(keys, ctx)
-    b.step()  # the lookups go out
-    deadline = time.monotonic() + WAIT_S
-    while b.tier.core.lookups is not None and b.tier.core.lookups.pending():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    b.ask(keys, ctx)
     # between lookup and load, the node loses two of them (evicted, another engine's DELETE)
     with KVClient(*node.address, None, transport="tcp") as c:
         assert c.delete(b.tier.core.keys.keys([keys[1], keys[4]])) == [True, True]
@@ -277,12 +284,7 @@ def test_node_killed_mid_load_fails_the_keys_and_nothing_hangs(
     with WireProxy(("127.0.0.1", node.port)) as proxy:
         b = engines(node=proxy.endpoint)
         ctx = b.request()
-        b.lookup(keys, ctx)
-        b.step()
-        deadline = time.monotonic() + WAIT_S
-        while b.tier.core.lookups is not None and b.tier.core.lookups.pending():
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        b.ask(keys, ctx)
         # the node dies once a third of the load's bytes came back
         proxy.call_at(Direction.DOWN, 16 * CHUNK_BYTES, node.kill)
         got = b.resolve(keys, ctx)
@@ -365,12 +367,7 @@ def test_corrupt_chunk_on_the_wire_is_never_reported_loaded(
     with WireProxy(("127.0.0.1", node.port)) as proxy:
         b = engines(node=proxy.endpoint)
         ctx = b.request()
-        b.lookup(keys, ctx)
-        b.step()
-        deadline = time.monotonic() + WAIT_S
-        while b.tier.core.lookups is not None and b.tier.core.lookups.pending():
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        b.ask(keys, ctx)
         proxy.flip_bits(Direction.DOWN, mean_gap=4096, seed=7)  # the load's reply is garbage
         got = b.resolve(keys, ctx)
         proxy.clear()
