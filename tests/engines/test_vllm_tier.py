@@ -285,8 +285,10 @@ def test_node_killed_mid_load_fails_the_keys_and_nothing_hangs(
         b = engines(node=proxy.endpoint)
         ctx = b.request()
         b.ask(keys, ctx)
-        # the node dies once a third of the load's bytes came back
+        # the node dies once a third of the load's bytes came back, and the rest
+        # (already in socket buffers) never arrives
         proxy.call_at(Direction.DOWN, 16 * CHUNK_BYTES, node.kill)
+        proxy.cut_after(Direction.DOWN, 16 * CHUNK_BYTES)
         got = b.resolve(keys, ctx)
     assert node.proc is None or node.proc.poll() is not None
     assert got.count(LookupResult.HIT) == b.tier.core.stats.loaded_chunks
@@ -313,7 +315,7 @@ def test_stalled_node_lookups_retry_then_miss_and_jobs_fail(
         assert a.lookup(fresh, ctx) == [LookupResult.RETRY] * 4
         # the node never answers: the questions expire after the client timeout as MISS
         assert a.resolve(fresh, ctx) == [LookupResult.MISS] * 4
-        assert a.tier.core.lookups is not None and a.tier.core.lookups.stats.expired == 4
+        assert a.tier.core.stats.lookup_found == 0
         # a store to the stalled node fails (reported, the rows unpinned), never hangs
         a.store(chunk_keys("store-during-stall", 2))
         assert a.tier.core.stats.failed_store_chunks == 2
