@@ -64,6 +64,7 @@ _DIGEST_PERSON = b"rdmakv.digest.v1"
 # Copying a personalised BLAKE2b state is ~40% cheaper per block than
 # constructing one with keyword arguments. Copy is safe across threads.
 _DIGEST_BASE = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_DIGEST_PERSON)
+_PERSON_BYTES = 16  # BLAKE2b's personalisation field
 
 _LEN = struct.Struct("<I")
 _NO_EXTRA_DIGEST_TAIL = _LEN.pack(0)
@@ -363,6 +364,43 @@ class BlockKeyer:
         if self._hash is not xxh3_key_hash:
             for _, k, _ in out:
                 check_key(k, "key hash output")
+        return out
+
+
+class NamedKeys:
+    """Keys and digests for values an engine names with its own hash (no tokens here).
+
+    Some engines hand a storage tier a name per value that already stands for
+    the whole prefix (vLLM's offload key: a chained block hash plus the KV
+    cache group). Under a namespace ``seed`` (:meth:`KeyNamespace.seed`) a name
+    becomes::
+
+        key    = XXH3-128(seed || name)
+        digest = BLAKE2b-128(seed || name, person=person)
+
+    so two namespaces never share a value, and a key collision (XXH3 is not
+    collision resistant) is a digest mismatch, i.e. a miss, never wrong KV.
+    ``person`` versions the value format. Stateless: safe across threads.
+    """
+
+    def __init__(self, namespace: KeyNamespace, person: bytes) -> None:
+        if not isinstance(person, bytes) or not 0 < len(person) <= _PERSON_BYTES:
+            raise ConfigError(f"person must be 1..{_PERSON_BYTES} bytes, got {person!r}")
+        self.seed = namespace.seed()
+        self._digest_base = hashlib.blake2b(digest_size=DIGEST_BYTES, person=person)
+
+    def keys(self, names: Sequence[bytes]) -> list[BlockKey]:
+        """One key per name, in order."""
+        seed, h = self.seed, xxh3_key_hash
+        return [h(seed + n) for n in names]
+
+    def digests(self, names: Sequence[bytes]) -> list[bytes]:
+        """One value digest per name, in order."""
+        out = []
+        for n in names:
+            d = self._digest_base.copy()
+            d.update(self.seed + n)
+            out.append(d.digest())
         return out
 
 
