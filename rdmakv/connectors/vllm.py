@@ -73,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
@@ -83,6 +84,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
 
+from rdmakv.connectors.fingerprint import engine_fingerprint
 from rdmakv.connectors.lookups import LookupService
 from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
 from rdmakv.connectors.plan import RequestBook, StepPlan, request_keep_hint
@@ -121,6 +123,26 @@ class RdmakvConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         )
 
 
+class RdmakvWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What the workers tell the scheduler side after a step: namespaces whose remote
+    KV an audit quarantined (label -> reason) or an operator cleared.
+
+    vLLM aggregates the ranks' objects with :meth:`aggregate` (every rank's
+    report counts: one rank's wrong KV is a wrong output) and hands the result
+    to the scheduler side's ``update_connector_output``.
+    """
+
+    def __init__(self, quarantined: dict[str, str], cleared: set[str]) -> None:
+        self.quarantined = quarantined
+        self.cleared = cleared
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, RdmakvWorkerMetadata):
+            raise ConfigError(f"cannot aggregate {type(other).__name__} into RdmakvWorkerMetadata")
+        quarantined = {**self.quarantined, **other.quarantined}
+        return RdmakvWorkerMetadata(quarantined, (self.cleared | other.cleared) - set(quarantined))
+
+
 class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """rdmakv as a vLLM v1 KV connector (both roles; vLLM makes one instance per role).
 
@@ -157,7 +179,12 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             vllm_config, self.options, self.page_specs, kv_cache_config, self.is_scheduler
         )
         self.stores = GroupStores(
-            namespace, self.groups, block_bytes, self.options, scheduler=self.is_scheduler
+            namespace,
+            self.groups,
+            block_bytes,
+            self.options,
+            scheduler=self.is_scheduler,
+            fingerprint=_fingerprint(vllm_config, namespace),
         )
         self.lookups: LookupService | None = None
         if self.is_scheduler:
@@ -167,7 +194,10 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._lookup,
             null_block=NULL_BLOCK_ID,
             async_loads=self.options.load_mode == LOAD_ASYNC,
+            audit_rate=self.options.audit_rate,
         )
+        if self.stores.guard.refused is not None:
+            self.book.remote_reported({self.stores.guard.label: self.stores.guard.refused}, ())
         self.transfers: TransferWorker | None = None
         self._bad_blocks: set[int] = set()
 
@@ -241,6 +271,9 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return RdmakvConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, RdmakvWorkerMetadata):
+            self.book.remote_reported(meta.quarantined, meta.cleared)
         failed = self.book.load_results(
             finished=connector_output.finished_recving or (),
             failed=connector_output.failed_recving or (),
@@ -310,6 +343,8 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
+        if plan.audits:
+            self._need_transfers().audit(plan.audits)  # before this step's saves
         if not plan.loads:
             return
         transfers = self._need_transfers()
@@ -346,6 +381,12 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending, r.finished_recving
+
+    def build_connector_worker_meta(self) -> RdmakvWorkerMetadata | None:
+        report = self.stores.guard.take_report()
+        if report is None:
+            return None
+        return RdmakvWorkerMetadata(report.quarantined, report.cleared)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._bad_blocks = self._bad_blocks, set()
@@ -435,6 +476,21 @@ def _namespace(
     return tp_namespace(base, tp_rank=rank, tp_size=tp_size, num_kv_heads=int(total_heads))
 
 
+def _fingerprint(vllm_config: Any, namespace: KeyNamespace) -> dict[str, Any] | None:
+    """This engine's fingerprint record (:mod:`rdmakv.connectors.fingerprint`)."""
+    mc = vllm_config.model_config
+    if mc is None:
+        return None
+    return engine_fingerprint(
+        model=namespace.model,
+        revision=getattr(mc, "revision", None),
+        model_path=str(mc.model),
+        model_dtype=str(getattr(mc, "dtype", None)),
+        quantization=getattr(mc, "quantization", None),
+        namespace=namespace,
+    )
+
+
 def _keep(request: Any) -> KeepHint:
     """The request's offload hint (docs/offload.md): ``kv_transfer_params``'
     ``rdmakv_keep`` or session fields, else vLLM's own ``session_id`` (the
@@ -457,4 +513,4 @@ def _extra(request: Any) -> bytes | None:
     )
 
 
-__all__ = ["RdmakvConnector", "RdmakvConnectorMetadata"]
+__all__ = ["RdmakvConnector", "RdmakvConnectorMetadata", "RdmakvWorkerMetadata"]
