@@ -247,8 +247,6 @@ class AuditLedger:
         self.quarantine = quarantine
         self.stats = AuditStats()
         self.on_result: Callable[[float], None] | None = None
-        self.on_quarantine: Callable[[str], None] | None = None
-        """Called once per quarantine with its reason (the worker tells the node)."""
         self._logged = False
 
     def compared(
@@ -278,8 +276,8 @@ class AuditLedger:
                 if self.quarantine
                 else "audit_quarantine is off: remote hits continue",
             )
-        if self.quarantine and self.guard.quarantine(reason) and self.on_quarantine:
-            self.on_quarantine(reason)
+        if self.quarantine:
+            self.guard.quarantine(reason)
 
     def finished(self, audit: PendingAudit) -> None:
         """The audit ended (all its blocks compared, or its request is gone)."""

@@ -33,6 +33,7 @@ from typing import Any
 from rdmakv.config import load_config, parse_size
 from rdmakv.connectors.audit import (
     AuditLedger,
+    GuardReport,
     NamespaceGuard,
     PendingAudit,
     block_diff,
@@ -492,6 +493,22 @@ class GroupStores:
                 continue
             audit.fetched[k] = {i: h for i, h in zip(wanted, got, strict=True) if h is not None}
         return audit
+
+    def report_to_node(self, report: GuardReport) -> None:
+        """Tell the node (``rdmakv stats``: ``quarantined_namespaces``) what changed
+        in the guard; best effort: a node that cannot record it is logged."""
+        client = self.managers[0].client if self.managers else None
+        if client is None:
+            return
+        changes: list[tuple[str, str | None]] = [*report.quarantined.items()]
+        changes += [(label, None) for label in report.cleared]
+        for label, reason in changes:
+            try:
+                if not client.report(label, reason):
+                    log.warning("the node does not record quarantine reports (older "
+                                "rdmakv); %s not reported", label)
+            except RdmakvError as e:
+                log.warning("quarantine of %s not reported to the node: %s", label, e)
 
     def end_audit(self, audit: PendingAudit) -> None:
         """Release what ``audit`` still holds and record its outcome."""

@@ -259,15 +259,19 @@ class TransferWorker:
             if audit is not None:
                 self.stores.end_audit(audit)
 
-    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run ``fn`` on the transfer thread (it owns the stores) after the queued saves;
-        wait up to ``timeout`` seconds for its result."""
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Queue ``fn`` to run on the transfer thread (it owns the stores) after the
+        queued saves; returns at once."""
         job = _Call(fn)
         with self._lock:
             self._check_open()
             self._calls.append(job)
             self._lock.notify()
-        return job.future.result(timeout)
+        return job.future
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """:meth:`submit` ``fn`` and wait up to ``timeout`` seconds for its result."""
+        return self.submit(fn).result(timeout)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the queued saves ran and their offloads reached the node."""

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
@@ -383,9 +384,13 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return r.finished_sending, r.finished_recving
 
     def build_connector_worker_meta(self) -> RdmakvWorkerMetadata | None:
+        """Quarantines and clearances since the last step, for the scheduler side
+        (:class:`RdmakvWorkerMetadata`) and, from the transfer thread, the node."""
         report = self.stores.guard.take_report()
         if report is None:
             return None
+        if self.transfers is not None:
+            self.transfers.submit(partial(self.stores.report_to_node, report))
         return RdmakvWorkerMetadata(report.quarantined, report.cleared)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -841,6 +841,15 @@ def _run_computed_in_full(e: Engine, req_id: str, prompt: list[int]) -> None:
     _finish(e, req_id)
 
 
+def _node_quarantines(endpoint: str) -> dict[str, str]:
+    """What ``rdmakv stats`` shows as quarantined namespaces: label -> reason."""
+    from rdmakv.remote import open_remote
+
+    with contextlib.closing(open_remote(endpoint, None, transport="tcp", timeout=5)) as c:
+        shown = c.stats()["quarantined_namespaces"]
+    return {label: entry["reason"] for label, entry in shown.items()}
+
+
 class HeadSwappingCopier:
     """Test-only fault: the real PagedGroupCopier, whose saves then swap the KV heads in
     the slab (a paged-copy layout bug). Everything else is the real copier's."""
@@ -908,8 +917,9 @@ def test_an_engine_with_other_kv_under_the_same_name_is_caught_and_quarantined(
     assert guard.quarantined is not None and "layer" in guard.quarantined
     lines = [r.getMessage() for r in caplog.records if "KV audit mismatch" in r.getMessage()]
     assert len(lines) == 1 and "key " in lines[0] and "quarantine" in lines[0]
-    # The scheduler side learnt it through vLLM's worker metadata.
+    # The scheduler side learnt it through vLLM's worker metadata, the node from the worker.
     assert list(b.connector.book.remote_off) == [guard.label]
+    assert _node_quarantines(node.endpoint) == {guard.label: guard.quarantined}
     for i, p in enumerate(asks[1:], start=1):
         _run_computed_in_full(b, f"r{i}", p)  # no hit offered any more
     assert stats.checks == 1  # nothing more to audit: no hits
@@ -929,6 +939,8 @@ def test_an_engine_with_other_kv_under_the_same_name_is_caught_and_quarantined(
     assert json.loads(urllib.request.urlopen(clear, timeout=5).read())["cleared"] is True
     b.step()
     assert not b.connector.book.remote_off
+    assert b.worker.transfers.flush(10.0)
+    assert _node_quarantines(node.endpoint) == {}
     state = json.loads(urllib.request.urlopen(f"{base}/rdmakv/quarantine", timeout=5).read())
     assert state["quarantined"] is None and state["audits"]["mismatches"] == 1
     assert not b.leaks()
