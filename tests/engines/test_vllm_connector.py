@@ -815,9 +815,11 @@ def _prompts(tail: list[int]) -> list[list[int]]:
     return [[*p, *tail] for p in AUDIT_PREFIXES]
 
 
-def _fill_prompts(engines: Callable[..., Engine], node: str, prompts: list[list[int]]) -> Engine:
+def _fill_prompts(
+    engines: Callable[..., Engine], node: str, prompts: list[list[int]], hybrid: bool = False
+) -> Engine:
     """An engine computes ``prompts`` and saves their prompt blocks to the node."""
-    a = engines(node)
+    a = engines(node, hybrid=hybrid)
     for i, p in enumerate(prompts):
         a.run(a.add(f"fill{i}", p))
     assert a.worker.transfers.flush(10.0)
@@ -867,13 +869,15 @@ class HeadSwappingCopier:
             view.copy_(view.flip(2))
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
 def test_audit_at_rate_one_on_a_correct_stack_finds_no_mismatch_and_changes_no_kv(
-    node_factory: Any, engines: Callable[..., Engine]
+    hybrid: bool, node_factory: Any, engines: Callable[..., Engine]
 ) -> None:
     node = node_factory(block_size="64KiB")
-    _fill_prompts(engines, node.endpoint, _prompts([1, 2, 3]))
-    audited = engines(node.endpoint, options={"audit_rate": 1.0})
-    plain = engines(node.endpoint)
+    _fill_prompts(engines, node.endpoint, _prompts([1, 2, 3]), hybrid=hybrid)
+    audited = engines(node.endpoint, hybrid=hybrid, options={"audit_rate": 1.0})
+    plain = engines(node.endpoint, hybrid=hybrid)
+    groups = len(audited.group_layers)
     asks = _prompts([4, 5, 6, 7])
     for i, p in enumerate(asks):
         _run_computed_in_full(audited, f"r{i}", p)  # sampled: offered no hit
@@ -889,10 +893,11 @@ def test_audit_at_rate_one_on_a_correct_stack_finds_no_mismatch_and_changes_no_k
                 theirs = plain.kv[name][plain.blocks[f"r{i}"][0][b]]
                 assert torch.equal(mine, theirs)
     stats = audited.worker.stores.audits.stats
-    assert stats.checks == len(asks) and stats.blocks_compared == 4 * len(asks)
+    # Every block the hit would have loaded was compared (the window group's too).
+    assert stats.checks == len(asks) and stats.blocks_compared == 4 * groups * len(asks)
     assert stats.mismatches == 0 and stats.blocks_mismatched == 0
     assert audited.worker.stores.stats.loaded_blocks == 0
-    assert plain.worker.stores.stats.loaded_blocks == 4 * len(asks)
+    assert plain.worker.stores.stats.loaded_blocks == (4 + 2 * (groups - 1)) * len(asks)
     assert not audited.connector.book.remote_off
     assert not audited.leaks()
 
@@ -1018,3 +1023,33 @@ def test_bad_audit_options_are_refused_by_name(
     )
     with pytest.raises(ConfigError, match=key):
         KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_a_stalled_node_costs_one_audit_fetch_and_never_holds_saves_longer(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_prompts(engines, node.endpoint, _prompts([1, 2, 3]))
+    b = engines(node.endpoint, options={"audit_rate": 1.0, "timeout": 2})
+    asks = _prompts([4, 5, 6])[:2]
+    reqs = [b.add(f"r{i}", p) for i, p in enumerate(asks)]
+    b.settle()  # both lookups answered: both requests will be audited
+    node.pause()
+    try:
+        started = time.monotonic()
+        for r in reqs:
+            b.run(r)
+        for r in reqs:
+            b.step_while(lambda r=r: r.request_id in b.sched.requests, "held past the stall")
+        # The first audit fetch waited out the client timeout; the second was skipped
+        # (audits back off after a node failure), so the saves waited about one timeout.
+        assert time.monotonic() - started < IO_WAIT_S
+    finally:
+        node.resume()
+    stats = b.worker.stores.audits.stats
+    assert stats.checks == 0 and stats.mismatches == 0 and stats.fetches_skipped >= 1
+    assert not b.connector.book.remote_off  # a failing node is not wrong KV
+    for i, p in enumerate(asks):
+        assert b.blocks_hold(f"r{i}", p, 4)
+    assert b.worker.transfers.flush(10.0)
+    assert not b.leaks()
