@@ -104,8 +104,12 @@ def test_remote_hits_stop_while_a_namespace_is_reported_and_resume_when_cleared(
     book = RequestBook([FULL], _cached)
     book.remote_reported({"ns tp0/2": "audit mismatch"}, ())
     assert book.num_new_matched_tokens("r", PROMPT, 0, None) == (0, False)
+    assert book.build({}).clear_quarantine is False
     book.remote_reported({}, {"ns tp0/2"})
     assert book.num_new_matched_tokens("r2", PROMPT, 0, None) == (64, True)
+    # One rank's clearance is passed to every rank, once.
+    assert book.build({}).clear_quarantine is True
+    assert book.build({}).clear_quarantine is False
 
 
 def test_report_codec_refuses_bad_payloads() -> None:

@@ -122,6 +122,9 @@ class StepPlan:
     """Sampled requests offered no hit (:mod:`rdmakv.connectors.audit`): the blocks
     they would have loaded, fetched to compare with what the engine computes into
     the same engine blocks this step (their saves come in this plan or later)."""
+    clear_quarantine: bool = False
+    """An operator cleared an audit quarantine on some worker: every worker clears
+    its own (a TP engine's other ranks may serve no endpoint of their own)."""
 
 
 @dataclass
@@ -171,6 +174,7 @@ class RequestBook:
         self.audit_rate = audit_rate
         self._audit_hits: dict[str, int] = {}
         self._pending_audits: list[Transfer] = []
+        self._clear_pending = False
         self.remote_off: dict[str, str] = {}
         """Why remote hits are off (namespace label -> reason): a fingerprint conflict
         or a worker's audit quarantine. While not empty, no request gets a hit."""
@@ -283,6 +287,7 @@ class RequestBook:
         """The workers' :class:`~rdmakv.connectors.audit.GuardReport` (or this side's own
         fingerprint check): namespaces whose remote KV is off now, or on again."""
         for label in cleared:
+            self._clear_pending = True  # the other workers follow (StepPlan.clear_quarantine)
             if self.remote_off.pop(label, None) is not None:
                 log.warning("rdmakv: remote hits of %s are on again (quarantine cleared)", label)
         for label, reason in quarantined.items():
@@ -350,7 +355,10 @@ class RequestBook:
             self._inflight[load.req_id] = self._reqs[load.req_id]
         audits = tuple(self._pending_audits)
         self._pending_audits = []
-        return StepPlan(loads, tuple(saves), self.async_loads, tuple(preempted), audits)
+        clear, self._clear_pending = self._clear_pending, False
+        return StepPlan(
+            loads, tuple(saves), self.async_loads, tuple(preempted), audits, clear
+        )
 
     # -- feedback ----------------------------------------------------------------------------
     def load_results(

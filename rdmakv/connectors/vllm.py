@@ -46,6 +46,18 @@ How one request flows (no engine thread waits on the network):
    queued saves are dropped in ``handle_preemptions`` before vLLM reuses its
    blocks.
 
+6. Audits (``audit_rate``; :mod:`rdmakv.connectors.audit`): a sampled request
+   with a hit is offered none; its plan's ``audits`` make the workers fetch
+   the blocks it would have loaded and compare them with what vLLM computed
+   (in the save). A mismatch quarantines the namespace on that worker, which
+   reports it through ``build_connector_worker_meta`` (vLLM aggregates the
+   ranks' :class:`RdmakvWorkerMetadata` into ``update_connector_output``): the
+   scheduler side then offers no hit to anyone, and the worker tells the node
+   (REPORT, shown by ``rdmakv stats``). An operator's clearance (the worker's
+   metrics endpoint) travels the same way back and, through
+   ``StepPlan.clear_quarantine``, to every rank. At start-up both sides check
+   the namespace's fingerprint record (:mod:`rdmakv.connectors.fingerprint`).
+
 Keys: the namespace is the model (name + revision, or the ``model`` option),
 the KV dtype, each group's page geometry and, under tensor parallelism, the
 rank's KV-head slice (:func:`rdmakv.manager.tp_namespace`: TP sizes holding the
@@ -120,7 +132,7 @@ class RdmakvConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         p = self.plan
         return (
             f"RdmakvConnectorMetadata(loads={len(p.loads)}, saves={len(p.saves)}, "
-            f"async={p.async_loads})"
+            f"audits={len(p.audits)}, async={p.async_loads})"
         )
 
 
@@ -344,6 +356,8 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
+        if plan.clear_quarantine:
+            self.stores.guard.clear()
         if plan.audits:
             self._need_transfers().audit(plan.audits)  # before this step's saves
         if not plan.loads:
