@@ -67,6 +67,10 @@ LOAD_SYNC = "sync"
 """Load mode: a step's loads finish before its forward pass (the whole batch waits)."""
 LOAD_MODES = (LOAD_ASYNC, LOAD_SYNC)
 
+AUDIT_OPTIONS = ("audit_rate", "audit_tolerance", "audit_quarantine")
+"""Options of the vLLM connector's audit (:mod:`rdmakv.connectors.audit`); other
+connectors refuse them rather than ignore them."""
+
 QUARANTINE_PATH = "/rdmakv/quarantine"
 """Metrics-server endpoint (worker side): GET the namespace's quarantine state."""
 QUARANTINE_CLEAR_PATH = "/rdmakv/quarantine/clear"
@@ -579,6 +583,7 @@ def _runs(
 
 
 __all__ = [
+    "AUDIT_OPTIONS",
     "CONFIG_OPTION",
     "DEFAULT_L1_BYTES",
     "LOAD_ASYNC",
