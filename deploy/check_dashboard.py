@@ -56,6 +56,10 @@ CLIENT_METRICS: dict[str, str] = {
     "rdmakv_client_bytes_total": "counter",
     "rdmakv_client_node_down_total": "counter",
     "rdmakv_client_fetch_seconds": "histogram",
+    "rdmakv_client_audit_checks_total": "counter",
+    "rdmakv_client_audit_mismatches_total": "counter",
+    "rdmakv_client_audit_max_diff": "histogram",
+    "rdmakv_client_quarantined": "gauge",
 }
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -207,10 +211,13 @@ def client_series_names() -> set[str]:
     """Series names rdmakv's engine-side metrics export (an empty ClientMetrics)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
+    from rdmakv.connectors.audit import AuditLedger, NamespaceGuard
     from rdmakv.metrics.client import ClientMetrics
 
     registry = CollectorRegistry()
-    metrics = ClientMetrics([], registry=registry)
+    # With an audit ledger, as a connector's workers export them.
+    audits = AuditLedger(NamespaceGuard("check"), tolerance=0.0, quarantine=True)
+    metrics = ClientMetrics([], registry=registry, audits=audits)
     try:
         return exposed_series_names(generate_latest(registry).decode())
     finally:

@@ -57,6 +57,7 @@ from rdmakv.errors import (
     RemoteError,
     TransportError,
     TransportTimeout,
+    UnknownOpcode,
 )
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
@@ -82,6 +83,7 @@ from rdmakv.protocol import (
     encode_commit,
     encode_hello,
     encode_keys,
+    encode_report,
     encode_u64_list,
     encode_uniform_keys,
     value_checksum,
@@ -145,6 +147,8 @@ by the client's timeout, bad arguments raise :class:`ConfigError` first.
     def delete(self, keys: Sequence[bytes]) -> list[bool]: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def report(self, label: str, reason: str | None) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -721,6 +725,17 @@ class KVClient:
             return self._retrying(
                 lambda: decode_json(self._call(Op.STATS, b"", "STATS"), "STATS response")
             )
+
+    def report(self, label: str, reason: str | None) -> bool:
+        """Tell the node namespace ``label`` is quarantined here for ``reason`` (None:
+        cleared); False when the node predates REPORT (protocol.py)."""
+        payload = encode_report(label, reason)
+        with self._lock:
+            try:
+                self._retrying(lambda: self._call(Op.REPORT, payload, "REPORT"))
+            except UnknownOpcode:
+                return False
+        return True
 
     def close(self) -> None:
         with self._lock:

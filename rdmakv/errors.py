@@ -66,6 +66,11 @@ class RemoteError(RdmakvError):
     """The node refused a request; the message is the node's reason."""
 
 
+class UnknownOpcode(RemoteError):
+    """The node does not know the request's opcode (it predates it): an optional
+    request (e.g. REPORT) was not recorded; the connection keeps serving."""
+
+
 class RdmaError(TransportError):
     """Verbs set-up or a work completion failed."""
 

@@ -41,6 +41,13 @@ Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
     DELETE    req: keys           resp: u32 n, n x u8 (1 = deleted)
     EXISTS    req: keys           resp: u32 n, n x u8 (1 = present and committed)
     STATS     req: empty          resp: UTF-8 JSON object
+    REPORT    req: UTF-8 JSON object, a client's report about a namespace:
+                   {"quarantined": LABEL, "reason": TEXT} or {"cleared": LABEL}
+              resp: empty
+              (optional, added without a version change: no existing frame
+              changed; a node that predates it answers UNKNOWN_OPCODE, which is
+              not fatal and which a client reads as "not recorded". STATS shows
+              the reported namespaces as ``quarantined_namespaces``)
     WRITE     req: u32 n, n x DATA_OP (u64 addr, u32 len); bulk = the n ranges' bytes
               resp: empty
     READ      req: u32 n, n x DATA_OP     resp: empty payload; bulk = the ranges' bytes
@@ -74,7 +81,8 @@ EXISTS answers (native/rk_serve.h) and the client's EXISTS / DELETE / GET
 requests and their answers (native/rk_call.c). A change here is a change there.
 
 Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP;
-3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET and PUT.
+3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET and PUT; 4 still: REPORT
+(an optional opcode; see above).
 
 Addresses are ABSOLUTE virtual addresses inside the node's pool
 (``pool_base + offset``) so an RDMA transport can use them as-is; the node
@@ -112,6 +120,7 @@ from rdmakv.errors import (
     RdmakvError,
     RemoteError,
     TransportTimeout,
+    UnknownOpcode,
 )
 
 Buffer = bytes | bytearray | memoryview
@@ -167,6 +176,7 @@ class Op(IntEnum):
     DELETE = 7
     EXISTS = 8
     STATS = 9
+    REPORT = 10
     # software one-sided data path (tcp transport)
     WRITE = 16
     READ = 17
@@ -284,6 +294,42 @@ class NodeInfo:
     max_ops: int
     max_bulk: int
     transports: tuple[str, ...]
+
+
+# -- client reports (REPORT) ---------------------------------------------------------
+MAX_REPORT_TEXT = 1024
+"""Longest namespace label or reason a REPORT may carry (characters)."""
+MAX_REPORTED_NAMESPACES = 256
+"""Reported namespaces a node remembers; the oldest report goes first."""
+REPORT_QUARANTINED = "quarantined"
+REPORT_CLEARED = "cleared"
+
+
+def encode_report(label: str, reason: str | None) -> bytes:
+    """A REPORT payload: ``label`` quarantined for ``reason``, or cleared (None)."""
+    doc = (
+        {REPORT_CLEARED: label}
+        if reason is None
+        else {REPORT_QUARANTINED: label, "reason": reason[:MAX_REPORT_TEXT]}
+    )
+    return json.dumps(doc).encode()
+
+
+def decode_report(payload: Buffer) -> tuple[str, str | None]:
+    """``(label, reason)`` of a REPORT payload (reason None: cleared); ProtocolError if bad."""
+    doc = decode_json(payload, "REPORT")
+    label = doc.get(REPORT_QUARANTINED, doc.get(REPORT_CLEARED))
+    reason = doc.get("reason") if REPORT_QUARANTINED in doc else None
+    if not isinstance(label, str) or not 0 < len(label) <= MAX_REPORT_TEXT:
+        raise ProtocolError(
+            f"REPORT: {REPORT_QUARANTINED!r} or {REPORT_CLEARED!r} must name a namespace "
+            f"(1..{MAX_REPORT_TEXT} characters)"
+        )
+    if REPORT_QUARANTINED in doc and (
+        not isinstance(reason, str) or len(reason) > MAX_REPORT_TEXT
+    ):
+        raise ProtocolError(f"REPORT: reason must be a string of <= {MAX_REPORT_TEXT} characters")
+    return label, reason
 
 
 # -- payload codecs --------------------------------------------------------------
@@ -1242,6 +1288,8 @@ def raise_for_status(hdr: Header, payload: Buffer, what: str) -> None:
     text = f"node refused {what}: {name}: {msg}"
     if hdr.status == Status.AUTH_FAILED:
         raise AuthError(text)
+    if hdr.status == Status.UNKNOWN_OPCODE:
+        raise UnknownOpcode(text)
     if hdr.status in (Status.BAD_VERSION, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE):
         raise ProtocolError(text)
     raise RemoteError(text)

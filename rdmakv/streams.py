@@ -344,6 +344,9 @@ class MultiStreamClient:
     def stats(self) -> dict[str, Any]:
         return self.clients[0].stats()
 
+    def report(self, label: str, reason: str | None) -> bool:
+        return self.clients[0].report(label, reason)
+
     def close(self) -> None:
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:

@@ -47,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -637,6 +638,15 @@ class ClusterClient:
         }
         return {"nodes": dict(sorted(nodes.items())), "total": total, "cluster": cluster}
 
+    def report(self, label: str, reason: str | None) -> bool:
+        """:meth:`KVClient.report` to every up node; True if any recorded it."""
+        view = self._maintain()
+        asked = [n for n in view.nodes if n.health.up]
+        results = self._scatter(
+            [(n, partial(_node_report, label=label, reason=reason)) for n in asked], "report"
+        )
+        return any(r is True for r in results)
+
     # -- introspection ---------------------------------------------------------------------
     @property
     def members(self) -> tuple[str, ...]:
@@ -753,3 +763,7 @@ def _is_not_none(v: object) -> bool:
 
 def _node_stats(c: KVClient) -> dict[str, Any]:
     return c.stats()
+
+
+def _node_report(c: KVClient, *, label: str, reason: str | None) -> bool:
+    return c.report(label, reason)

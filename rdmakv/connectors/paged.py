@@ -196,6 +196,11 @@ class PagedGroupCopier:
         if len(handles) != len(block_ids):
             raise ConfigError(f"{len(handles)} slab handles but {len(block_ids)} engine block ids")
 
+    def block_layers(self, slab: Slab, handle: int) -> torch.Tensor:
+        """Slab block ``handle`` as a typed ``[layers, tokens, heads, channels]`` view."""
+        blocks, h = self._slab_view(slab, [handle])
+        return blocks[int(h[0])]
+
     # -- copies ---------------------------------------------------------------------------
     def save(self, slab: Slab, handles: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy engine blocks ``block_ids[i]`` (all layers) into slab blocks ``handles[i]``."""

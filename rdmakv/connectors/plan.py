@@ -29,6 +29,13 @@ Rules it enforces:
 * The engine's null block (a sliding-window block that fell out of the window)
   is never loaded or saved.
 
+* A request picked for an audit (``audit_rate``; the same requests in every
+  process: a hash of the request id) is offered no hit: the engine computes
+  it all, and the plan's ``audits`` name the engine blocks that will hold
+  the hit's positions, so the workers compare them with the fetched blocks.
+* While :attr:`RequestBook.remote_off` is not empty (a fingerprint conflict, a
+  worker's audit quarantine), no request is offered a hit.
+
 A book entry lives from the first scheduler question about a request until
 :meth:`RequestBook.finished`. Not thread-safe: the engine's scheduler thread
 owns it.
@@ -41,6 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdmakv.connectors.audit import audit_sampled
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import KVCacheGroup, longest_common_hit
 from rdmakv.l1 import KeepHint
@@ -110,6 +118,13 @@ class StepPlan:
     async_loads: bool = False
     preempted: tuple[str, ...] = ()
     """Requests the engine preempted this step: their blocks are reused right away."""
+    audits: tuple[Transfer, ...] = ()
+    """Sampled requests offered no hit (:mod:`rdmakv.connectors.audit`): the blocks
+    they would have loaded, fetched to compare with what the engine computes into
+    the same engine blocks this step (their saves come in this plan or later)."""
+    clear_quarantine: bool = False
+    """An operator cleared an audit quarantine on some worker: every worker clears
+    its own (a TP engine's other ranks may serve no endpoint of their own)."""
 
 
 @dataclass
@@ -141,6 +156,7 @@ class RequestBook:
         *,
         null_block: int | None = 0,
         async_loads: bool = True,
+        audit_rate: float = 0.0,
     ) -> None:
         if not groups:
             raise ConfigError("a connector needs at least one KV cache group")
@@ -155,6 +171,13 @@ class RequestBook:
         self._pending_loads: list[Transfer] = []
         self._inflight: dict[str, _Request] = {}
         self._asked: dict[str, int] = {}
+        self.audit_rate = audit_rate
+        self._audit_hits: dict[str, int] = {}
+        self._pending_audits: list[Transfer] = []
+        self._clear_pending = False
+        self.remote_off: dict[str, str] = {}
+        """Why remote hits are off (namespace label -> reason): a fingerprint conflict
+        or a worker's audit quarantine. While not empty, no request gets a hit."""
 
     # -- questions from the scheduler ------------------------------------------------------
     def num_new_matched_tokens(
@@ -167,13 +190,17 @@ class RequestBook:
             raise ConfigError(f"num_computed must be >= 0, got {num_computed}")
         self._asked[req_id] = num_computed
         limit = len(tokens) - MIN_TOKENS_TO_COMPUTE
-        if req_id in self._no_external or limit <= num_computed:
+        if req_id in self._no_external or limit <= num_computed or self.remote_off:
             return 0, False
         hits = self.lookup(req_id, tokens, extra)
         if hits is None:
             return None, False
         hit = longest_common_hit(self.groups, hits, limit)
         n = max(0, hit - num_computed)
+        if n > 0 and audit_sampled(req_id, self.audit_rate):
+            self._audit_hits[req_id] = hit  # computed in full, then compared
+            return 0, False
+        self._audit_hits.pop(req_id, None)
         return n, self.async_loads and n > 0
 
     def after_alloc(
@@ -212,7 +239,12 @@ class RequestBook:
             req.block_ids = [list(b) for b in block_ids]
             req.tokens = tokens
         if num_external <= 0:
-            return  # nothing to load (or the second call after an async load)
+            # Nothing to load (or the second call after an async load); an audited
+            # hit is fetched to compare with what the engine computes.
+            hit = self._audit_hits.pop(req_id, None)
+            if hit is not None:
+                self._plan_audit(req_id, tokens, extra, block_ids, start, hit)
+            return
         end = start + num_external
         parts = []
         for g, ids in zip(self.groups, block_ids, strict=True):
@@ -229,6 +261,39 @@ class RequestBook:
         # Blocks below the hit end are cached already: never save them again.
         req.saved_blocks = [end // g.block_size for g in self.groups]
         self._pending_loads.append(load)
+
+    def _plan_audit(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        extra: bytes | None,
+        block_ids: Sequence[Sequence[int]],
+        start: int,
+        hit: int,
+    ) -> None:
+        """The audit of blocks ``[start, hit)`` (tokens) into the engine blocks computing
+        them; blocks not allocated yet (chunked prefill) are not audited."""
+        parts = []
+        end = start
+        for g, ids in zip(self.groups, block_ids, strict=True):
+            first = start // g.block_size
+            last = min(hit // g.block_size, len(ids))
+            parts.append(GroupBlocks(first, tuple(ids[first:last]) if last > first else ()))
+            end = max(end, last * g.block_size)
+        if end > start:
+            self._pending_audits.append(Transfer(req_id, tuple(tokens[:end]), extra, tuple(parts)))
+
+    def remote_reported(self, quarantined: Mapping[str, str], cleared: Iterable[str]) -> None:
+        """The workers' :class:`~rdmakv.connectors.audit.GuardReport` (or this side's own
+        fingerprint check): namespaces whose remote KV is off now, or on again."""
+        for label in cleared:
+            self._clear_pending = True  # the other workers follow (StepPlan.clear_quarantine)
+            if self.remote_off.pop(label, None) is not None:
+                log.warning("rdmakv: remote hits of %s are on again (quarantine cleared)", label)
+        for label, reason in quarantined.items():
+            if label not in self.remote_off:
+                log.warning("rdmakv: remote hits off for %s: %s", label, reason)
+            self.remote_off[label] = reason
 
     def scheduled(
         self,
@@ -288,7 +353,12 @@ class RequestBook:
         self._pending_loads = []
         for load in loads:
             self._inflight[load.req_id] = self._reqs[load.req_id]
-        return StepPlan(loads, tuple(saves), self.async_loads, tuple(preempted))
+        audits = tuple(self._pending_audits)
+        self._pending_audits = []
+        clear, self._clear_pending = self._clear_pending, False
+        return StepPlan(
+            loads, tuple(saves), self.async_loads, tuple(preempted), audits, clear
+        )
 
     # -- feedback ----------------------------------------------------------------------------
     def load_results(
@@ -328,6 +398,7 @@ class RequestBook:
         self._inflight.pop(req_id, None)
         self._no_external.discard(req_id)
         self._asked.pop(req_id, None)
+        self._audit_hits.pop(req_id, None)
         if req_id in self._held:
             self._held.discard(req_id)
             return True

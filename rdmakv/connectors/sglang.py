@@ -86,7 +86,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 )
 
 from rdmakv.client import NodeClient
-from rdmakv.connectors.store import StoreOptions
+from rdmakv.connectors.store import AUDIT_OPTIONS, StoreOptions
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.keys import DIGEST_BYTES, KeyNamespace
 from rdmakv.remote import open_remote
@@ -129,6 +129,12 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "--hicache-storage-backend-extra-config (the zero-copy page interface)"
             )
         self.options = StoreOptions.from_mapping(extra, ignore=(*FACTORY_KEYS, *BACKEND_KEYS))
+        audit = sorted(self.options.given & set(AUDIT_OPTIONS))
+        if audit:
+            raise ConfigError(
+                f"{audit}: KV audits exist in the vLLM connector only (HiCache gives a "
+                "storage backend no recompute to compare with)"
+            )
         want = extra.get("zero_copy", True)
         if not isinstance(want, bool | int) or want not in (0, 1):
             raise ConfigError(f'"zero_copy" must be true or false, got {want!r}')

@@ -22,16 +22,27 @@ always given back before a call returns (no lease outlives a call).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rdmakv.config import load_config, parse_size
+from rdmakv.connectors.audit import (
+    AuditLedger,
+    GuardReport,
+    NamespaceGuard,
+    PendingAudit,
+    block_diff,
+    check_audit_options,
+    namespace_label,
+)
 from rdmakv.connectors.copy_stream import CopyStream
+from rdmakv.connectors.fingerprint import check_fingerprint
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
 from rdmakv.errors import ConfigError, RdmakvError
@@ -39,7 +50,7 @@ from rdmakv.hybrid import KVCacheGroup
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
 from rdmakv.metrics.client import ClientMetrics, start_http_server
-from rdmakv.metrics.http import MetricsServer
+from rdmakv.metrics.http import HTTP_OK, MetricsServer, Route
 from rdmakv.remote import check_address
 from rdmakv.streams import check_streams
 
@@ -56,6 +67,15 @@ LOAD_ASYNC = "async"
 LOAD_SYNC = "sync"
 """Load mode: a step's loads finish before its forward pass (the whole batch waits)."""
 LOAD_MODES = (LOAD_ASYNC, LOAD_SYNC)
+
+AUDIT_OPTIONS = ("audit_rate", "audit_tolerance", "audit_quarantine")
+"""Options of the vLLM connector's audit (:mod:`rdmakv.connectors.audit`); other
+connectors refuse them rather than ignore them."""
+
+QUARANTINE_PATH = "/rdmakv/quarantine"
+"""Metrics-server endpoint (worker side): GET the namespace's quarantine state."""
+QUARANTINE_CLEAR_PATH = "/rdmakv/quarantine/clear"
+"""Metrics-server endpoint (worker side): POST to lift an audit quarantine."""
 
 CONFIG_OPTION = "rdmakv_config"
 """Connector option naming an rdmakv YAML file (docs/config.md) whose ``client`` section
@@ -112,6 +132,14 @@ class StoreOptions:
     """Serve this process's rdmakv metrics on ``/metrics`` (worker side; None = off)."""
     load_mode: str = LOAD_ASYNC
     """``async`` or ``sync`` (see :data:`LOAD_ASYNC`, :data:`LOAD_SYNC`, docs/engines.md)."""
+    audit_rate: float = 0.0
+    """Share of requests with a remote hit that are recomputed and compared
+    (:mod:`rdmakv.connectors.audit`); 0 = off, 1 = every one."""
+    audit_tolerance: float = 0.0
+    """0 = the audit wants identical bytes; else the max abs diff relative to a
+    block's magnitude (engines whose kernels are not batch-invariant)."""
+    audit_quarantine: bool = True
+    """An audit mismatch switches the namespace's remote hits and stores off."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
@@ -155,6 +183,11 @@ class StoreOptions:
             raise ConfigError(
                 f"load_mode must be one of {list(LOAD_MODES)}, got {values['load_mode']!r}"
             )
+        check_audit_options(
+            values.get("audit_rate", 0.0),
+            values.get("audit_tolerance", 0.0),
+            values.get("audit_quarantine", True),
+        )
         port = values.get("metrics_port")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                                  or not 0 <= port <= 65535):
@@ -231,12 +264,18 @@ class GroupStores:
         options: StoreOptions,
         *,
         scheduler: bool = False,
+        fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         if len(groups) != len(block_bytes) or not groups:
             raise ConfigError(f"{len(groups)} groups but {len(block_bytes)} block sizes")
         self.groups = list(groups)
         self.block_bytes = list(block_bytes)
         self.stats = StoreStats()
+        self.namespace = namespace
+        self.guard = NamespaceGuard(namespace_label(namespace))
+        self.audits = AuditLedger(
+            self.guard, tolerance=options.audit_tolerance, quarantine=options.audit_quarantine
+        )
         share = options.l1_bytes // len(groups)
         self.managers: list[KVCacheManager] = []
         self.metrics: ClientMetrics | None = None
@@ -268,6 +307,12 @@ class GroupStores:
                         streams=1 if scheduler and options.streams is None else options.streams,
                     )
                 )
+            if fingerprint is not None:
+                conflict = check_fingerprint(self.managers[0], namespace, fingerprint)
+                if conflict is not None:
+                    log.error("rdmakv: %s; remote hits under %s refused", conflict,
+                              self.guard.label)
+                    self.guard.refuse(conflict)
             if options.metrics_port is not None and not scheduler:
                 self._serve_metrics(options.metrics_port)
         except BaseException:
@@ -277,13 +322,38 @@ class GroupStores:
     def _serve_metrics(self, port: int) -> None:
         """Export the managers' metrics in the process registry (the engine's own
         ``/metrics`` shows them where it serves that registry) and on ``port``."""
-        self.metrics = ClientMetrics(self.managers)
+        self.metrics = ClientMetrics(self.managers, audits=self.audits)
         try:
-            self.metrics_server = start_http_server(port)
+            self.metrics_server = start_http_server(port, routes=self.operator_routes())
         except ConfigError as e:
             # Several workers of one engine on one host share the setting: the
             # first one serves; the others still count into their registry.
             log.warning("rdmakv client metrics not served: %s", e)
+
+    def operator_routes(self) -> dict[tuple[str, str], Route]:
+        """The metrics server's operator endpoints: ``GET`` :data:`QUARANTINE_PATH`
+        (the namespace's state and audit counts) and ``POST``
+        :data:`QUARANTINE_CLEAR_PATH` (lift an audit quarantine; the scheduler
+        side learns it with the next step)."""
+
+        def state() -> tuple[int, bytes]:
+            doc = {
+                "namespace": self.guard.label,
+                "quarantined": self.guard.quarantined,
+                "refused": self.guard.refused,
+                "audits": asdict(self.audits.stats),
+            }
+            return HTTP_OK, json.dumps(doc).encode() + b"\n"
+
+        def clear() -> tuple[int, bytes]:
+            cleared = self.guard.clear()
+            if cleared:
+                log.warning("rdmakv: audit quarantine of %s cleared by an operator",
+                            self.guard.label)
+            return HTTP_OK, json.dumps({"cleared": cleared, "namespace": self.guard.label}
+                                       ).encode() + b"\n"
+
+        return {("GET", QUARANTINE_PATH): state, ("POST", QUARANTINE_CLEAR_PATH): clear}
 
     # -- scheduler side --------------------------------------------------------------------
     def hit_bitmaps(
@@ -309,7 +379,13 @@ class GroupStores:
     ) -> set[int]:
         """Fill the transfer's engine blocks from rdmakv; returns the block ids not filled.
 
-        The slab -> engine copies run on ``stream`` and have completed on return."""
+        The slab -> engine copies run on ``stream`` and have completed on return.
+        Under a quarantine or fingerprint refusal nothing is loaded (all failed:
+        the engine recomputes)."""
+        if self.guard.reason is not None:
+            failed_all = transfer.engine_block_ids(null_block)
+            self.stats.failed_load_blocks += len(failed_all)
+            return failed_all
         failed: set[int] = set()
         for g, part, copier, mgr in zip(
             self.groups, transfer.groups, copiers, self.managers, strict=True
@@ -356,19 +432,28 @@ class GroupStores:
         null_block: int | None,
         stream: CopyStream,
         after: Any = None,
+        audit: PendingAudit | None = None,
     ) -> int:
         """Store the transfer's engine blocks (null blocks skipped); returns how many were saved.
 
         The engine -> slab copies run on ``stream`` after the engine work ``after``
         marks (:meth:`CopyStream.engine_mark`) and have completed on return: the
-        engine may reuse the blocks from then on."""
+        engine may reuse the blocks from then on. ``audit``: the request's
+        fetched blocks; each one this save computed is compared and released
+        (:meth:`_compare`). Under a quarantine or fingerprint refusal nothing
+        is stored (an audit still compares what it fetched)."""
         saved = 0
-        for g, part, copier, mgr in zip(
-            self.groups, transfer.groups, copiers, self.managers, strict=True
+        for k, (g, part, copier, mgr) in enumerate(
+            zip(self.groups, transfer.groups, copiers, self.managers, strict=True)
         ):
             tokens = transfer.tokens[: part.end_block * g.block_size]
             extra = g.key_extra(transfer.extra)
             for first, ids in _runs(part.first_block, part.block_ids, null_block):
+                audited = audit is not None and any(
+                    first + j in audit.fetched[k] for j in range(len(ids))
+                )
+                if self.guard.reason is not None and not audited:
+                    continue
                 handles: list[int] = []
                 try:
                     handles = mgr.allocate_for(len(ids))
@@ -379,6 +464,11 @@ class GroupStores:
                     log.warning(
                         "request %s: save of %d blocks skipped: %s", transfer.req_id, len(ids), e
                     )
+                    continue
+                if audit is not None and audited:
+                    self._compare(audit, k, copier, tokens, extra, first, handles)
+                if self.guard.reason is not None:
+                    mgr.discard(handles)
                     continue
                 try:
                     mgr.put(tokens, handles, extra=extra, first_block=first, keep=transfer.keep)
@@ -391,6 +481,87 @@ class GroupStores:
                 saved += len(ids)
         self.stats.saved_blocks += saved
         return saved
+
+    # -- audits (worker side, transfer thread) -----------------------------------------------
+    def node_errors(self) -> int:
+        """Failed node calls so far, over all groups."""
+        return sum(m.stats.l2_errors for m in self.managers)
+
+    def fetch_audit(self, transfer: Transfer, null_block: int | None) -> PendingAudit:
+        """Hold the blocks ``transfer`` would have loaded (L1, then one node fetch per
+        group); blocks not found are not audited. Release with :meth:`end_audit`."""
+        audit = PendingAudit(transfer.req_id, [{} for _ in self.groups])
+        for k, (g, part, mgr) in enumerate(
+            zip(self.groups, transfer.groups, self.managers, strict=True)
+        ):
+            wanted = [part.first_block + j for j, b in enumerate(part.block_ids) if b != null_block]
+            if not wanted:
+                continue
+            try:
+                got = mgr.acquire_blocks(
+                    transfer.tokens[: part.end_block * g.block_size],
+                    wanted,
+                    extra=g.key_extra(transfer.extra),
+                )
+            except RdmakvError as e:
+                log.warning("request %s: audit fetch of group %d failed: %s",
+                            transfer.req_id, g.group_id, e)
+                continue
+            audit.fetched[k] = {i: h for i, h in zip(wanted, got, strict=True) if h is not None}
+        return audit
+
+    def report_to_node(self, report: GuardReport) -> None:
+        """Tell the node (``rdmakv stats``: ``quarantined_namespaces``) what changed
+        in the guard; best effort: a node that cannot record it is logged."""
+        client = self.managers[0].client if self.managers else None
+        if client is None:
+            return
+        changes: list[tuple[str, str | None]] = [*report.quarantined.items()]
+        changes += [(label, None) for label in report.cleared]
+        for label, reason in changes:
+            try:
+                if not client.report(label, reason):
+                    log.warning("the node does not record quarantine reports (older "
+                                "rdmakv); %s not reported", label)
+            except RdmakvError as e:
+                log.warning("quarantine of %s not reported to the node: %s", label, e)
+
+    def end_audit(self, audit: PendingAudit) -> None:
+        """Release what ``audit`` still holds and record its outcome."""
+        for mgr, fetched in zip(self.managers, audit.fetched, strict=True):
+            mgr.release(list(fetched.values()))
+            fetched.clear()
+        self.audits.finished(audit)
+
+    def _compare(
+        self,
+        audit: PendingAudit,
+        k: int,
+        copier: PagedGroupCopier,
+        tokens: Sequence[int],
+        extra: bytes | None,
+        first: int,
+        computed: Sequence[int],
+    ) -> None:
+        """Compare group ``k``'s freshly computed blocks ``first..`` (slab ``computed``)
+        with the audit's fetched ones, then release those."""
+        mgr = self.managers[k]
+        chain: Any = None
+        for j, h in enumerate(computed):
+            fetched = audit.fetched[k].pop(first + j, None)
+            if fetched is None:
+                continue
+            try:
+                diff = block_diff(
+                    copier.block_layers(mgr.slab, h), copier.block_layers(mgr.slab, fetched)
+                )
+                if chain is None:
+                    chain = mgr.keyer.chain(tokens, extra)
+                self.audits.compared(
+                    audit, diff, key=chain[first + j][1], group=k, block=first + j
+                )
+            finally:
+                mgr.release([fetched])
 
     def flush(self, timeout: float) -> bool:
         """Wait until every group's offloads reached the node."""
@@ -424,6 +595,7 @@ def _runs(
 
 
 __all__ = [
+    "AUDIT_OPTIONS",
     "CONFIG_OPTION",
     "DEFAULT_L1_BYTES",
     "LOAD_ASYNC",

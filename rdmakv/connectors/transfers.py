@@ -31,6 +31,20 @@ Invariants (who owns what, when it ends):
 * :meth:`TransferWorker.drop_saves` (a preemption: the engine frees the
   blocks right after) drops the request's queued saves and waits only for a
   running one, whose work is local copies.
+* Audits (:mod:`rdmakv.connectors.audit`): an audit *fetch* queues in the save
+  FIFO, so it runs before the save of the same blocks (the engine thread
+  queues a step's audits in ``start_load_kv``, before ``wait_for_save`` queues
+  its saves) and that save always does the comparison: the fetched bytes are
+  read before the save's put could put the computed ones in L1 under the same
+  keys. Saves wait behind an audit fetch for at most one node call: a fetch
+  not started ``timeout`` seconds after it was queued is skipped, and after a
+  fetch met a node failure audits are skipped for
+  :data:`~rdmakv.connectors.audit.AUDIT_BACKOFF_S` (an audit is optional; a
+  save holds engine blocks). Skipped fetches are counted, never errors.
+* An audit's fetched slab blocks are held from its fetch until the save that
+  compares them, and released (outcome recorded) when its request finishes
+  or is preempted, or at :meth:`TransferWorker.close`: nothing outlives the
+  request.
 """
 
 from __future__ import annotations
@@ -42,8 +56,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from rdmakv.connectors.audit import AUDIT_BACKOFF_S, PendingAudit
 from rdmakv.connectors.copy_stream import CopyStream
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
@@ -88,6 +104,12 @@ class _Save:
 
 
 @dataclass
+class _AuditFetch:
+    transfer: Transfer
+    deadline: float
+
+
+@dataclass
 class _Call:
     fn: Callable[[], Any]
     future: Future[Any] = field(default_factory=Future)
@@ -124,10 +146,15 @@ class TransferWorker:
         self.stream = CopyStream(devices.pop())
         self._clock = clock
         self._lock = threading.Condition()
-        self._saves: deque[_Save] = deque()
+        self._saves: deque[_Save | _AuditFetch] = deque()
         self._loads: deque[LoadJob] = deque()
         self._calls: deque[_Call] = deque()
-        self._running: _Save | LoadJob | _Call | None = None
+        self._running: _Save | _AuditFetch | LoadJob | _Call | None = None
+        self._audits: dict[str, PendingAudit] = {}
+        """Fetched audits by request (transfer thread only)."""
+        self._audits_paused_until = 0.0
+        self._audited: set[str] = set()
+        """Requests with an audit queued or held (engine side, under the lock)."""
         self._saves_pending: Counter[str] = Counter()
         self._held: set[str] = set()
         self._finished: set[str] = set()
@@ -149,6 +176,17 @@ class TransferWorker:
                 self._loads.extend(jobs)
                 self._lock.notify()
         return jobs
+
+    def audit(self, transfers: Sequence[Transfer]) -> None:
+        """Queue audit fetches (see the module docstring): before this step's saves."""
+        if not transfers:
+            return
+        deadline = self._clock() + self.timeout
+        with self._lock:
+            self._check_open()
+            self._saves.extend(_AuditFetch(t, deadline) for t in transfers)
+            self._audited.update(t.req_id for t in transfers)
+            self._lock.notify()
 
     def save(self, transfers: Sequence[Transfer], *, after: Any = None) -> None:
         """Queue saves, reading the engine blocks after the engine work ``after`` marks
@@ -183,21 +221,27 @@ class TransferWorker:
         if not ids:
             return
         with self._lock:
-            kept: deque[_Save] = deque()
+            kept: deque[_Save | _AuditFetch] = deque()
             for job in self._saves:
-                if job.transfer.req_id in ids:
-                    self._saves_pending[job.transfer.req_id] -= 1
-                else:
+                if job.transfer.req_id not in ids:
                     kept.append(job)
+                elif isinstance(job, _Save):
+                    self._saves_pending[job.transfer.req_id] -= 1
             self._saves = kept
-            while isinstance(self._running, _Save) and self._running.transfer.req_id in ids:
+            while (
+                isinstance(self._running, _Save | _AuditFetch)
+                and self._running.transfer.req_id in ids
+            ):
                 self._lock.wait()
+            self._queue_end_audits(ids)
 
     def results(self, finished_req_ids: Iterable[str] = ()) -> TransferResults:
         """What ended since the last call; ``finished_req_ids`` are the requests the
         engine finished (held ones are reported once their saves are done)."""
+        finished = set(finished_req_ids)
         with self._lock:
-            self._finished.update(r for r in finished_req_ids if r in self._held)
+            self._queue_end_audits(finished)
+            self._finished.update(r for r in finished if r in self._held)
             out, self._results = self._results, TransferResults()
             for req_id in list(self._finished):
                 if self._saves_pending[req_id] <= 0:
@@ -207,15 +251,34 @@ class TransferWorker:
                     del self._saves_pending[req_id]
             return out
 
-    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run ``fn`` on the transfer thread (it owns the stores) after the queued saves;
-        wait up to ``timeout`` seconds for its result."""
+    def _queue_end_audits(self, req_ids: set[str]) -> None:
+        """Under the lock: release these requests' audits on the transfer thread,
+        after the queued saves (which compare first)."""
+        ending = req_ids & self._audited
+        if ending and not self._closed:
+            self._audited -= ending
+            self._calls.append(_Call(partial(self._end_audits, ending)))
+            self._lock.notify()
+
+    def _end_audits(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            audit = self._audits.pop(req_id, None)
+            if audit is not None:
+                self.stores.end_audit(audit)
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Queue ``fn`` to run on the transfer thread (it owns the stores) after the
+        queued saves; returns at once."""
         job = _Call(fn)
         with self._lock:
             self._check_open()
             self._calls.append(job)
             self._lock.notify()
-        return job.future.result(timeout)
+        return job.future
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """:meth:`submit` ``fn`` and wait up to ``timeout`` seconds for its result."""
+        return self.submit(fn).result(timeout)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the queued saves ran and their offloads reached the node."""
@@ -230,7 +293,7 @@ class TransferWorker:
             return self._running is None and not (self._saves or self._loads or self._calls)
 
     # -- transfer thread -------------------------------------------------------------------
-    def _next(self) -> _Save | LoadJob | _Call | None:
+    def _next(self) -> _Save | _AuditFetch | LoadJob | _Call | None:
         with self._lock:
             self._running = None
             self._lock.notify_all()
@@ -238,7 +301,7 @@ class TransferWorker:
                 self._lock.wait()
             if self._closed:
                 return None
-            job: _Save | LoadJob | _Call
+            job: _Save | _AuditFetch | LoadJob | _Call
             if self._saves:
                 job = self._saves.popleft()
             elif self._calls:
@@ -252,6 +315,8 @@ class TransferWorker:
         while (job := self._next()) is not None:
             if isinstance(job, _Save):
                 self._save(job)
+            elif isinstance(job, _AuditFetch):
+                self._fetch_audit(job)
             elif isinstance(job, LoadJob):
                 self._load(job)
             else:
@@ -261,12 +326,38 @@ class TransferWorker:
                     job.future.set_exception(e)
         self._fail_queued()
 
-    def _save(self, job: _Save) -> None:
+    def _fetch_audit(self, job: _AuditFetch) -> None:
+        t = job.transfer
+        now = self._clock()
+        if now >= job.deadline or now < self._audits_paused_until or self.stores.guard.reason:
+            self.stores.audits.stats.fetches_skipped += 1
+            return
+        errors = self.stores.node_errors()
+        old = self._audits.pop(t.req_id, None)
+        if old is not None:  # a resumed request is audited anew
+            self.stores.end_audit(old)
         try:
-            self.stores.save(job.transfer, self.copiers, self.null_block, self.stream, job.after)
+            audit = self.stores.fetch_audit(t, self.null_block)
+        except RdmakvError as e:
+            log.warning("request %s: audit fetch failed: %s", t.req_id, e)
+            return
+        finally:
+            if self.stores.node_errors() != errors:
+                self._audits_paused_until = self._clock() + AUDIT_BACKOFF_S
+        if audit.waiting:
+            self._audits[t.req_id] = audit
+
+    def _save(self, job: _Save) -> None:
+        audit = self._audits.get(job.transfer.req_id)
+        try:
+            self.stores.save(
+                job.transfer, self.copiers, self.null_block, self.stream, job.after, audit
+            )
         except RdmakvError as e:  # a save is best effort: the blocks stay uncached
             log.warning("request %s: save failed: %s", job.transfer.req_id, e)
         finally:
+            if audit is not None and not audit.waiting:
+                self.stores.end_audit(self._audits.pop(job.transfer.req_id))
             with self._lock:
                 self._saves_pending[job.transfer.req_id] -= 1
 
@@ -328,6 +419,7 @@ class TransferWorker:
             self._closed = True
             self._lock.notify_all()
         self._thread.join()
+        self._end_audits(set(self._audits))  # the thread is gone: safe here
         self.stores.close()
 
 

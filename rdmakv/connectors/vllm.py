@@ -46,6 +46,18 @@ How one request flows (no engine thread waits on the network):
    queued saves are dropped in ``handle_preemptions`` before vLLM reuses its
    blocks.
 
+6. Audits (``audit_rate``; :mod:`rdmakv.connectors.audit`): a sampled request
+   with a hit is offered none; its plan's ``audits`` make the workers fetch
+   the blocks it would have loaded and compare them with what vLLM computed
+   (in the save). A mismatch quarantines the namespace on that worker, which
+   reports it through ``build_connector_worker_meta`` (vLLM aggregates the
+   ranks' :class:`RdmakvWorkerMetadata` into ``update_connector_output``): the
+   scheduler side then offers no hit to anyone, and the worker tells the node
+   (REPORT, shown by ``rdmakv stats``). An operator's clearance (the worker's
+   metrics endpoint) travels the same way back and, through
+   ``StepPlan.clear_quarantine``, to every rank. At start-up both sides check
+   the namespace's fingerprint record (:mod:`rdmakv.connectors.fingerprint`).
+
 Keys: the namespace is the model (name + revision, or the ``model`` option),
 the KV dtype, each group's page geometry and, under tensor parallelism, the
 rank's KV-head slice (:func:`rdmakv.manager.tp_namespace`: TP sizes holding the
@@ -66,6 +78,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
@@ -73,6 +86,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
@@ -83,6 +97,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
 
+from rdmakv.connectors.fingerprint import engine_fingerprint
 from rdmakv.connectors.lookups import LookupService
 from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
 from rdmakv.connectors.plan import RequestBook, StepPlan, request_keep_hint
@@ -117,8 +132,28 @@ class RdmakvConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         p = self.plan
         return (
             f"RdmakvConnectorMetadata(loads={len(p.loads)}, saves={len(p.saves)}, "
-            f"async={p.async_loads})"
+            f"audits={len(p.audits)}, async={p.async_loads})"
         )
+
+
+class RdmakvWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What the workers tell the scheduler side after a step: namespaces whose remote
+    KV an audit quarantined (label -> reason) or an operator cleared.
+
+    vLLM aggregates the ranks' objects with :meth:`aggregate` (every rank's
+    report counts: one rank's wrong KV is a wrong output) and hands the result
+    to the scheduler side's ``update_connector_output``.
+    """
+
+    def __init__(self, quarantined: dict[str, str], cleared: set[str]) -> None:
+        self.quarantined = quarantined
+        self.cleared = cleared
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, RdmakvWorkerMetadata):
+            raise ConfigError(f"cannot aggregate {type(other).__name__} into RdmakvWorkerMetadata")
+        quarantined = {**self.quarantined, **other.quarantined}
+        return RdmakvWorkerMetadata(quarantined, (self.cleared | other.cleared) - set(quarantined))
 
 
 class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -157,7 +192,12 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             vllm_config, self.options, self.page_specs, kv_cache_config, self.is_scheduler
         )
         self.stores = GroupStores(
-            namespace, self.groups, block_bytes, self.options, scheduler=self.is_scheduler
+            namespace,
+            self.groups,
+            block_bytes,
+            self.options,
+            scheduler=self.is_scheduler,
+            fingerprint=_fingerprint(vllm_config, namespace),
         )
         self.lookups: LookupService | None = None
         if self.is_scheduler:
@@ -167,7 +207,10 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._lookup,
             null_block=NULL_BLOCK_ID,
             async_loads=self.options.load_mode == LOAD_ASYNC,
+            audit_rate=self.options.audit_rate,
         )
+        if self.stores.guard.refused is not None:
+            self.book.remote_reported({self.stores.guard.label: self.stores.guard.refused}, ())
         self.transfers: TransferWorker | None = None
         self._bad_blocks: set[int] = set()
 
@@ -241,6 +284,9 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return RdmakvConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, RdmakvWorkerMetadata):
+            self.book.remote_reported(meta.quarantined, meta.cleared)
         failed = self.book.load_results(
             finished=connector_output.finished_recving or (),
             failed=connector_output.failed_recving or (),
@@ -310,6 +356,10 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
+        if plan.clear_quarantine:
+            self.stores.guard.clear()
+        if plan.audits:
+            self._need_transfers().audit(plan.audits)  # before this step's saves
         if not plan.loads:
             return
         transfers = self._need_transfers()
@@ -346,6 +396,16 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending, r.finished_recving
+
+    def build_connector_worker_meta(self) -> RdmakvWorkerMetadata | None:
+        """Quarantines and clearances since the last step, for the scheduler side
+        (:class:`RdmakvWorkerMetadata`) and, from the transfer thread, the node."""
+        report = self.stores.guard.take_report()
+        if report is None:
+            return None
+        if self.transfers is not None:
+            self.transfers.submit(partial(self.stores.report_to_node, report))
+        return RdmakvWorkerMetadata(report.quarantined, report.cleared)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._bad_blocks = self._bad_blocks, set()
@@ -435,6 +495,21 @@ def _namespace(
     return tp_namespace(base, tp_rank=rank, tp_size=tp_size, num_kv_heads=int(total_heads))
 
 
+def _fingerprint(vllm_config: Any, namespace: KeyNamespace) -> dict[str, Any] | None:
+    """This engine's fingerprint record (:mod:`rdmakv.connectors.fingerprint`)."""
+    mc = vllm_config.model_config
+    if mc is None:
+        return None
+    return engine_fingerprint(
+        model=namespace.model,
+        revision=getattr(mc, "revision", None),
+        model_path=str(mc.model),
+        model_dtype=str(getattr(mc, "dtype", None)),
+        quantization=getattr(mc, "quantization", None),
+        namespace=namespace,
+    )
+
+
 def _keep(request: Any) -> KeepHint:
     """The request's offload hint (docs/offload.md): ``kv_transfer_params``'
     ``rdmakv_keep`` or session fields, else vLLM's own ``session_id`` (the
@@ -457,4 +532,4 @@ def _extra(request: Any) -> bytes | None:
     )
 
 
-__all__ = ["RdmakvConnector", "RdmakvConnectorMetadata"]
+__all__ = ["RdmakvConnector", "RdmakvConnectorMetadata", "RdmakvWorkerMetadata"]

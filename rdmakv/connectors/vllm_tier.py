@@ -20,7 +20,8 @@ tier's dict (except ``backpressure``, vLLM's) reaches the tier: they are
 ``transport``, ``token_file``, ``timeout``, ``offload``, ``offload_budget``,
 ``model``, ``metrics_port``, ``rdmakv_config``...) plus vLLM's ``locality``.
 Options of rdmakv's own connector that vLLM's CPU tier replaces (``l1_bytes``,
-``policy``, ``lock_slab``, ``load_mode``) are refused by name, like unknown keys.
+``policy``, ``lock_slab``, ``load_mode``, the audit options) are refused by name, like
+unknown keys.
 
 What runs where (all in vLLM's scheduler process; every method below is
 called under vLLM's offloading-manager lock and none waits on the network):
@@ -83,7 +84,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[impo
 
 from rdmakv.connectors.chunk_tier import ChunkTier, JobOutcome
 from rdmakv.connectors.plan import request_keep_hint
-from rdmakv.connectors.store import StoreOptions
+from rdmakv.connectors.store import AUDIT_OPTIONS, StoreOptions
 from rdmakv.errors import ConfigError
 from rdmakv.keys import KeyNamespace
 from rdmakv.l1 import block_keep
@@ -105,6 +106,9 @@ NOT_FOR_TIER = {
     "policy": "vLLM's CPU tier evicts: set eviction_policy in kv_connector_extra_config",
     "lock_slab": "the tier's memory is vLLM's CPU tier, which vLLM allocates",
     "load_mode": "vLLM schedules the loads of its offloading connector",
+    **dict.fromkeys(
+        AUDIT_OPTIONS, "KV audits exist in the vLLM connector only: the tier sees no recompute"
+    ),
 }
 """Options of rdmakv's connector that make no sense for the tier, and why."""
 HOT_REQ_PREFIX = "rdmakv-hot-"

@@ -14,7 +14,11 @@ Names (the Grafana dashboard in ``deploy/grafana`` uses exactly these):
 * ``rdmakv_client_bytes_total{transport,direction="put|get"}``;
 * ``rdmakv_client_node_down_total`` (a cluster node went down; with a single
   node: failed node calls, each one a batch of misses);
-* ``rdmakv_client_fetch_seconds`` (histogram).
+* ``rdmakv_client_fetch_seconds`` (histogram);
+* with a connector: ``rdmakv_client_audit_checks_total``,
+  ``rdmakv_client_audit_mismatches_total``, ``rdmakv_client_audit_max_diff``
+  (histogram) and ``rdmakv_client_quarantined`` (gauge, 0/1):
+  :mod:`rdmakv.connectors.audit`.
 
 Where engines can carry them: vLLM and SGLang expose the process-global
 ``prometheus_client.REGISTRY`` on their own ``/metrics`` (the default here),
@@ -26,18 +30,21 @@ each engine process its own port with :func:`start_http_server` (config key
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rdmakv.metrics.http import MetricsServer
+from rdmakv.metrics.http import MetricsServer, Route
 
 if TYPE_CHECKING:
+    from rdmakv.connectors.audit import AuditLedger
     from rdmakv.manager import KVCacheManager
 
+AUDIT_DIFF_BUCKETS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)
+"""Relative KV diff of an audit: 0 is exact; bf16 rounding is ~4e-3."""
 FETCH_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
 )
@@ -54,11 +61,23 @@ class ClientMetrics:
         self,
         managers: Sequence[KVCacheManager],
         registry: CollectorRegistry = REGISTRY,
+        audits: AuditLedger | None = None,
     ) -> None:
         self.registry = registry
         self._managers = list(managers)
-        self._collector = _ClientCollector(self._managers)
+        self._audits = audits
+        self._collector = _ClientCollector(self._managers, audits)
         registry.register(self._collector)
+        self.audit_diff: Histogram | None = None
+        if audits is not None:
+            self.audit_diff = Histogram(
+                "rdmakv_client_audit_max_diff",
+                "Per audited request: max abs KV diff relative to the block's magnitude "
+                "(0 = identical bytes).",
+                buckets=AUDIT_DIFF_BUCKETS,
+                registry=registry,
+            )
+            audits.on_result = self.audit_diff.observe
         self.fetch_seconds = Histogram(
             "rdmakv_client_fetch_seconds",
             "Time of one batched get from the node tier (misses and failures included).",
@@ -73,18 +92,26 @@ class ClientMetrics:
             m.on_remote_get = None
         self.registry.unregister(self._collector)
         self.registry.unregister(self.fetch_seconds)
+        if self._audits is not None and self.audit_diff is not None:
+            self._audits.on_result = None
+            self.registry.unregister(self.audit_diff)
 
 
 def start_http_server(
-    port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY
+    port: int,
+    host: str = "0.0.0.0",
+    registry: CollectorRegistry = REGISTRY,
+    routes: Mapping[tuple[str, str], Route] | None = None,
 ) -> MetricsServer:
-    """Serve ``registry`` on ``/metrics`` (and ``/healthz``, ``/readyz``) from this process."""
-    return MetricsServer(registry, host=host, port=port)
+    """Serve ``registry`` on ``/metrics`` (and ``/healthz``, ``/readyz``, ``routes``)
+    from this process."""
+    return MetricsServer(registry, host=host, port=port, routes=routes)
 
 
 class _ClientCollector(Collector):
-    def __init__(self, managers: list[KVCacheManager]) -> None:
+    def __init__(self, managers: list[KVCacheManager], audits: AuditLedger | None) -> None:
         self._managers = managers
+        self._audits = audits
 
     def collect(self) -> Iterator[Metric]:
         hits = {"l1": 0, "node": 0}
@@ -135,6 +162,24 @@ class _ClientCollector(Collector):
             "Node-down events (cluster), or failed node calls (a single node).",
             value=node_down,
         )
+        if self._audits is not None:
+            a = self._audits.stats
+            yield CounterMetricFamily(
+                "rdmakv_client_audit_checks",
+                "Audited requests (recomputed and compared with the cached KV).",
+                value=a.checks,
+            )
+            yield CounterMetricFamily(
+                "rdmakv_client_audit_mismatches",
+                "Audited requests whose cached KV differed from the computed KV.",
+                value=a.mismatches,
+            )
+            yield GaugeMetricFamily(
+                "rdmakv_client_quarantined",
+                "1 while this process's namespace has remote KV off (audit quarantine or "
+                "fingerprint conflict).",
+                value=int(self._audits.guard.reason is not None),
+            )
 
 
 def _node_down(m: KVCacheManager) -> int:

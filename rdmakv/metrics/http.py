@@ -4,7 +4,8 @@ The exposition text comes from ``prometheus_client.generate_latest``; this
 module only routes paths. ``/healthz`` answers 200 while the process can serve
 HTTP at all (a liveness probe); ``/readyz`` answers 200 only while ``ready()``
 is true (a readiness probe: for a node, pool registered and listener
-accepting). The server runs in one daemon thread and stops with ``close()``.
+accepting). Extra ``routes`` (e.g. a client's ``/rdmakv/quarantine``) answer
+JSON. The server runs in one daemon thread and stops with ``close()``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -25,6 +26,9 @@ HTTP_OK = 200
 HTTP_NOT_FOUND = 404
 HTTP_UNAVAILABLE = 503
 
+Route = Callable[[], tuple[int, bytes]]
+"""An extra endpoint: ``() -> (HTTP status, JSON body)``, keyed by ``(method, path)``."""
+
 
 class MetricsServer:
     """Serves one registry; ``port=0`` picks a free port (see :attr:`port`)."""
@@ -36,8 +40,9 @@ class MetricsServer:
         host: str = "127.0.0.1",
         port: int = 0,
         ready: Callable[[], bool] = lambda: True,
+        routes: Mapping[tuple[str, str], Route] | None = None,
     ) -> None:
-        handler = _handler_for(registry, ready)
+        handler = _handler_for(registry, ready, dict(routes or {}))
         try:
             self._server = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
@@ -73,11 +78,27 @@ class MetricsServer:
 
 
 def _handler_for(
-    registry: CollectorRegistry, ready: Callable[[], bool]
+    registry: CollectorRegistry,
+    ready: Callable[[], bool],
+    routes: dict[tuple[str, str], Route],
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        def _route(self, method: str) -> bool:
+            route = routes.get((method, self.path.split("?", 1)[0]))
+            if route is None:
+                return False
+            code, body = route()
+            self._send(code, body, "application/json")
+            return True
+
+        def do_POST(self) -> None:  # the name http.server dispatches to
+            if not self._route("POST"):
+                self._send(HTTP_NOT_FOUND, b"no such action\n")
+
         def do_GET(self) -> None:  # the name http.server dispatches to
             path = self.path.split("?", 1)[0]
+            if self._route("GET"):
+                return
             if path == "/metrics":
                 self._send(HTTP_OK, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif path == "/healthz":

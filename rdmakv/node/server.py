@@ -44,6 +44,7 @@ from rdmakv.protocol import (
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
+    MAX_REPORTED_NAMESPACES,
     PROTOCOL_VERSION,
     RECV_AHEAD_BYTES,
     RESPONSE_BIT,
@@ -62,6 +63,7 @@ from rdmakv.protocol import (
     decode_hello,
     decode_keys,
     decode_keys_request,
+    decode_report,
     decode_u64_list,
     encode_extent_table,
     encode_flag_bytes,
@@ -451,6 +453,8 @@ class KVNode:
             "exists_native": 0,  # EXISTS answered by the native loop (node/native_loop.py)
             **{f"refused_{r}": 0 for r in REFUSAL_REASONS},
         }
+        self._reported: dict[str, dict[str, Any]] = {}
+        """Namespaces clients reported quarantined (REPORT), oldest first; in STATS."""
         self.request_timers: dict[int, Callable[[float], None]] = {}
         """opcode -> histogram observe; empty when metrics are off (no cost then)."""
         self.metrics: NodeMetrics | None = None
@@ -531,6 +535,7 @@ class KVNode:
             Op.DELETE: self._delete,
             Op.EXISTS: self._exists,
             Op.STATS: self._stats,
+            Op.REPORT: self._report,
         }
         for dp in self.datapaths:
             for op, h in dp.handlers().items():
@@ -727,11 +732,31 @@ class KVNode:
             raise ProtocolError(f"STATS takes no payload, got {len(payload)} bytes")
         s.reply(req, encode_json(self.stats()))
 
+    def _report(self, s: NodeSession, req: Header, payload: bytearray) -> None:
+        """A client's quarantine report (protocol.py, REPORT): kept for STATS only."""
+        label, reason = decode_report(payload)
+        with self._lock:
+            old = self._reported.pop(label, None)
+            if reason is not None:
+                self._reported[label] = {
+                    "reason": reason,
+                    "reports": (old or {}).get("reports", 0) + 1,
+                    "reported_at": round(time.time(), 3),
+                }
+                while len(self._reported) > MAX_REPORTED_NAMESPACES:
+                    del self._reported[next(iter(self._reported))]
+        if reason is not None:
+            log.warning("a client quarantined namespace %s: %s", label, reason)
+        else:
+            log.info("a client cleared its quarantine of namespace %s", label)
+        s.reply(req, b"")
+
     def stats(self) -> dict[str, Any]:
         out = self.store.stats()
         with self._lock:
             out.update(self._counts)
             out["sessions_active"] = len(self._sessions)
+            out["quarantined_namespaces"] = {k: dict(v) for k, v in self._reported.items()}
         out.update(
             protocol_version=PROTOCOL_VERSION,
             transports=list(self.transports),

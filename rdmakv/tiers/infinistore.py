@@ -337,6 +337,10 @@ class InfiniStoreTier:
         """This client's counters (the server's own figures are on its manage port)."""
         return {"tier": "infinistore", "address": f"{self.host}:{self.port}", **self.counters}
 
+    def report(self, label: str, reason: str | None) -> bool:
+        """InfiniStore has no place for client reports: never recorded."""
+        return False
+
     def close(self) -> None:
         with self._lock:
             self._drop()

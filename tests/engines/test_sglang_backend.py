@@ -331,6 +331,14 @@ def test_zero_copy_option_is_checked(node_factory: Any) -> None:
         RdmakvHiCacheStorage(_config(node.endpoint, zero_copy="no"), {})
 
 
+def test_audit_options_are_refused_not_ignored(node_factory: Any) -> None:
+    from rdmakv.connectors.sglang import RdmakvHiCacheStorage
+
+    node = node_factory()
+    with pytest.raises(ConfigError, match="audit_rate"):
+        RdmakvHiCacheStorage(_config(node.endpoint, audit_rate=0.1), {})
+
+
 def test_a_down_node_gives_misses_not_errors(node_factory: Any, backends: list[Any]) -> None:
     node = node_factory()
     _, host = _pools("page_first")

@@ -134,7 +134,10 @@ class Engine:
         hybrid: bool,
         layout_name: str = "NHD",
         options: dict[str, Any] | None = None,
+        kv_offset: float = 0.0,
     ) -> None:
+        self.kv_offset = kv_offset
+        """Added to every fake KV value: a stand-in for other weights under one name."""
         ktc = KVTransferConfig(
             kv_connector="RdmakvConnector",
             kv_connector_module_path="rdmakv.connectors.vllm",
@@ -213,6 +216,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.blocks: dict[str, list[list[int]]] = {}
 
+    def kv_of(self, token: int, pos: int, layer: int) -> torch.Tensor:
+        """The KV this engine's (fake) model computes."""
+        return kv_value(token, pos, layer) + self.kv_offset
+
     @property
     def connector(self) -> RdmakvConnector:
         c = self.sched.connector
@@ -256,10 +263,13 @@ class Engine:
                     bid = self.blocks[req_id][g][pos // BLOCK]
                     for name in names:
                         layer = self.layer_of[name]
-                        self.kv[name][bid, :, pos % BLOCK, :] = kv_value(tokens[pos], pos, layer)
+                        self.kv[name][bid, :, pos % BLOCK, :] = self.kv_of(tokens[pos], pos, layer)
 
     def worker_step(self, out: Any) -> Any:
         """The model runner's part of a step: what GPUModelRunner does around its forward."""
+        # vLLM has one worker connector per process: make it this engine's (a test
+        # may step several engines in turn).
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
         self.worker.handle_preemptions(out.kv_connector_metadata)
         self.fake_forward(out)
         with set_current_vllm_config(self.vc):
@@ -346,11 +356,12 @@ class Engine:
         return int(self.sched.kv_cache_manager.block_pool.get_num_free_blocks())
 
     def leaks(self) -> list[str]:
-        """What rdmakv still holds once every request ended: slab references handed
-        out, queued jobs, held requests, unanswered lookups."""
+        """What rdmakv still holds once every request ended and its last jobs ran:
+        slab references handed out, jobs that never end, unanswered lookups."""
         found = []
         worker = self.worker
         assert isinstance(worker, RdmakvConnector) and worker.transfers is not None
+        worker.transfers.flush(IO_WAIT_S)  # the last saves may still be running
         if not worker.transfers.idle():
             found.append("transfer jobs queued or running")
         for k, mgr in enumerate(worker.stores.managers):
@@ -373,7 +384,7 @@ class Engine:
                     layer = self.layer_of[name]
                     for slot in range(BLOCK):
                         pos = b * BLOCK + slot
-                        want = kv_value(prompt[pos], pos, layer)
+                        want = self.kv_of(prompt[pos], pos, layer)
                         if not torch.equal(self.kv[name][bid, :, slot, :], want):
                             return False
         return True
@@ -393,8 +404,17 @@ def engines(model_dir: Path) -> Iterator[Callable[..., Engine]]:
         hybrid: bool = False,
         layout: str = "NHD",
         options: dict[str, Any] | None = None,
+        kv_offset: float = 0.0,
+        model: Path | None = None,
     ) -> Engine:
-        e = Engine(model_dir, node, hybrid=hybrid, layout_name=layout, options=options)
+        e = Engine(
+            model or model_dir,
+            node,
+            hybrid=hybrid,
+            layout_name=layout,
+            options=options,
+            kv_offset=kv_offset,
+        )
         made.append(e)
         return e
 
@@ -641,6 +661,7 @@ def test_a_save_corrupted_on_the_wire_never_reaches_another_engine(
     b.run(rb)
     # Whatever the node kept, engine B computed or loaded the right KV.
     assert b.blocks_hold("b", PROMPT_B, 4)
+    assert b.worker.transfers.flush(10.0)  # B's own saves ran
     assert not b.leaks()
 
 
@@ -785,3 +806,252 @@ def test_keep_hint_in_kv_transfer_params_drives_the_reuse_offload(
     assert b.ask("y", dropped) == (0, False)
     assert b.ask("z", session) == (64, True)
     assert b.ask("w", half) == (32, True)
+
+
+# -- audits and fingerprints (issue 59) ------------------------------------------------------
+AUDIT_PREFIXES = [list(range(200 + 64 * i, 264 + 64 * i)) for i in range(5)]
+"""Five 4-block prefixes, disjoint from each other and from SHARED."""
+
+
+def _prompts(tail: list[int]) -> list[list[int]]:
+    return [[*p, *tail] for p in AUDIT_PREFIXES]
+
+
+def _fill_prompts(
+    engines: Callable[..., Engine], node: str, prompts: list[list[int]], hybrid: bool = False
+) -> Engine:
+    """An engine computes ``prompts`` and saves their prompt blocks to the node."""
+    a = engines(node, hybrid=hybrid)
+    for i, p in enumerate(prompts):
+        a.run(a.add(f"fill{i}", p))
+    assert a.worker.transfers.flush(10.0)
+    return a
+
+
+def _finish(e: Engine, req_id: str) -> None:
+    """Step until the engine released the finished request (its saves and audit ended)."""
+    e.step_while(lambda: req_id in e.sched.requests, f"{req_id} was never released")
+    assert e.worker.transfers.flush(10.0)
+
+
+def _run_computed_in_full(e: Engine, req_id: str, prompt: list[int]) -> None:
+    """Run a request and check the engine computed all of it (no hit taken) correctly."""
+    req = e.add(req_id, prompt)
+    e.settle()
+    out, _ = e.step_until_scheduled(req_id)
+    assert out.num_scheduled_tokens == {req_id: len(prompt)}
+    e.run(req)
+    assert e.blocks_hold(req_id, prompt, 4)
+    _finish(e, req_id)
+
+
+def _node_quarantines(endpoint: str) -> dict[str, str]:
+    """What ``rdmakv stats`` shows as quarantined namespaces: label -> reason."""
+    from rdmakv.remote import open_remote
+
+    with contextlib.closing(open_remote(endpoint, None, transport="tcp", timeout=5)) as c:
+        shown = c.stats()["quarantined_namespaces"]
+    return {label: entry["reason"] for label, entry in shown.items()}
+
+
+class HeadSwappingCopier:
+    """Test-only fault: the real PagedGroupCopier, whose saves then swap the KV heads in
+    the slab (a paged-copy layout bug). Everything else is the real copier's."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def save(self, slab: Any, handles: list[int], block_ids: list[int]) -> None:
+        self.real.save(slab, handles, block_ids)
+        for h in handles:
+            view = self.real.block_layers(slab, h)  # [layers, tokens, heads, channels]
+            view.copy_(view.flip(2))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_audit_at_rate_one_on_a_correct_stack_finds_no_mismatch_and_changes_no_kv(
+    hybrid: bool, node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_prompts(engines, node.endpoint, _prompts([1, 2, 3]), hybrid=hybrid)
+    audited = engines(node.endpoint, hybrid=hybrid, options={"audit_rate": 1.0})
+    plain = engines(node.endpoint, hybrid=hybrid)
+    groups = len(audited.group_layers)
+    asks = _prompts([4, 5, 6, 7])
+    for i, p in enumerate(asks):
+        _run_computed_in_full(audited, f"r{i}", p)  # sampled: offered no hit
+        req = plain.add(f"r{i}", p)
+        plain.settle()
+        out, _ = plain.step_until_scheduled(f"r{i}")
+        assert out.num_scheduled_tokens == {f"r{i}": len(p) - 64}  # the hit is used
+        plain.run(req)
+        # The same KV in both engines' blocks, bit for bit.
+        for name in LAYERS:
+            for b in range(4):
+                mine = audited.kv[name][audited.blocks[f"r{i}"][0][b]]
+                theirs = plain.kv[name][plain.blocks[f"r{i}"][0][b]]
+                assert torch.equal(mine, theirs)
+    stats = audited.worker.stores.audits.stats
+    # Every block the hit would have loaded was compared (the window group's too).
+    assert stats.checks == len(asks) and stats.blocks_compared == 4 * groups * len(asks)
+    assert stats.mismatches == 0 and stats.blocks_mismatched == 0
+    assert audited.worker.stores.stats.loaded_blocks == 0
+    assert plain.worker.stores.stats.loaded_blocks == (4 + 2 * (groups - 1)) * len(asks)
+    assert not audited.connector.book.remote_off
+    assert not audited.leaks()
+
+
+def test_an_engine_with_other_kv_under_the_same_name_is_caught_and_quarantined(
+    node_factory: Any, engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    import urllib.request
+
+    node = node_factory(block_size="64KiB")
+    _fill_prompts(engines, node.endpoint, _prompts([1, 2, 3]))
+    # Other "weights" under the same name: same fingerprint, different KV for the tokens.
+    b = engines(
+        node.endpoint, kv_offset=0.25, options={"audit_rate": 1.0, "metrics_port": 0}
+    )
+    asks = _prompts([4, 5, 6, 7])
+    with caplog.at_level("ERROR", logger="rdmakv.connectors.audit"):
+        _run_computed_in_full(b, "r0", asks[0])
+    stats = b.worker.stores.audits.stats
+    assert stats.checks == 1 and stats.mismatches == 1 and stats.blocks_mismatched >= 1
+    guard = b.worker.stores.guard
+    assert guard.quarantined is not None and "layer" in guard.quarantined
+    lines = [r.getMessage() for r in caplog.records if "KV audit mismatch" in r.getMessage()]
+    assert len(lines) == 1 and "key " in lines[0] and "quarantine" in lines[0]
+    # The scheduler side learnt it through vLLM's worker metadata, the node from the worker.
+    assert list(b.connector.book.remote_off) == [guard.label]
+    assert _node_quarantines(node.endpoint) == {guard.label: guard.quarantined}
+    for i, p in enumerate(asks[1:], start=1):
+        _run_computed_in_full(b, f"r{i}", p)  # no hit offered any more
+    assert stats.checks == 1  # nothing more to audit: no hits
+    assert b.worker.stores.stats.loaded_blocks == 0  # wrong KV never used
+    # Its stores stopped: what it computes now never reaches the node.
+    new = [*range(900, 964), 1, 2]
+    _run_computed_in_full(b, "new", new)
+    c = engines(node.endpoint)
+    assert c.ask("x", new) == (0, False)
+    assert c.ask("y", asks[1]) == (64, True)  # the first engine's blocks are still there
+    base = f"http://127.0.0.1:{b.worker.stores.metrics_server.port}"
+    scrape = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    assert "rdmakv_client_audit_mismatches_total 1.0" in scrape
+    assert "rdmakv_client_quarantined 1.0" in scrape
+    # An operator clears it through the metrics endpoint; the scheduler side follows.
+    clear = urllib.request.Request(f"{base}/rdmakv/quarantine/clear", data=b"", method="POST")
+    assert json.loads(urllib.request.urlopen(clear, timeout=5).read())["cleared"] is True
+    b.step()
+    assert not b.connector.book.remote_off
+    assert b.worker.transfers.flush(10.0)
+    assert _node_quarantines(node.endpoint) == {}
+    state = json.loads(urllib.request.urlopen(f"{base}/rdmakv/quarantine", timeout=5).read())
+    assert state["quarantined"] is None and state["audits"]["mismatches"] == 1
+    assert not b.leaks()
+
+
+def test_a_paged_copy_layout_bug_is_caught_by_the_audit(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_prompts(engines, node.endpoint, _prompts([1, 2, 3]))
+    b = engines(node.endpoint, options={"audit_rate": 1.0})
+    transfers = b.worker.transfers
+    transfers.copiers[0] = HeadSwappingCopier(transfers.copiers[0])
+    _run_computed_in_full(b, "r0", _prompts([4, 5])[0])
+    stats = b.worker.stores.audits.stats
+    assert stats.mismatches == 1 and stats.blocks_mismatched == 4
+    assert b.connector.book.remote_off
+    assert not b.leaks()
+
+
+def test_a_fingerprint_conflict_refuses_remote_hits_in_one_line(
+    node_factory: Any,
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from rdmakv.connectors.fingerprint import CONFLICT
+
+    node = node_factory(block_size="64KiB")
+    other = tmp_path / "tiny-llama-finetune"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**TINY_LLAMA, "rms_norm_eps": 1e-6}))
+    named = {"model": "tiny-llama"}  # both deployments use one model name
+    a = engines(node.endpoint, options=named)
+    a.run(a.add("a", PROMPT_A))
+    assert a.worker.transfers.flush(10.0)
+    with caplog.at_level("ERROR", logger="rdmakv.connectors"):
+        b = engines(node.endpoint, options=named, model=other)
+    lines = [r.getMessage() for r in caplog.records if CONFLICT in r.getMessage()]
+    assert lines and all("\n" not in m and "weights" in m for m in lines)
+    assert b.worker.stores.guard.refused is not None
+    (reason,) = b.connector.book.remote_off.values()
+    assert reason.startswith(CONFLICT)
+    assert b.ask("b", PROMPT_B) == (0, False)
+    _run_computed_in_full(b, "b", PROMPT_B)
+    assert b.worker.stores.stats.loaded_blocks == 0 and b.worker.stores.stats.saved_blocks == 0
+    same = engines(node.endpoint, options=named)  # the first deployment's twin: no conflict
+    assert not same.connector.book.remote_off
+    assert same.ask("c", PROMPT_B) == (64, True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("audit_rate", 1.5), ("audit_rate", -0.1), ("audit_rate", "0.1"),
+     ("audit_tolerance", -0.01), ("audit_quarantine", "yes")],
+)
+def test_bad_audit_options_are_refused_by_name(
+    key: str, value: object, node_factory: Any
+) -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    node = node_factory()
+    ktc = KVTransferConfig(
+        kv_connector="RdmakvConnector",
+        kv_connector_module_path="rdmakv.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"node": node.endpoint, "model": "m", key: value},
+    )
+    vc = VllmConfig(kv_transfer_config=ktc)
+    fa = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    kcc = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, fa)]
+    )
+    with pytest.raises(ConfigError, match=key):
+        KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_a_stalled_node_costs_one_audit_fetch_and_never_holds_saves_longer(
+    node_factory: Any, engines: Callable[..., Engine]
+) -> None:
+    node = node_factory(block_size="64KiB")
+    _fill_prompts(engines, node.endpoint, _prompts([1, 2, 3]))
+    b = engines(node.endpoint, options={"audit_rate": 1.0, "timeout": 2})
+    asks = _prompts([4, 5, 6])[:2]
+    reqs = [b.add(f"r{i}", p) for i, p in enumerate(asks)]
+    b.settle()  # both lookups answered: both requests will be audited
+    node.pause()
+    try:
+        started = time.monotonic()
+        for r in reqs:
+            b.run(r)
+        for r in reqs:
+            b.step_while(lambda r=r: r.request_id in b.sched.requests, "held past the stall")
+        # The first audit fetch waited out the client timeout; the second was skipped
+        # (audits back off after a node failure), so the saves waited about one timeout.
+        assert time.monotonic() - started < IO_WAIT_S
+    finally:
+        node.resume()
+    stats = b.worker.stores.audits.stats
+    assert stats.checks == 0 and stats.mismatches == 0 and stats.fetches_skipped >= 1
+    assert not b.connector.book.remote_off  # a failing node is not wrong KV
+    for i, p in enumerate(asks):
+        assert b.blocks_hold(f"r{i}", p, 4)
+    assert b.worker.transfers.flush(10.0)
+    assert not b.leaks()

@@ -345,6 +345,7 @@ def test_two_engines_share_a_node(node_factory: Any, engines: Any) -> None:
         ({"nod": "127.0.0.1:1"}, "nod"),
         ({"node": "127.0.0.1:1", "l1_bytes": "1GiB"}, "l1_bytes"),
         ({"node": "127.0.0.1:1", "offload": "cold"}, "offload"),
+        ({"node": "127.0.0.1:1", "audit_rate": 0.1}, "audit_rate"),
         ({"node": "127.0.0.1:1", "replication": 0}, "replication"),
         ({"node": "127.0.0.1:1", "locality": "MARS"}, "locality"),
         ({"node": "not an address"}, "not an address"),
