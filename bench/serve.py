@@ -390,8 +390,12 @@ class ReqStats:
     """Tokens the connector offered (some may have failed and been recomputed)."""
     load_started: float | None = None
     load_done: float | None = None
+    lookup_asked: float | None = None
+    """When the scheduler first asked the connector about the request (it asks when it
+    reaches the request in its waiting queue, which may be long after the arrival)."""
     lookup_answered: float | None = None
-    """When the scheduler first read the connector's answer (hit or not)."""
+    """When the scheduler first got an answer (hit or not): until then it holds the
+    request back and asks again next step."""
 
     @property
     def ttft(self) -> float | None:
@@ -518,7 +522,9 @@ class ServeEngine:
         self.verified_local_blocks = 0
         self.failed_load_blocks = 0
         self.failed_load_requests = 0
-        self.load_time: dict[str, float] = {"total": 0.0, "fetch": 0.0, "copy": 0.0}
+        self.load_time: dict[str, float] = {"total": 0.0, "fetch": 0.0, "copy": 0.0, "save": 0.0}
+        """Seconds in the connector's loads (total = fetch + copy + bookkeeping) and saves
+        (engine -> slab copies and queueing the puts), all on its transfer thread."""
         self.t0 = time.monotonic()
         if self.worker is not None:
             self._time_loads()
@@ -536,6 +542,7 @@ class ServeEngine:
         lookups, by wrapping the real methods on their instances; behaviour unchanged."""
         stores = self.worker.stores
         _add_timer(stores, "load", self.load_time, "total")
+        _add_timer(stores, "save", self.load_time, "save")
         for mgr in stores.managers:
             _add_timer(mgr, "acquire_blocks", self.load_time, "fetch")
         for copier in self.worker.transfers.copiers:
@@ -546,8 +553,11 @@ class ServeEngine:
         def answer(req_id: str) -> Any:
             got = real_answer(req_id)
             st = self.stats.get(req_id)
-            if got is not None and st is not None and st.lookup_answered is None:
-                st.lookup_answered = self.now()
+            if st is not None and st.lookup_answered is None:
+                if st.lookup_asked is None:
+                    st.lookup_asked = self.now()
+                if got is not None:
+                    st.lookup_answered = self.now()
             return got
 
         lookups.answer = answer
@@ -882,6 +892,11 @@ def summarize(eng: ServeEngine, plan: Plan, wall_s: float) -> dict[str, Any]:
     over = [st for st in eng.steps if st.work_s > st.model_s]
     loads = [s.load_done - s.load_started for s in stats
              if s.load_done is not None and s.load_started is not None]
+    lookups = [
+        s.lookup_answered - s.lookup_asked
+        for s in stats
+        if s.lookup_answered is not None and s.lookup_asked is not None
+    ]
     out: dict[str, Any] = {
         "requests": len(stats),
         "finished": sum(1 for s in stats if len(s.token_times) >= s.output_tokens),
@@ -915,7 +930,9 @@ def summarize(eng: ServeEngine, plan: Plan, wall_s: float) -> dict[str, Any]:
         "link_rate_seen_bytes_per_s": (
             round(eng.loaded_bytes / eng.load_time["total"]) if eng.load_time["total"] else None
         ),
-        "load_seconds": {k: round(v, 3) for k, v in eng.load_time.items()},
+        "connector_seconds": {k: round(v, 3) for k, v in eng.load_time.items()},
+        "lookup_wait_p50_s": _pct(lookups, 50),
+        "lookup_wait_max_s": round(max(lookups), 4) if lookups else None,
         "steps": len(eng.steps),
         "steps_cpu_over_model": len(over),
         "steps_cpu_over_model_share": round(len(over) / len(eng.steps), 4) if eng.steps else 0,
@@ -939,7 +956,7 @@ def summarize(eng: ServeEngine, plan: Plan, wall_s: float) -> dict[str, Any]:
         {"i": s.index, "arrival": round(s.arrival, 4), "ttft": s.ttft and round(s.ttft, 4),
          "remote": s.remote_hit_tokens, "local": s.local_hit_tokens,
          "first_compute": s.first_compute and round(s.first_compute, 4),
-         "lookup_wait": _since(s.arrival, s.lookup_answered),
+         "lookup_wait": _since(s.lookup_asked, s.lookup_answered),
          "load_wait": _since(s.load_started, s.load_done)}
         for s in stats
     ]
