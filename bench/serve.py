@@ -26,6 +26,8 @@ Configurations, each with a fresh scheduler, engine and node:
 ``rdmakv_sync``        the same with ``load_mode: sync``.
 ``rdmakv_async_stall`` async, the node SIGSTOPped for ``--stall`` seconds in the
                        middle of the replay, then SIGCONT.
+``rdmakv_audit_R``     (only when named in ``--configs``) async with recompute
+                       audits at rate R (0.01 or 0.1).
 
 Where remote hits come from: before a measured rdmakv run, an earlier engine
 (same stand-in, no sleeps, one output token each) serves the *earlier turns* of
@@ -50,6 +52,7 @@ and writes ``serve.json`` and ``serve.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -113,6 +116,9 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace
 FALLBACK_TRACE = ROOT / "tests" / "data" / "mooncake_conversation_slice.jsonl"
 RESULTS = ROOT / "bench" / "results"
 CONFIGS = ("prefix_only", "rdmakv_async", "rdmakv_sync", "rdmakv_async_stall")
+AUDIT_CONFIGS = {"rdmakv_audit_0.01": 0.01, "rdmakv_audit_0.1": 0.1}
+"""Optional configs (``--configs``): async with recompute audits at that rate
+(issue 59's cost: the sampled requests give up their hit)."""
 
 # -- the named model and GPU (published figures) --------------------------------------------
 MODEL_NAME = "meta-llama/Llama-3.1-8B"
@@ -327,21 +333,6 @@ _CHANNELS = torch.from_numpy(
 )
 
 
-def _add_timer(obj: Any, name: str, into: dict[str, float], key: str) -> None:
-    """Wrap ``obj.name`` (an instance attribute from now on) to add its run time to
-    ``into[key]``."""
-    real = getattr(obj, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t = time.monotonic()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            into[key] += time.monotonic() - t
-
-    setattr(obj, name, timed)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -428,6 +419,7 @@ class ServeEngine:
         node: str | None,
         *,
         load_mode: str = "async",
+        audit_rate: float = 0.0,
         transport: str = "tcp",
         cost: CostModel | None,
         pool_blocks: int,
@@ -447,6 +439,7 @@ class ServeEngine:
                     "timeout": CONNECTOR_TIMEOUT_S,
                     "offload": "all",
                     "load_mode": load_mode,
+                    "audit_rate": audit_rate,
                 },
             )
         mc = ModelConfig(
@@ -522,31 +515,32 @@ class ServeEngine:
         self.verified_local_blocks = 0
         self.failed_load_blocks = 0
         self.failed_load_requests = 0
-        self.load_time: dict[str, float] = {"total": 0.0, "fetch": 0.0, "copy": 0.0, "save": 0.0}
-        """Seconds in the connector's loads (total = fetch + copy + bookkeeping) and saves
-        (engine -> slab copies and queueing the puts), all on its transfer thread."""
         self.t0 = time.monotonic()
         if self.worker is not None:
-            self._time_loads()
+            self._time_lookups()
 
     @property
     def loaded_bytes(self) -> int:
-        if self.worker is None:
-            return 0
-        stores = self.worker.stores
-        return int(stores.stats.loaded_blocks * sum(stores.block_bytes))
+        return 0 if self.worker is None else self.worker.stores.stats.loaded_bytes
 
-    # -- measurement of the connector's loads (timing wrapper, behaviour unchanged) --------
-    def _time_loads(self) -> None:
-        """Time the connector's loads (whole, node fetch, slab -> paged copy) and its
-        lookups, by wrapping the real methods on their instances; behaviour unchanged."""
-        stores = self.worker.stores
-        _add_timer(stores, "load", self.load_time, "total")
-        _add_timer(stores, "save", self.load_time, "save")
-        for mgr in stores.managers:
-            _add_timer(mgr, "acquire_blocks", self.load_time, "fetch")
-        for copier in self.worker.transfers.copiers:
-            _add_timer(copier, "load", self.load_time, "copy")
+    @property
+    def connector_seconds(self) -> dict[str, float]:
+        """Seconds on the connector's transfer thread: loads (node fetch + slab ->
+        paged copy) and saves (engine -> slab copies, handing to the offloader)."""
+        if self.worker is None:
+            return {"load": 0.0, "fetch": 0.0, "copy": 0.0, "save": 0.0}
+        st = self.worker.stores.stats
+        return {
+            "load": st.fetch_s + st.load_copy_s,
+            "fetch": st.fetch_s,
+            "copy": st.load_copy_s,
+            "save": st.save_s,
+        }
+
+    # -- measurement of the lookups (a timing wrapper, behaviour unchanged) -----------------
+    def _time_lookups(self) -> None:
+        """Note when the scheduler first sees each request's lookup answered, by
+        wrapping the real ``answer`` on its instance; behaviour unchanged."""
         lookups = self.sched.connector.lookups
         real_answer = lookups.answer
 
@@ -890,6 +884,7 @@ def summarize(eng: ServeEngine, plan: Plan, wall_s: float) -> dict[str, Any]:
     out_tokens = sum(len(s.token_times) for s in stats)
     span = max((s.token_times[-1] for s in stats if s.token_times), default=0.0)
     over = [st for st in eng.steps if st.work_s > st.model_s]
+    secs = eng.connector_seconds
     loads = [s.load_done - s.load_started for s in stats
              if s.load_done is not None and s.load_started is not None]
     lookups = [
@@ -928,9 +923,12 @@ def summarize(eng: ServeEngine, plan: Plan, wall_s: float) -> dict[str, Any]:
         "load_wait_p50_s": _pct(loads, 50),
         "load_wait_max_s": round(max(loads), 4) if loads else None,
         "link_rate_seen_bytes_per_s": (
-            round(eng.loaded_bytes / eng.load_time["total"]) if eng.load_time["total"] else None
+            round(eng.loaded_bytes / secs["load"]) if secs["load"] else None
         ),
-        "connector_seconds": {k: round(v, 3) for k, v in eng.load_time.items()},
+        "connector_seconds": {k: round(v, 3) for k, v in secs.items()},
+        "audits": (
+            dataclasses.asdict(eng.worker.stores.audits.stats) if eng.worker is not None else None
+        ),
         "lookup_wait_p50_s": _pct(lookups, 50),
         "lookup_wait_max_s": round(max(lookups), 4) if lookups else None,
         "steps": len(eng.steps),
@@ -1007,6 +1005,7 @@ def run_config(
         eng = ServeEngine(
             plan.model_dir, node.endpoint, cost=plan.cost, pool_blocks=pool,
             load_mode="sync" if name == "rdmakv_sync" else "async",
+            audit_rate=AUDIT_CONFIGS.get(name, 0.0),
             transport=plan.transport,
         )
         stall_info: dict[str, Any] = {}
@@ -1189,9 +1188,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trace_path = args.trace or (DEFAULT_TRACE if DEFAULT_TRACE.exists() else FALLBACK_TRACE)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in CONFIGS]
+    bad = [c for c in configs if c not in CONFIGS and c not in AUDIT_CONFIGS]
     if bad:
-        p.error(f"unknown config(s) {bad}; known: {list(CONFIGS)}")
+        p.error(f"unknown config(s) {bad}; known: {[*CONFIGS, *AUDIT_CONFIGS]}")
     try:
         trace = load_trace(trace_path)
     except RdmakvError as e:

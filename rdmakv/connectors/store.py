@@ -247,6 +247,8 @@ class StoreStats:
     """Time spent getting the blocks of loads into the slab (L1, then the node)."""
     load_copy_s: float = 0.0
     """Time spent copying loaded blocks from the slab into the engine's blocks."""
+    save_s: float = 0.0
+    """Time spent in saves (engine -> slab copies, audit comparisons, handing to L1)."""
 
 
 class GroupStores:
@@ -376,10 +378,12 @@ class GroupStores:
         copiers: Sequence[PagedGroupCopier],
         null_block: int | None,
         stream: CopyStream,
+        after: Any = None,
     ) -> set[int]:
         """Fill the transfer's engine blocks from rdmakv; returns the block ids not filled.
 
-        The slab -> engine copies run on ``stream`` and have completed on return.
+        The slab -> engine copies run on ``stream`` after the engine work ``after``
+        marks, and have completed on return.
         Under a quarantine or fingerprint refusal nothing is loaded (all failed:
         the engine recomputes)."""
         if self.guard.reason is not None:
@@ -410,7 +414,8 @@ class GroupStores:
                 have = [(h, b) for h, (_, b) in zip(got, wanted, strict=True) if h is not None]
                 failed.update(b for h, (_, b) in zip(got, wanted, strict=True) if h is None)
                 stream.run(
-                    partial(copier.load, mgr.slab, [h for h, _ in have], [b for _, b in have])
+                    partial(copier.load, mgr.slab, [h for h, _ in have], [b for _, b in have]),
+                    after,
                 )
                 self.stats.load_copy_s += time.perf_counter() - fetched
                 self.stats.loaded_blocks += len(have)
@@ -442,6 +447,21 @@ class GroupStores:
         fetched blocks; each one this save computed is compared and released
         (:meth:`_compare`). Under a quarantine or fingerprint refusal nothing
         is stored (an audit still compares what it fetched)."""
+        started = time.perf_counter()
+        try:
+            return self._save(transfer, copiers, null_block, stream, after, audit)
+        finally:
+            self.stats.save_s += time.perf_counter() - started
+
+    def _save(
+        self,
+        transfer: Transfer,
+        copiers: Sequence[PagedGroupCopier],
+        null_block: int | None,
+        stream: CopyStream,
+        after: Any,
+        audit: PendingAudit | None,
+    ) -> int:
         saved = 0
         for k, (g, part, copier, mgr) in enumerate(
             zip(self.groups, transfer.groups, copiers, self.managers, strict=True)

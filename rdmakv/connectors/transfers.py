@@ -94,6 +94,8 @@ class LoadJob:
     report_async: bool
     submitted: float
     deadline: float
+    after: Any = None
+    """The engine work the copies into its blocks wait for (:meth:`CopyStream.engine_mark`)."""
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -165,11 +167,14 @@ class TransferWorker:
         self._thread.start()
 
     # -- engine thread ---------------------------------------------------------------------
-    def load(self, transfers: Sequence[Transfer], *, report_async: bool) -> list[LoadJob]:
+    def load(
+        self, transfers: Sequence[Transfer], *, report_async: bool, after: Any = None
+    ) -> list[LoadJob]:
         """Queue loads; returns their jobs (to :meth:`wait` for, in synchronous mode).
-        ``report_async`` loads are reported in ``finished_recving`` when they end."""
+        ``report_async`` loads are reported in ``finished_recving`` when they end; their
+        copies into the engine's blocks run after the engine work ``after`` marks."""
         now = self._clock()
-        jobs = [LoadJob(t, report_async, now, now + self.timeout) for t in transfers]
+        jobs = [LoadJob(t, report_async, now, now + self.timeout, after) for t in transfers]
         if jobs:
             with self._lock:
                 self._check_open()
@@ -373,19 +378,16 @@ class TransferWorker:
             log.warning("request %s: load %s; recomputed", t.req_id, reason)
             self._report_load(job, t.engine_block_ids(self.null_block))
             return
-        errors = self._node_errors()
+        errors = self.stores.node_errors()
         try:
-            failed = self.stores.load(t, self.copiers, self.null_block, self.stream)
+            failed = self.stores.load(t, self.copiers, self.null_block, self.stream, job.after)
         except RdmakvError as e:
             log.warning("request %s: load failed: %s", t.req_id, e)
             failed = t.engine_block_ids(self.null_block)
-        if self._node_errors() > errors:
+        if self.stores.node_errors() > errors:
             # Loads queued behind this one would wait the same timeout in turn.
             self._node_failed_at = self._clock()
         self._report_load(job, failed)
-
-    def _node_errors(self) -> int:
-        return sum(m.stats.l2_errors for m in self.stores.managers)
 
     def _report_load(self, job: LoadJob, failed: set[int]) -> None:
         req_id = job.transfer.req_id

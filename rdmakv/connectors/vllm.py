@@ -27,8 +27,9 @@ How one request flows (no engine thread waits on the network):
 2. *Worker side* (each TP rank): ``register_kv_caches`` wraps each group's
    layer tensors in a :class:`~rdmakv.connectors.paged.PagedGroupCopier` and
    starts a :class:`~rdmakv.connectors.transfers.TransferWorker` thread.
-   ``start_load_kv`` queues the planned loads (L1, then the node, then the
-   copy into vLLM's blocks) and ``wait_for_save`` the step's new prompt blocks
+   ``bind_connector_metadata`` queues the planned loads (L1, then the node,
+   then the copy into vLLM's blocks) before the forward pass, so they overlap
+   it, and ``wait_for_save`` the step's new prompt blocks
    (copy into slab blocks, then the offloader thread writes them to the
    node); ``get_transfer_results`` reports what finished.
 3. Loads are asynchronous (``load_mode: async``, the default): the request
@@ -354,18 +355,32 @@ class RdmakvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             if preempted and self.transfers is not None:
                 self.transfers.drop_saves(preempted)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, RdmakvConnectorMetadata) or self.transfers is None:
+            return
+        plan = connector_metadata.plan
+        if not plan.loads or not plan.async_loads:
+            return
+        # Asynchronous loads start now, before the forward pass, not in
+        # start_load_kv after it: the fetch overlaps the forward and is usually
+        # reported at the end of this step, so the request runs in the next one.
+        # The loaded blocks belong to waiting requests (this forward never touches
+        # them); the copies wait for the engine's work so far (its zeroing of
+        # freshly allocated blocks ran before this call).
+        self.transfers.load(plan.loads, report_async=True, after=self.transfers.mark())
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
         if plan.clear_quarantine:
             self.stores.guard.clear()
         if plan.audits:
             self._need_transfers().audit(plan.audits)  # before this step's saves
-        if not plan.loads:
-            return
+        if not plan.loads or plan.async_loads:
+            return  # asynchronous loads were queued in bind_connector_metadata
         transfers = self._need_transfers()
-        jobs = transfers.load(plan.loads, report_async=plan.async_loads)
-        if not plan.async_loads:
-            transfers.wait(jobs)  # load_mode "sync": this step's forward needs them
+        # load_mode "sync": this step's forward needs them
+        transfers.wait(transfers.load(plan.loads, report_async=False))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads fill every layer before the request runs
