@@ -233,10 +233,10 @@ class TransferWorker:
                 elif isinstance(job, _Save):
                     self._saves_pending[job.transfer.req_id] -= 1
             self._saves = kept
-            while (
-                isinstance(self._running, _Save | _AuditFetch)
-                and self._running.transfer.req_id in ids
-            ):
+            # Only a save reads the engine's blocks; a running audit fetch is a node
+            # call into slab blocks (its audit is ended by the call queued below), so
+            # the engine never waits on the network here.
+            while isinstance(self._running, _Save) and self._running.transfer.req_id in ids:
                 self._lock.wait()
             self._queue_end_audits(ids)
 
