@@ -3,7 +3,8 @@
 Needs the engine venv (``bash deploy/engines.sh``): it builds vLLM 0.33's
 ``TieringOffloadingSpec`` with ``{"type": "rdmakv", "module_path":
 "rdmakv.connectors.vllm_tier"}`` and drives its manager as vLLM's offloading
-scheduler does, against a real ``rdmakv serve`` over TCP:
+scheduler does, against a real ``rdmakv serve`` over TCP (``--transport rdma``:
+over RDMA, in the soft-RoCE VM; chunks go one-sided into vLLM's CPU tier):
 
 * **store**: engine A puts ``--chunks`` chunks into its CPU tier and
   ``complete_store`` cascades them to the tier (one job); timed from the
@@ -28,7 +29,7 @@ Chunk size defaults to vLLM's for Llama-3-8B in bf16 with 16-token blocks and
 TP 1: ``32 layers x 16 tokens x 8 KV heads x (128 + 128) x 2 bytes`` = 2 MiB.
 GB/s are 1e9 bytes/s, best of ``--repeats``. Prints one JSON object
 (``rdmakv.bench.provenance.publish``); ``--out DIR`` also writes
-``vllm_tier.json`` and ``vllm_tier.png``.
+``vllm_tier.json`` and ``vllm_tier.png`` (``vllm_tier_rdma.*`` over RDMA).
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ class Engine:
 
     _ids = itertools.count()
 
-    def __init__(self, node: str, chunk: int, chunks: int, steps: list[float]) -> None:
+    def __init__(
+        self, node: str, chunk: int, chunks: int, steps: list[float], transport: str
+    ) -> None:
         cfg = OffloadingConfig(
             groups=(OffloadingGroupConfig(16, tuple(f"l{i}" for i in range(32)), 0),),
             worker_kv_bytes_per_block=chunk,
@@ -107,7 +110,7 @@ class Engine:
                 "tier_poll_interval_s": 0,
                 "secondary_tiers": [{
                     "type": "rdmakv", "module_path": "rdmakv.connectors.vllm_tier",
-                    "node": node, "transport": "tcp", "timeout": CLIENT_TIMEOUT_S,
+                    "node": node, "transport": transport, "timeout": CLIENT_TIMEOUT_S,
                     "offload": "all",
                 }],
             },
@@ -167,9 +170,11 @@ def until(cond: Callable[[], bool], what: str, tick: Callable[[], object]) -> No
         tick()
 
 
-def tier_round(node: str, chunk: int, chunks: int, tag: str, steps: list[float]) -> dict[str, Any]:
-    a = Engine(node, chunk, chunks, steps)
-    b = Engine(node, chunk, chunks, steps)
+def tier_round(
+    node: str, chunk: int, chunks: int, tag: str, steps: list[float], transport: str
+) -> dict[str, Any]:
+    a = Engine(node, chunk, chunks, steps, transport)
+    b = Engine(node, chunk, chunks, steps, transport)
     try:
         keys = keys_for(tag, chunks)
         data = np.random.default_rng(1).integers(0, 256, size=chunk, dtype=np.uint8)
@@ -188,6 +193,7 @@ def tier_round(node: str, chunk: int, chunks: int, tag: str, steps: list[float])
         until(lambda: not a.pending(), "the store", lambda: (time.sleep(STEP_PAUSE_S), a.step()))
         store_s = time.perf_counter() - t0
         assert a.tier.core.stats.stored_chunks == chunks, a.tier.core.stats
+        assert a.tier.core.transport_name == transport
 
         ctx = ReqContext(req_id="b")
         with b.manager.lock:
@@ -209,6 +215,7 @@ def tier_round(node: str, chunk: int, chunks: int, tag: str, steps: list[float])
             assert all(np.array_equal(b.rows[r], data) for r in spec.chunk_ids.tolist()[:8])
             b.manager.complete_load(keys, ctx)
         with KVClient(*node.split(":"), None, transport="tcp") as c:  # type: ignore[misc]
+            # a control-only client (a node over RDMA answers TCP control too)
             c.delete(a.tier.core.keys.keys(keys))  # room for the next round
         return {"store_s": store_s, "load_s": load_s, "submit_step_s": submit_step}
     finally:
@@ -216,10 +223,12 @@ def tier_round(node: str, chunk: int, chunks: int, tag: str, steps: list[float])
         b.close()
 
 
-def client_round(host: str, port: int, slab: Slab, chunks: int, tag: str) -> dict[str, float]:
+def client_round(
+    host: str, port: int, slab: Slab, chunks: int, tag: str, transport: str
+) -> dict[str, float]:
     keys = [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest() for i in range(chunks)]
     digests = [hashlib.blake2b(k, digest_size=16).digest() for k in keys]
-    with KVClient(host, port, slab, transport="tcp", timeout=CLIENT_TIMEOUT_S) as c:
+    with KVClient(host, port, slab, transport=transport, timeout=CLIENT_TIMEOUT_S) as c:
         t0 = time.perf_counter()
         assert all(c.put(keys, list(range(chunks)), slab.block_size, digests))
         put_s = time.perf_counter() - t0
@@ -230,8 +239,10 @@ def client_round(host: str, port: int, slab: Slab, chunks: int, tag: str) -> dic
     return {"put_s": put_s, "get_s": get_s}
 
 
-def lookup_latency(node: str, chunk: int, rounds: int, steps: list[float]) -> list[float]:
-    e = Engine(node, chunk, LOOKUP_KEYS + 1, steps)
+def lookup_latency(
+    node: str, chunk: int, rounds: int, steps: list[float], transport: str
+) -> list[float]:
+    e = Engine(node, chunk, LOOKUP_KEYS + 1, steps, transport)
     out: list[float] = []
     lookups = e.tier.core.lookups
     try:
@@ -258,21 +269,24 @@ def pct(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def measure(chunk: int, chunks: int, repeats: int, lookup_rounds: int) -> dict[str, Any]:
+def measure(
+    chunk: int, chunks: int, repeats: int, lookup_rounds: int, transport: str
+) -> dict[str, Any]:
     node = LocalNodeProcess(
         {"pool-size": str(int(chunks * chunk * 1.25)), "block-size": str(chunk),
-         "transport": "tcp"},
+         "transport": transport},
         extra_args=["--no-lock"],
     )
     steps: list[float] = []
     nbytes = chunks * chunk
     try:
-        tier = [tier_round(node.endpoint, chunk, chunks, f"r{i}", steps) for i in range(repeats)]
+        tier = [tier_round(node.endpoint, chunk, chunks, f"r{i}", steps, transport)
+                for i in range(repeats)]
         # rdmakv's own client over a buffer of the same size (borrowed: every block live)
         with Slab.over_buffer(np.full(nbytes, 7, dtype=np.uint8), chunk) as slab:
-            client = [client_round(node.host, node.port, slab, chunks, f"c{i}")
+            client = [client_round(node.host, node.port, slab, chunks, f"c{i}", transport)
                       for i in range(repeats)]
-        lat = lookup_latency(node.endpoint, chunk, lookup_rounds, steps)
+        lat = lookup_latency(node.endpoint, chunk, lookup_rounds, steps, transport)
     finally:
         node.kill()
     best = {
@@ -302,15 +316,14 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    r = result["result"]
+    r, m = result["result"], result["meta"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = ["store / put", "load / get"]
     x = np.arange(2)
     ax.bar(x - 0.2, [r["tier_store_gbps"], r["tier_load_gbps"]], 0.4, label="vLLM tier (rdmakv)")
     ax.bar(x + 0.2, [r["kvclient_put_gbps"], r["kvclient_get_gbps"]], 0.4, label="KVClient")
     ax.set_xticks(x, names)
-    ax.set_ylabel("GB/s (TCP)")
-    m = result["meta"]
+    ax.set_ylabel(f"GB/s ({m['transport']})")
     ax.set_title(f"{m['chunks']} chunks of {m['chunk_bytes'] // 1024} KiB, "
                  f"{m['machine'][:60]}", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
@@ -326,15 +339,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-bytes", type=int, default=LLAMA_8B_CHUNK)
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     ap.add_argument("--lookup-rounds", type=int, default=DEFAULT_LOOKUP_ROUNDS)
+    ap.add_argument("--transport", choices=["tcp", "rdma"], default="tcp",
+                    help="node, tier and KVClient transport (rdma: in the soft-RoCE VM)")
     ap.add_argument("--out", type=Path, help="write vllm_tier.json (and .png) here")
     args = ap.parse_args(argv)
     print(f"vllm_tier: {args.chunks} chunks of {args.chunk_bytes} bytes...", file=sys.stderr)
     result = {
         "meta": {**provenance(), "chunks": args.chunks, "chunk_bytes": args.chunk_bytes,
-                 "repeats": args.repeats, "transport": "tcp"},
-        "result": measure(args.chunk_bytes, args.chunks, args.repeats, args.lookup_rounds),
+                 "repeats": args.repeats, "transport": args.transport},
+        "result": measure(args.chunk_bytes, args.chunks, args.repeats, args.lookup_rounds,
+                          args.transport),
     }
-    publish(result, args.out, "vllm_tier", _plot)
+    publish(result, args.out, "vllm_tier" if args.transport == "tcp" else "vllm_tier_rdma", _plot)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ Threads and who owns what:
   with a control-only client: :meth:`lookup` answers ``None`` until the node
   answered, questions of a step go out together at :meth:`flush_lookups`, and
   an unanswered question expires after the client timeout as "absent".
-* Jobs run on one I/O thread with its own client over the slab. A row named
+* Jobs run on one I/O thread with its own client over the slab. Submitting
+  a job only queues it: the offload policy, the row list and the keys are
+  worked out on the I/O thread, so a 1,000-chunk job costs the engine thread
+  the same as a one-chunk job. A row named
   by a job belongs to that job from :meth:`store` / :meth:`load` until the
   job is returned by :meth:`finished`: only then has every transfer touching
   it ended (a failed transfer is drained first), so the engine may free,
@@ -115,13 +118,23 @@ class TierStats:
     get_bytes: int = 0
 
 
+ChunkPlan = Callable[[], tuple[Sequence[int], Sequence[bool | None]]]
+"""A store's depth (index in its request's chain) and reuse hint
+(:func:`~rdmakv.l1.block_keep`) per chunk; called on the I/O thread."""
+
+
 @dataclass
 class _Job:
     job_id: int
     is_load: bool
     names: list[bytes]
-    rows: list[int]
+    given_rows: Iterable[int]
+    """As the engine gave them (``rows`` once the I/O thread took the job)."""
     deadline: float
+    plan: ChunkPlan | None = None
+    """Stores: what the offload policy weighs; None when ``forced``."""
+    forced: bool = False
+    rows: list[int] = field(default_factory=list)
     send: list[bool] = field(default_factory=list)
     """Stores: which chunks the policy picked (the others are reported ok, unsent)."""
 
@@ -161,6 +174,10 @@ class ChunkTier:
         self.policy = make_offload_policy(
             options.offload, capacity, budget=options.offload_budget
         )
+        self._policy_lock = threading.Lock()
+        """Guards the policy, ``_unsent`` and ``_hot``: the I/O thread offers a store's
+        chunks, the engine thread touches chunks and takes the hot ones. Held for CPU
+        work only, never across a node call."""
         self._unsent: OrderedDict[bytes, tuple[int, bool | None]] = OrderedDict()
         """Chunks the policy declined, with their depth and hint (bounded, oldest out)."""
         self._unsent_limit = capacity
@@ -217,13 +234,16 @@ class ChunkTier:
         """Whether the nodes hold ``name``: None while the question is out (it is asked
         at the next :meth:`flush_lookups`). ``owner`` (a request) keeps the answer
         until :meth:`release_owner`."""
-        lookups = self._need_lookups()
-        mine = self._owners.setdefault(owner, set())
+        lookups = self.lookups
+        if lookups is None:
+            raise ConfigError("the rdmakv tier is closed")
+        mine = self._owners.get(owner)
+        if mine is None:
+            mine = self._owners[owner] = set()
         if name not in mine:
             mine.add(name)
             self._refs[name] += 1
-            lookups.ask(name, name, wake=False)
-        return lookups.answer(name)
+        return lookups.ask(name, name, wake=False)
 
     def flush_lookups(self) -> None:
         """Send this step's questions (one batch: one round trip per node)."""
@@ -258,35 +278,34 @@ class ChunkTier:
         names: Sequence[bytes],
         rows: Iterable[int],
         *,
-        depths: Sequence[int] | None = None,
-        keeps: Sequence[bool | None] | None = None,
+        plan: ChunkPlan | None = None,
         forced: bool = False,
     ) -> None:
-        """Queue a store of ``rows`` under ``names``; the offload policy picks which
-        chunks are sent (``depths``: each chunk's index in its request's chain;
-        ``keeps``: each chunk's reuse hint, :func:`~rdmakv.l1.block_keep`), unless
-        ``forced`` (already picked: :meth:`take_hot`). A job with nothing to send
-        ends at once."""
-        names, rows = list(names), [int(r) for r in rows]
-        if len(names) != len(rows):
-            raise ConfigError(f"{len(names)} chunk names but {len(rows)} rows")
-        if forced:
-            send = [True] * len(names)
-        else:
-            depths = depths if depths is not None else [0] * len(names)
-            keeps = keeps if keeps is not None else [None] * len(names)
-            send = [
-                self._offer(n, d, k) for n, d, k in zip(names, depths, keeps, strict=True)
+        """Queue a store of ``rows`` (one per name) under ``names``. When the I/O thread
+        takes the job, the offload policy picks which chunks are sent from ``plan``
+        (depth 0 and no hint when None), unless ``forced`` (already picked:
+        :meth:`take_hot`); a job with nothing to send then ends without a node call."""
+        self._queue(_Job(job_id, False, list(names), rows, self._clock() + self.timeout,
+                         plan, forced))
+
+    def _pick(self, job: _Job) -> None:
+        """I/O thread: the job's rows as ints and the policy's choice of chunks."""
+        job.rows = [int(r) for r in job.given_rows]
+        n = len(job.names)
+        if len(job.rows) != n:
+            raise ConfigError(f"{n} chunk names but {len(job.rows)} rows")
+        if job.is_load:
+            return
+        if job.forced:
+            job.send = [True] * n
+            return
+        depths, keeps = job.plan() if job.plan is not None else ([0] * n, [None] * n)
+        with self._policy_lock:
+            job.send = [
+                self._offer(name, d, k)
+                for name, d, k in zip(job.names, depths, keeps, strict=True)
             ]
-        self.stats.declined_chunks += send.count(False)
-        job = _Job(job_id, False, names, rows, self._clock() + self.timeout, send)
-        with self._lock:
-            self._check_open()
-            if any(send):
-                self._stores.append(job)
-                self._lock.notify()
-            else:
-                self._done.append(JobOutcome(job_id, False, names, [True] * len(names)))
+        self.stats.declined_chunks += job.send.count(False)
 
     def _offer(self, name: bytes, depth: int, keep: bool | None) -> bool:
         self._unsent.pop(name, None)
@@ -303,28 +322,30 @@ class ChunkTier:
     def touch(self, names: Iterable[bytes]) -> None:
         """The engine used these chunks again while its CPU tier held them: an unsent
         one the policy now wants is queued for :meth:`take_hot`."""
-        for name in names:
-            declined = self._unsent.get(name)
-            if declined is not None and self.policy.on_hot(name, *declined):
-                del self._unsent[name]
-                self._hot.append(name)
+        with self._policy_lock:
+            for name in names:
+                declined = self._unsent.get(name)
+                if declined is not None and self.policy.on_hot(name, *declined):
+                    del self._unsent[name]
+                    self._hot.append(name)
 
     def take_hot(self) -> list[bytes]:
         """Unsent chunks the policy wants stored now (the engine pins them and
         calls :meth:`store` with ``forced=True``)."""
-        hot, self._hot = self._hot, []
+        with self._policy_lock:
+            hot, self._hot = self._hot, []
         self.stats.hot_chunks += len(hot)
         return hot
 
     def load(self, job_id: int, names: Sequence[bytes], rows: Iterable[int]) -> None:
-        """Queue a load of ``names`` into ``rows``; reported by :meth:`finished`."""
-        names, rows = list(names), [int(r) for r in rows]
-        if len(names) != len(rows):
-            raise ConfigError(f"{len(names)} chunk names but {len(rows)} rows")
-        job = _Job(job_id, True, names, rows, self._clock() + self.timeout)
+        """Queue a load of ``names`` into ``rows`` (one per name); reported by
+        :meth:`finished`."""
+        self._queue(_Job(job_id, True, list(names), rows, self._clock() + self.timeout))
+
+    def _queue(self, job: _Job) -> None:
         with self._lock:
             self._check_open()
-            self._loads.append(job)
+            (self._loads if job.is_load else self._stores).append(job)
             self._lock.notify()
 
     def finished(self) -> list[JobOutcome]:
@@ -370,6 +391,14 @@ class ChunkTier:
     def _run(self) -> None:
         while (job := self._next()) is not None:
             start = time.perf_counter()
+            try:
+                self._pick(job)
+            except Exception:  # rows or a plan the engine got wrong: fail the job, not the thread
+                log.exception("rdmakv tier: %s job %d refused",
+                              "load" if job.is_load else "store", job.job_id)
+                self._report(JobOutcome(job.job_id, job.is_load, job.names,
+                                        [False] * len(job.names)), job)
+                continue
             if self._clock() >= job.deadline:
                 log.warning(
                     "rdmakv tier: %s job %d not started within %.1f s (node slow?); failed",
@@ -380,6 +409,8 @@ class ChunkTier:
                 nbytes = 0
             elif job.is_load:
                 ok, nbytes = self._do_load(job)
+            elif not any(job.send):
+                ok, nbytes = [True] * len(job.names), 0
             else:
                 ok, nbytes = self._do_store(job)
             self._report(JobOutcome(job.job_id, job.is_load, job.names, ok, nbytes,
@@ -387,8 +418,10 @@ class ChunkTier:
         self._fail_queued()
 
     def _report(self, out: JobOutcome, job: _Job) -> None:
-        moved = sum(out.ok) if job.is_load else sum(o and s for o, s in zip(out.ok, job.send,
-                                                                               strict=True))
+        sent = job.send or [True] * len(out.ok)  # a refused store picked nothing
+        moved = sum(out.ok) if job.is_load else sum(
+            o and s for o, s in zip(out.ok, sent, strict=True)
+        )
         if job.is_load:
             self.stats.loaded_chunks += moved
             self.stats.failed_load_chunks += len(out.ok) - moved

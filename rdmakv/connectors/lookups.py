@@ -104,7 +104,10 @@ class BatchLookups(Generic[Id, Q, A]):
         self._nothing = nothing
         self._on_close = on_close
         self._clock = clock
-        self._lock = threading.Condition()
+        # The scheduler's calls take the bare lock (no Python-level Condition frames:
+        # a tier asks once per chunk, many per step); the thread waits on the Condition.
+        self._mutex = threading.Lock()
+        self._lock = threading.Condition(self._mutex)
         self._questions: dict[Id, _Question[Q, A]] = {}
         self._queued: list[Id] = []
         self._closed = False
@@ -112,18 +115,20 @@ class BatchLookups(Generic[Id, Q, A]):
         self._thread.start()
 
     # -- scheduler thread ------------------------------------------------------------------
-    def ask(self, qid: Id, question: Q, *, wake: bool = True) -> None:
-        """Queue ``question`` as ``qid`` unless that is already asked (returns at once).
+    def ask(self, qid: Id, question: Q, *, wake: bool = True) -> A | None:
+        """Queue ``question`` as ``qid`` unless that is already asked (returns at once),
+        and return its answer as :meth:`answer` does (``None`` while it is out).
 
         ``wake=False`` defers it to the next :meth:`flush` (or the next woken
         question): a step's questions then go out as one batch."""
-        with self._lock:
-            if self._closed or qid in self._questions:
-                return
-            self._questions[qid] = _Question(question, self._clock() + self.timeout)
-            self._queued.append(qid)
-            if wake:
-                self._lock.notify()
+        with self._mutex:
+            if not self._closed and qid not in self._questions:
+                self._questions[qid] = _Question(question, self._clock() + self.timeout)
+                self._queued.append(qid)
+                if wake:
+                    self._lock.notify()
+                return None
+            return self._answer(qid)
 
     def flush(self) -> None:
         """Send the deferred questions now (one batch)."""
@@ -136,33 +141,36 @@ class BatchLookups(Generic[Id, Q, A]):
 
         An expired question, or a closed service, answers ``nothing``.
         """
-        with self._lock:
-            q = self._questions.get(qid)
-            if q is None:
-                return None if not self._closed else self._nothing()
-            if q.answer is not None:
-                return q.answer
-            if self._clock() >= q.deadline:
-                q.answer = self._nothing()
-                self.stats.expired += 1
-                log.warning(
-                    "lookup %s: the node did not answer within %.1f s; no hit",
-                    qid if isinstance(qid, str) else "(key)",
-                    self.timeout,
-                )
-                return q.answer
-            return None
+        with self._mutex:
+            return self._answer(qid)
+
+    def _answer(self, qid: Id) -> A | None:
+        q = self._questions.get(qid)
+        if q is None:
+            return None if not self._closed else self._nothing()
+        if q.answer is not None:
+            return q.answer
+        if self._clock() >= q.deadline:
+            q.answer = self._nothing()
+            self.stats.expired += 1
+            log.warning(
+                "lookup %s: the node did not answer within %.1f s; no hit",
+                qid if isinstance(qid, str) else "(key)",
+                self.timeout,
+            )
+            return q.answer
+        return None
 
     def settle(self, qid: Id, answer: A) -> None:
         """Replace ``qid``'s answer (if asked) with ``answer``: the caller knows better."""
-        with self._lock:
+        with self._mutex:
             q = self._questions.get(qid)
             if q is not None:
                 q.answer = answer
 
     def forget(self, qid: Id) -> None:
         """Drop the question and its answer (the one who asked is done with it)."""
-        with self._lock:
+        with self._mutex:
             self._questions.pop(qid, None)
 
     def pending(self) -> int:

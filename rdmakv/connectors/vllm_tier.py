@@ -59,6 +59,7 @@ through vLLM's ``ParentManager`` (which pins it), when the policy asks for it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Collection, Iterable, Mapping
@@ -214,32 +215,34 @@ class RdmakvTier(SecondaryTierManager):  # type: ignore[misc]
     def submit_store(self, job_metadata: TransferJob) -> None:
         ctx = job_metadata.req_context
         keys = list(job_metadata.keys)
-        hint = request_keep_hint(ctx.kv_transfer_params, ctx.req_id)
-        depths = [self._depth(k, ctx) for k in keys]
+        forced = ctx.req_id.startswith(HOT_REQ_PREFIX)
         self.core.store(
             job_metadata.job_id,
             keys,
-            job_metadata.chunk_ids.tolist(),
-            depths=depths,
-            keeps=[
-                block_keep(hint, d, self._chunk_tokens[int(get_offload_group_idx(k))])
-                for k, d in zip(keys, depths, strict=True)
-            ],
-            forced=ctx.req_id.startswith(HOT_REQ_PREFIX),
+            job_metadata.chunk_ids,
+            plan=None if forced else functools.partial(self._plan, keys, ctx),
+            forced=forced,
         )
 
-    def _depth(self, key: OffloadKey, ctx: ReqContext) -> int:
-        """The chunk's index in its request (0 when vLLM recorded no position)."""
-        end = ctx.get_offload_key_position(key)
-        if end is None:
-            return 0
-        tokens = self._chunk_tokens[int(get_offload_group_idx(key))]
-        return max(0, -(-int(end) // tokens) - 1)
+    def _plan(
+        self, keys: list[OffloadKey], ctx: ReqContext
+    ) -> tuple[list[int], list[bool | None]]:
+        """Each chunk's index in its request (0 when vLLM recorded no position) and
+        its reuse hint. Runs on rdmakv's I/O thread: vLLM records a key's position
+        before it stores the key and never changes it, so reading it later is safe."""
+        hint = request_keep_hint(ctx.kv_transfer_params, ctx.req_id)
+        depths: list[int] = []
+        keeps: list[bool | None] = []
+        for key in keys:
+            tokens = self._chunk_tokens[get_offload_group_idx(key)]
+            end = ctx.get_offload_key_position(key)
+            depth = 0 if end is None else max(0, -(-int(end) // tokens) - 1)
+            depths.append(depth)
+            keeps.append(block_keep(hint, depth, tokens))
+        return depths, keeps
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self.core.load(
-            job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids.tolist()
-        )
+        self.core.load(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         return [_job_result(out) for out in self.core.finished()]

@@ -71,7 +71,7 @@ def test_chunk_tier_stores_finds_and_loads_rows_over_rdma(node: LocalNodeProcess
         names = [f"chunk-{i}".encode() for i in range(16)]
         rng = np.random.default_rng(5)
         rows_a[:16] = rng.integers(0, 256, size=(16, CHUNK), dtype=np.uint8)
-        a.store(1, names, range(16), depths=list(range(16)))
+        a.store(1, names, range(16), plan=lambda: (list(range(16)), [None] * 16))
         (stored,) = wait_jobs(a, 1)
         assert stored.success and stored.nbytes == 16 * CHUNK
         # the other engine asks: None until the node answered, then found
