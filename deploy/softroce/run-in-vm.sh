@@ -22,8 +22,8 @@
 #  - rdma_rxe needs crc32_generic loaded first ("failed to init crc32 algorithm").
 #  - rxe refuses netdev lo; a dummy netdev works, and traffic to its local
 #    address never leaves the guest (the VM has no network card at all).
-#  - 9p with cache=loose for the read-only root and the read-only view of the
-#    project's virtualenvs (.venv, .venv-engines) keeps imports fast enough.
+#  - 9p with cache=loose for the read-only root and a read-only view of the
+#    project's virtualenvs and code keeps imports fast enough.
 set -euo pipefail
 MEM=${RDMAKV_VM_MEM:-2048}; CPUS=${RDMAKV_VM_CPUS:-2}; TIMEOUT=${RDMAKV_VM_TIMEOUT:-1200}
 GUEST_IP=198.18.0.1/24
@@ -73,12 +73,13 @@ mount -t tmpfs tmpfs /newroot/tmp; mount -t tmpfs tmpfs /newroot/run
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 ctl /newroot/run
 mkdir -p /newroot$CWD 2>/dev/null
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 cwd /newroot$CWD || { echo "cannot mount $CWD in the VM" > /newroot/run/setup_failed; poweroff -f; }
-# The virtualenvs again, read-only with cache=loose (a second share of the
-# same directory): an import stats and opens hundreds of files, and without
-# the guest's cache each is a 9p round trip under emulation (vLLM's import:
-# ~17 min uncached, under 3 min cached).
+# What the command imports, again, read-only with cache=loose (a second share
+# of the same directory): an import stats and opens hundreds of files, and
+# without the guest's cache each is a 9p round trip under emulation (vLLM's
+# import: ~17 min uncached, under 3 min cached). The code does not change
+# while the VM runs; everything else (build/, results) stays writable.
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose cwdro /newroot/run/ro
-for v in .venv .venv-engines; do [ -d /newroot$CWD/\$v ] && mount -o bind /newroot/run/ro/\$v /newroot$CWD/\$v; done
+for v in .venv .venv-engines rdmakv tests chaos; do [ -d /newroot$CWD/\$v ] && mount -o bind /newroot/run/ro/\$v /newroot$CWD/\$v; done
 chroot /newroot /bin/sh /run/guest.sh
 poweroff -f
 INIT

@@ -7,7 +7,10 @@ tier from ``{"type": "rdmakv", "module_path": "rdmakv.connectors.vllm_tier"}``,
 scheduler does (``on_new_request``, ``lookup`` with ``RETRY`` /
 ``HIT_PENDING``, ``prepare_store`` / ``complete_store`` cascading to the tier,
 promotions submitted at ``on_schedule_end``, ``get_finished_jobs`` polled by
-the manager, ``shutdown``), and ``rdmakv serve`` nodes over TCP.
+the manager, ``shutdown``), and ``rdmakv serve`` nodes over TCP
+(``deploy/engines.sh``) or, with ``RDMAKV_TIER_TEST_TRANSPORT=rdma``, over
+RDMA on soft-RoCE in the VM (``.ci/run``; the tests that need a TCP proxy
+between tier and node are marked ``tcp_proxy`` and deselected there).
 
 What is simulated: the GPU -> CPU DMA of vLLM's worker, i.e. the bytes of a
 chunk: :meth:`Engine.store` writes them into the CPU-tier rows vLLM handed
@@ -54,12 +57,18 @@ from rdmakv.client import KVClient
 from rdmakv.connectors.vllm_tier import RdmakvTier
 from rdmakv.errors import ConfigError
 
-pytestmark = pytest.mark.timeout(120)
+TRANSPORT = os.environ.get("RDMAKV_TIER_TEST_TRANSPORT", "tcp")
+"""The nodes' and the tier's transport (rdma: in the soft-RoCE VM, under emulation)."""
+EMULATED = TRANSPORT == "rdma"
+
+pytestmark = pytest.mark.timeout(600 if EMULATED else 120)
 
 CHUNK_BYTES = 16 * 1024  # one 16-token block of a tiny model per chunk (page aligned)
 NUM_CHUNKS = 64
-TIMEOUT_S = 1.0  # the client timeout: lookups expire after it, stalled jobs fail
-WAIT_S = 20.0  # the longest a test waits for vLLM's manager to settle (no timing assertion)
+# the client timeout: lookups expire after it, stalled jobs fail (emulated verbs are slow)
+TIMEOUT_S = 10.0 if EMULATED else 1.0
+# the longest a test waits for vLLM's manager to settle (no timing assertion)
+WAIT_S = 120.0 if EMULATED else 20.0
 TIER = {"type": "rdmakv", "module_path": "rdmakv.connectors.vllm_tier"}
 _engine_ids = itertools.count()
 
@@ -100,7 +109,7 @@ class Engine:
     """One vLLM engine's scheduler-side offloading: the real spec and manager, our tier."""
 
     def __init__(self, **tier_options: Any) -> None:
-        opts = {"transport": "tcp", "timeout": TIMEOUT_S, **tier_options}
+        opts = {"transport": TRANSPORT, "timeout": TIMEOUT_S, **tier_options}
         self.spec = TieringOffloadingSpec(
             offloading_config({**TIER, **opts}, f"rdmakv-test-{os.getpid()}-{next(_engine_ids)}")
         )
@@ -201,6 +210,12 @@ class Engine:
 
 
 @pytest.fixture
+def node_factory(node_factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Nodes serving ``TRANSPORT`` (they answer control calls over TCP as well)."""
+    return lambda **options: node_factory(**{"transport": TRANSPORT, **options})
+
+
+@pytest.fixture
 def engines() -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
@@ -226,6 +241,7 @@ def test_store_then_load_in_another_engine_bytes_verified(node_factory: Any, eng
     a, b = engines(node=node.endpoint), engines(node=node.endpoint)
     keys = chunk_keys("shared", 8)
     a.store(keys)
+    assert a.tier.core.transport_name == b.tier.core.transport_name == TRANSPORT
     assert a.tier.core.stats.stored_chunks == 8
     assert a.tier.core.stats.put_bytes == 8 * CHUNK_BYTES
     assert node_has(node, a, keys) == [True] * 8
@@ -274,6 +290,23 @@ def test_load_with_chunks_gone_reports_successful_keys(node_factory: Any, engine
     assert b.read(hits, ctx) == [chunk_bytes(k) for k in hits]
 
 
+def test_node_killed_between_lookup_and_load_fails_the_keys(
+    node_factory: Any, engines: Any
+) -> None:
+    node = node_factory()
+    a, b = engines(node=node.endpoint), engines(node=node.endpoint)
+    keys = chunk_keys("dead-before-load", 6)
+    a.store(keys)
+    ctx = b.request()
+    b.ask(keys, ctx)  # the node said it holds them all...
+    node.kill()  # ...and dies before the promotions' load runs
+    assert b.resolve(keys, ctx) == [LookupResult.MISS] * 6
+    assert b.tier.core.stats.failed_load_chunks == 6 and b.tier.core.stats.loaded_chunks == 0
+    b.settle()  # nothing in flight, nothing pinned
+    assert not b.tier.core.busy()
+
+
+@pytest.mark.tcp_proxy
 def test_node_killed_mid_load_fails_the_keys_and_nothing_hangs(
     node_factory: Any, engines: Any
 ) -> None:
@@ -360,6 +393,7 @@ def test_bad_config_is_one_line_naming_the_key(options: dict[str, Any], named: s
     assert named in msg and "\n" not in msg
 
 
+@pytest.mark.tcp_proxy
 def test_corrupt_chunk_on_the_wire_is_never_reported_loaded(
     node_factory: Any, engines: Any
 ) -> None:
