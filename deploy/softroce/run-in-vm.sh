@@ -13,7 +13,7 @@
 # 198.18.0.1/24, raises the memlock limit, runs CMD from the current directory
 # and exits with CMD's exit status (99 / a message if the VM never ran it).
 # Inside the VM: device rxe0 (port 1; gid index 1 = ::ffff:198.18.0.1, RoCE v2),
-# RDMAKV_TEST_DEVICE=rxe0, /tmp is a fresh tmpfs (put virtualenvs in the
+# RDMAKV_TEST_DEVICE=rxe0, /tmp and /dev/shm are fresh tmpfs (put virtualenvs in the
 # project directory), CMD's stdout+stderr stream back to this terminal.
 #
 # Facts it rests on (checked on Debian 12, 6.1 guest kernel):
@@ -70,6 +70,7 @@ for m in $MODS; do insmod /mods/\$m.ko; done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /newroot || poweroff -f
 mount -t proc proc /newroot/proc; mount -t sysfs sys /newroot/sys; mount -t devtmpfs dev /newroot/dev
 mount -t tmpfs tmpfs /newroot/tmp; mount -t tmpfs tmpfs /newroot/run
+mkdir -p /newroot/dev/shm && mount -t tmpfs tmpfs /newroot/dev/shm
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 ctl /newroot/run
 mkdir -p /newroot$CWD 2>/dev/null
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 cwd /newroot$CWD || { echo "cannot mount $CWD in the VM" > /newroot/run/setup_failed; poweroff -f; }
