@@ -50,9 +50,9 @@ non-cryptographic prefix-caching hash set ``PYTHONHASHSEED`` to one value).
 
 Selective offload: ``offload`` (``reuse``, the default, with
 ``offload_budget``; ``all``; ``hot``) picks which chunks of a cascade are
-sent, inside ``submit_store``, from the chunk's depth in its request (vLLM's
-recorded key position) and the request's ``rdmakv_keep`` hint in
-``kv_transfer_params``. A chunk declined then and touched again while vLLM's
+sent, on rdmakv's I/O thread as it takes the store job, from the chunk's
+depth in its request (vLLM's recorded key position) and the request's
+``rdmakv_keep`` hint in ``kv_transfer_params``. A chunk declined then and touched again while vLLM's
 CPU tier still holds it (``touch``) is stored in ``serve_external_requests``
 through vLLM's ``ParentManager`` (which pins it), when the policy asks for it.
 """
