@@ -517,11 +517,16 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
     r, m = result["result"], result["meta"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, c in r["configs"].items():
+    configs = r["configs"]
+    for label, c in configs.items():
         x, y = c["bytes_vs_all"], 100 * c["hit_rate"]
         touch = "+touch" in label
         ax.scatter([x], [y], s=18, color="tab:orange" if touch else "tab:blue", zorder=3)
-        if not touch:  # a +touch point sits next to its mode's point
+        base = configs.get(label.replace("+touch", "")) if touch else None
+        near = base is not None and (
+            abs(base["bytes_vs_all"] - x) < 0.03 and abs(100 * base["hit_rate"] - y) < 1.0
+        )
+        if not near:  # a +touch point next to its mode's point goes unnamed
             ax.annotate(label, (x, y), fontsize=7, textcoords="offset points", xytext=(6, 4))
         if "connector" in c and not touch:
             ax.scatter([c["connector"]["bytes_vs_all"]], [100 * c["connector"]["hit_rate"]],
