@@ -30,13 +30,17 @@ request is driven as vLLM's offloading scheduler drives the manager:
    deadline (a request that never settles is counted, and gets the HITs it
    has, never a hang);
 3. ``prepare_load`` / ``complete_load`` of the hit prefix, every hit chunk's
-   bytes checked; with ``+touch``, ``touch`` of the hit chunks (see below);
+   bytes checked;
 4. the rest is "computed": ``prepare_store`` in steps of
    :data:`STORE_STEP_CHUNKS` chunks (a chunked-prefill step of 8,192
    tokens), the worker's DMA simulated by writing bytes derived from the key
    into the rows vLLM handed out, ``complete_store`` (the cascade: the tier's
    policy decides which chunks the node gets), and the steps until no job is
-   in flight; then ``on_request_finished``.
+   in flight; then ``on_request_finished``. When the tier asked for vLLM's
+   request-level offload policy (``hot``, ``reuse``), the stores start at
+   chunk 0, hits included, as vLLM's scheduler then does: the manager
+   cascades the hits already in its CPU tier to the tier, which is how the
+   tier sees a chunk used again.
 
 Simplifications, said here so the figures are read right: arrival times are
 ignored (requests run one after another, each settled before the next, which
@@ -48,15 +52,11 @@ chunk per trace hash id, as vLLM stores only full blocks), and a chunk's
 including it, 0)``, so equal prefixes give equal keys. Chunks are small
 (``--chunk-bytes``, 4 KiB): counts matter here, not speed.
 
-Configurations (``--modes``): ``MODE[@BUDGET][+touch][+hint]``; ``MODE`` is
+Configurations (``--modes``): ``MODE[@BUDGET][+hint]``; ``MODE`` is
 the tier's ``offload`` option (``all``, ``hot``, ``reuse``), ``@B`` its
 ``offload_budget``. ``+hint`` passes each request's perfect ``rdmakv_keep``
 hint in ``kv_transfer_params`` (whether a later request continues it, what an
-application that knows its conversation goes on can say). ``+touch`` calls
-the manager's ``touch`` with the request's hit chunks: the tier's ``hot``
-rule needs it (a chunk the policy declined and used again while the CPU tier
-holds it is stored then), but vLLM 0.33's offloading scheduler never calls
-``touch``, so without ``+touch`` the run is what vLLM does today.
+application that knows its conversation goes on can say).
 
 Reported per configuration: ``hit_rate`` (hit chunks / looked-up chunks),
 ``remote_hit_rate`` (hit chunks promoted from the rdmakv tier, by vLLM's own
@@ -96,6 +96,7 @@ import numpy as np
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     LookupResult,
     OffloadKey,
+    OffloadPolicy,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
@@ -120,8 +121,7 @@ from rdmakv.replay.trace import TRACE_BLOCK_TOKENS, Trace, load_trace
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODES = (
-    "all,hot,hot+touch,reuse@0.25,reuse@0.25+touch,reuse@0.5,reuse@0.5+touch,"
-    "reuse@0.75,reuse@0.75+touch,reuse+hint"
+    "all,hot,reuse@0.25,reuse@0.5,reuse@0.75,reuse+hint"
 )
 DEFAULT_REQUESTS = 2000
 DEFAULT_CPU_SHARE = 0.05
@@ -149,39 +149,30 @@ class TierConfig:
 
     offload: str
     budget: float | None = None
-    touch: bool = False
     hint: bool = False
 
     @property
     def label(self) -> str:
         name = self.offload + (f"@{self.budget:g}" if self.budget is not None else "")
-        return name + ("+touch" if self.touch else "") + ("+hint" if self.hint else "")
-
-    @property
-    def connector_label(self) -> str:
-        """The connector replay this compares with (it always sees L1 hits: no +touch)."""
-        return self.offload + (f"@{self.budget:g}" if self.budget is not None else "") + (
-            "+hint" if self.hint else ""
-        )
+        return name + ("+hint" if self.hint else "")
 
 
-_MODE_RE = re.compile(r"^(all|hot|reuse)(?:@([0-9.]+))?((?:\+(?:touch|hint))*)$")
+_MODE_RE = re.compile(r"^(all|hot|reuse)(?:@([0-9.]+))?(\+hint)?$")
 
 
 def parse_modes(text: str) -> list[TierConfig]:
-    """``all,hot+touch,reuse@0.5,...`` -> configurations (a bad one is a one-line error)."""
+    """``all,hot,reuse@0.5+hint,...`` -> configurations (a bad one is a one-line error)."""
     out: list[TierConfig] = []
     for item in (s.strip() for s in text.split(",")):
         m = _MODE_RE.match(item)
         if not m:
             raise SystemExit(f"vllm_tier_trace: bad mode {item!r} "
-                             "(MODE[@BUDGET][+touch][+hint], MODE in all, hot, reuse)")
+                             "(MODE[@BUDGET][+hint], MODE in all, hot, reuse)")
         budget = float(m.group(2)) if m.group(2) else None
         if budget is not None and (m.group(1) != "reuse" or not 0.0 < budget <= 1.0):
             raise SystemExit(f"vllm_tier_trace: bad mode {item!r} (a budget in (0, 1], "
                              "for reuse only)")
-        extras = m.group(3)
-        out.append(TierConfig(m.group(1), budget, "+touch" in extras, "+hint" in extras))
+        out.append(TierConfig(m.group(1), budget, m.group(3) is not None))
     if not any(c.label == "all" for c in out):
         out.insert(0, TierConfig("all"))  # the reference every ratio is taken against
     return out
@@ -393,7 +384,7 @@ def _request(
     for i, key in enumerate(keys):  # the scheduler's update_offload_keys
         ctx.set_offload_key_position(key, (i + 1) * CHUNK_TOKENS)
     with m.lock:
-        m.on_new_request(ctx)
+        every_use = m.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL
     deadline = time.monotonic() + LOOKUP_DEADLINE_S
     while True:
         with m.lock:
@@ -405,16 +396,15 @@ def _request(
                 hits = _leading_hits(results)  # settled: every answer before the MISS
                 if hits:
                     _load(e, keys[:hits], ctx, counts, remote_source)
-                    if cfg.touch:
-                        m.touch(keys[:hits], ctx)
                 break
         e.step()
         time.sleep(STEP_PAUSE_S)
     counts.hits += hits
     computed = keys[hits:]
     counts.computed += len(computed)
-    for start in range(0, len(computed), STORE_STEP_CHUNKS):
-        piece = computed[start : start + STORE_STEP_CHUNKS]
+    offered = keys if every_use else computed  # request level: the hits too, from chunk 0
+    for start in range(0, len(offered), STORE_STEP_CHUNKS):
+        piece = offered[start : start + STORE_STEP_CHUNKS]
         with m.lock:
             out = m.prepare_store(piece, ctx)
             if out is None:
@@ -479,11 +469,11 @@ def replay(
     for cfg in configs:
         res = run_config(cfg, chunks, cpu_chunks, chunk, progress)
         if with_model:
-            if cfg.connector_label not in models:
+            if cfg.label not in models:
                 if trace_keys is None:
                     trace_keys = TraceKeys(trace)
-                models[cfg.connector_label] = connector_model(trace_keys, cfg, cpu_chunks)
-            res["connector"] = dict(models[cfg.connector_label])
+                models[cfg.label] = connector_model(trace_keys, cfg, cpu_chunks)
+            res["connector"] = dict(models[cfg.label])
         out[cfg.label] = res
         if progress is not None:
             progress(f"{cfg.label}: hit {res['hit_rate']:.1%} (remote "
@@ -520,19 +510,12 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     configs = r["configs"]
     for label, c in configs.items():
         x, y = c["bytes_vs_all"], 100 * c["hit_rate"]
-        touch = "+touch" in label
-        ax.scatter([x], [y], s=18, color="tab:orange" if touch else "tab:blue", zorder=3)
-        base = configs.get(label.replace("+touch", "")) if touch else None
-        near = base is not None and (
-            abs(base["bytes_vs_all"] - x) < 0.03 and abs(100 * base["hit_rate"] - y) < 1.0
-        )
-        if not near:  # a +touch point next to its mode's point goes unnamed
-            ax.annotate(label, (x, y), fontsize=7, textcoords="offset points", xytext=(6, 4))
-        if "connector" in c and not touch:
+        ax.scatter([x], [y], s=18, color="tab:blue", zorder=3)
+        ax.annotate(label, (x, y), fontsize=7, textcoords="offset points", xytext=(6, 4))
+        if "connector" in c:
             ax.scatter([c["connector"]["bytes_vs_all"]], [100 * c["connector"]["hit_rate"]],
                        s=90, facecolors="none", edgecolors="tab:green", zorder=2)
     ax.scatter([], [], s=18, color="tab:blue", label="vLLM tier (as vLLM 0.33 drives it)")
-    ax.scatter([], [], s=18, color="tab:orange", label="the same + touch of CPU hits (+touch)")
     ax.scatter([], [], s=90, facecolors="none", edgecolors="tab:green",
                label="rdmakv connector (model), same slice and L1")
     ax.set_xlabel("bytes sent to the node, vs all")
@@ -556,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="vLLM's CPU tier, as a share of the slice's distinct chunks")
     ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     ap.add_argument("--modes", default=DEFAULT_MODES,
-                    help="MODE[@BUDGET][+touch][+hint],... (MODE: all, hot, reuse)")
+                    help="MODE[@BUDGET][+hint],... (MODE: all, hot, reuse)")
     ap.add_argument("--no-model", action="store_true",
                     help="skip the connector model replay on the same slice")
     ap.add_argument("--out", type=Path, help="write vllm_tier_trace.json (and .png) here")

@@ -47,10 +47,16 @@ Threads and who owns what:
 Selective offload: rdmakv's offload policies (``reuse`` with its budget and
 the request's hint, ``hot``, ``all``; :mod:`rdmakv.l1.offload_policies`)
 decide which chunks of a store job are sent. The engine's CPU tier plays the
-L1: a chunk the policy declined is remembered (``reuse``'s ghost); if the
-engine stores it again (it was evicted from the CPU tier and recomputed) its
-reuse is proven; if the engine touches it while resident (:meth:`touch`), a
-``hot`` or ``reuse`` policy asks for it to be stored then (:meth:`take_hot`).
+L1, and a policy other than ``all`` needs to see each *use* of a chunk, not
+only its first store: with :attr:`ChunkTier.wants_every_use` the engine
+offers a request's chunks again when the request uses them (vLLM: the
+request-level offload policy cascades a request's CPU-tier hits to the tier
+too). A chunk offered for the first time goes to the policy as freshly
+computed; one the policy declined before and that is offered again has been
+used again (a hit while the CPU tier held it, or a recompute after it left),
+which ``reuse`` counts as proven reuse and ``hot`` stores; one already on
+the node (sent, or loaded from it) is not sent again (the tier remembers as
+many such chunks as the CPU tier holds).
 """
 
 from __future__ import annotations
@@ -110,6 +116,9 @@ class TierStats:
     stored_chunks: int = 0
     declined_chunks: int = 0
     hot_chunks: int = 0
+    """Declined chunks the policy sent when they were offered again (used again)."""
+    known_chunks: int = 0
+    """Chunks offered again that were sent already (no node call)."""
     failed_store_chunks: int = 0
     loaded_chunks: int = 0
     failed_load_chunks: int = 0
@@ -132,8 +141,7 @@ class _Job:
     """As the engine gave them (``rows`` once the I/O thread took the job)."""
     deadline: float
     plan: ChunkPlan | None = None
-    """Stores: what the offload policy weighs; None when ``forced``."""
-    forced: bool = False
+    """Stores: what the offload policy weighs (depth 0, no hint when None)."""
     rows: list[int] = field(default_factory=list)
     send: list[bool] = field(default_factory=list)
     """Stores: which chunks the policy picked (the others are reported ok, unsent)."""
@@ -174,14 +182,12 @@ class ChunkTier:
         self.policy = make_offload_policy(
             options.offload, capacity, budget=options.offload_budget
         )
-        self._policy_lock = threading.Lock()
-        """Guards the policy, ``_unsent`` and ``_hot``: the I/O thread offers a store's
-        chunks, the engine thread touches chunks and takes the hot ones. Held for CPU
-        work only, never across a node call."""
-        self._unsent: OrderedDict[bytes, tuple[int, bool | None]] = OrderedDict()
-        """Chunks the policy declined, with their depth and hint (bounded, oldest out)."""
-        self._unsent_limit = capacity
-        self._hot: list[bytes] = []
+        # The policy, _unsent and _sent belong to the I/O thread (no lock).
+        self._unsent: OrderedDict[bytes, None] = OrderedDict()
+        """Chunks the policy declined (bounded, oldest out)."""
+        self._sent: OrderedDict[bytes, None] = OrderedDict()
+        """Chunks sent, most recently offered last (bounded, oldest out)."""
+        self._memory = capacity
         self._owners: dict[str, set[bytes]] = {}
         self._refs: Counter[bytes] = Counter()
         self._lock = threading.Condition()
@@ -224,6 +230,11 @@ class ChunkTier:
             # lookups are control-only: one connection is enough
             streams=1 if slab is None and o.streams is None else o.streams,
         )
+
+    @property
+    def wants_every_use(self) -> bool:
+        """The policy needs each use of a chunk offered (every policy but ``all``)."""
+        return self.options.offload != OffloadMode.ALL.value
 
     @property
     def transport_name(self) -> str | None:
@@ -279,14 +290,13 @@ class ChunkTier:
         rows: Iterable[int],
         *,
         plan: ChunkPlan | None = None,
-        forced: bool = False,
     ) -> None:
-        """Queue a store of ``rows`` (one per name) under ``names``. When the I/O thread
-        takes the job, the offload policy picks which chunks are sent from ``plan``
-        (depth 0 and no hint when None), unless ``forced`` (already picked:
-        :meth:`take_hot`); a job with nothing to send then ends without a node call."""
+        """Queue a store of ``rows`` (one per name) under ``names``: chunks just
+        computed, or (:attr:`wants_every_use`) used again. When the I/O thread takes
+        the job, the offload policy picks which chunks are sent from ``plan`` (depth
+        0 and no hint when None); a job with nothing to send ends without a node call."""
         self._queue(_Job(job_id, False, list(names), rows, self._clock() + self.timeout,
-                         plan, forced))
+                         plan))
 
     def _pick(self, job: _Job) -> None:
         """I/O thread: the job's rows as ints and the policy's choice of chunks."""
@@ -296,46 +306,39 @@ class ChunkTier:
             raise ConfigError(f"{n} chunk names but {len(job.rows)} rows")
         if job.is_load:
             return
-        if job.forced:
-            job.send = [True] * n
-            return
         depths, keeps = job.plan() if job.plan is not None else ([0] * n, [None] * n)
-        with self._policy_lock:
-            job.send = [
-                self._offer(name, d, k)
-                for name, d, k in zip(job.names, depths, keeps, strict=True)
-            ]
-        self.stats.declined_chunks += job.send.count(False)
+        job.send = [
+            self._offer(name, d, k) for name, d, k in zip(job.names, depths, keeps, strict=True)
+        ]
 
     def _offer(self, name: bytes, depth: int, keep: bool | None) -> bool:
-        self._unsent.pop(name, None)
-        if self.policy.on_insert(name, depth, keep):
+        """Whether to send ``name`` now (the module docstring's rules)."""
+        if name in self._sent:
+            self._sent.move_to_end(name)
+            self.stats.known_chunks += 1
+            return False
+        if name in self._unsent:  # used again since the policy declined it
+            send = self.policy.on_hot(name, depth, keep)
+            self.stats.hot_chunks += send
+        else:
+            send = self.policy.on_insert(name, depth, keep)
+        if send:
+            self._unsent.pop(name, None)
+            self._remember(self._sent, name)
             return True
-        # Not sent: the policy may learn its reuse later (a ghost hit when the
-        # engine stores it again, or a hot touch while the CPU tier holds it).
-        self.policy.on_evict(name, depth, keep)
-        self._unsent[name] = (depth, keep)
-        if len(self._unsent) > self._unsent_limit:
-            self._unsent.popitem(last=False)
+        if name not in self._unsent:
+            # The policy's last look at it as fresh (``reuse`` keeps a ghost): a
+            # later offer is a use again.
+            self.policy.on_evict(name, depth, keep)
+        self._remember(self._unsent, name)
+        self.stats.declined_chunks += 1
         return False
 
-    def touch(self, names: Iterable[bytes]) -> None:
-        """The engine used these chunks again while its CPU tier held them: an unsent
-        one the policy now wants is queued for :meth:`take_hot`."""
-        with self._policy_lock:
-            for name in names:
-                declined = self._unsent.get(name)
-                if declined is not None and self.policy.on_hot(name, *declined):
-                    del self._unsent[name]
-                    self._hot.append(name)
-
-    def take_hot(self) -> list[bytes]:
-        """Unsent chunks the policy wants stored now (the engine pins them and
-        calls :meth:`store` with ``forced=True``)."""
-        with self._policy_lock:
-            hot, self._hot = self._hot, []
-        self.stats.hot_chunks += len(hot)
-        return hot
+    def _remember(self, names: OrderedDict[bytes, None], name: bytes) -> None:
+        names[name] = None
+        names.move_to_end(name)
+        if len(names) > self._memory:
+            names.popitem(last=False)
 
     def load(self, job_id: int, names: Sequence[bytes], rows: Iterable[int]) -> None:
         """Queue a load of ``names`` into ``rows`` (one per name); reported by
@@ -441,6 +444,9 @@ class ChunkTier:
             log.warning("rdmakv tier: load job %d of %d chunks failed: %s",
                         job.job_id, len(job.names), e)
             return [False] * len(job.names), 0
+        for name, got in zip(job.names, ok, strict=True):
+            if got:  # on the node already: offered again, it is not sent back
+                self._remember(self._sent, name)
         nbytes = sum(ok) * self.chunk_bytes
         self.stats.get_bytes += nbytes
         return list(ok), nbytes
@@ -463,6 +469,8 @@ class ChunkTier:
             stored = [False] * len(names)
         for i, s in zip(picked, stored, strict=True):
             ok[i] = s
+            if not s:  # offered again, it is sent again
+                self._sent.pop(job.names[i], None)
         nbytes = sum(stored) * self.chunk_bytes
         self.stats.put_bytes += nbytes
         return ok, nbytes

@@ -52,9 +52,14 @@ Selective offload: ``offload`` (``reuse``, the default, with
 ``offload_budget``; ``all``; ``hot``) picks which chunks of a cascade are
 sent, on rdmakv's I/O thread as it takes the store job, from the chunk's
 depth in its request (vLLM's recorded key position) and the request's
-``rdmakv_keep`` hint in ``kv_transfer_params``. A chunk declined then and touched again while vLLM's
-CPU tier still holds it (``touch``) is stored in ``serve_external_requests``
-through vLLM's ``ParentManager`` (which pins it), when the policy asks for it.
+``rdmakv_keep`` hint in ``kv_transfer_params``. ``reuse`` and ``hot`` need
+to see a chunk used again while vLLM's CPU tier holds it, which vLLM 0.33
+shows a tier only one way (its scheduler never calls ``touch``): under those
+policies the tier asks for vLLM's request-level offload policy
+(``on_new_request``), so vLLM also cascades each request's CPU-tier hits to
+the tier, pinned like any store job; a declined chunk offered that way is
+weighed again as used again, an already sent one is skipped without a node
+call (:class:`~rdmakv.connectors.chunk_tier.ChunkTier`).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
@@ -70,6 +75,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     LookupResult,
     Medium,
     OffloadKey,
+    OffloadPolicy,
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
@@ -77,7 +83,6 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found]
     JobResult,
-    ParentManager,
     SecondaryTierManager,
     TransferJob,
 )
@@ -112,8 +117,6 @@ NOT_FOR_TIER = {
     ),
 }
 """Options of rdmakv's connector that make no sense for the tier, and why."""
-HOT_REQ_PREFIX = "rdmakv-hot-"
-"""Request id of the ParentManager requests that store hot chunks (never a real request)."""
 
 
 def tier_options(raw: Mapping[str, Any]) -> StoreOptions:
@@ -188,7 +191,6 @@ class RdmakvTier(SecondaryTierManager):  # type: ignore[misc]
             options,
             label=str(offloading_spec.config.engine_id),
         )
-        self._hot_serial = 0
         log.info(
             "rdmakv tier %s: chunks of %d bytes to %s over %s (offload %s)",
             tier_type, self.block_size_bytes, options.node, self.core.transport_name,
@@ -203,7 +205,11 @@ class RdmakvTier(SecondaryTierManager):  # type: ignore[misc]
         return LookupResult.HIT if found else LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        # request level: vLLM offers the request's CPU-tier hits too (module docstring)
+        return RequestOffloadingContext(
+            policy=OffloadPolicy.REQUEST_LEVEL if self.core.wants_every_use
+            else OffloadPolicy.CHUNK_LEVEL
+        )
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.core.release_owner(req_context.req_id)
@@ -215,13 +221,9 @@ class RdmakvTier(SecondaryTierManager):  # type: ignore[misc]
     def submit_store(self, job_metadata: TransferJob) -> None:
         ctx = job_metadata.req_context
         keys = list(job_metadata.keys)
-        forced = ctx.req_id.startswith(HOT_REQ_PREFIX)
         self.core.store(
-            job_metadata.job_id,
-            keys,
-            job_metadata.chunk_ids,
-            plan=None if forced else functools.partial(self._plan, keys, ctx),
-            forced=forced,
+            job_metadata.job_id, keys, job_metadata.chunk_ids,
+            plan=functools.partial(self._plan, keys, ctx),
         )
 
     def _plan(
@@ -252,28 +254,6 @@ class RdmakvTier(SecondaryTierManager):  # type: ignore[misc]
 
     def drain_jobs(self) -> None:
         self.core.drain()
-
-    # -- selective offload: chunks proven hot while vLLM's CPU tier holds them ------------
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.core.touch(keys)
-
-    def serve_external_requests(self, parent: ParentManager) -> None:
-        """Store the chunks the offload policy found hot, pinned through ``parent``
-        (vLLM's call sequence for a tier's own requests: new request, lookup,
-        store job, finished)."""
-        hot = self.core.take_hot()
-        if not hot:
-            return
-        self._hot_serial += 1
-        ctx = ReqContext(req_id=f"{HOT_REQ_PREFIX}{self._hot_serial}")
-        parent.on_new_request(ctx)
-        try:
-            # only chunks vLLM's CPU tier still holds (a HIT there) can be read
-            ready = [k for k in hot if parent.lookup(k, ctx) is LookupResult.HIT]
-            if ready:
-                self.submit_store(parent.create_store_job(ready, ctx))
-        finally:
-            parent.on_request_finished(ctx)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -38,6 +38,7 @@ from chaos.wire_proxy import Direction, WireProxy
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
+    OffloadPolicy,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
@@ -443,26 +444,41 @@ def test_shutdown_with_jobs_in_flight_returns_and_stops_the_threads(
     assert b.tier.core.client is None and b.tier.core.slab.closed
 
 
+def use_again(e: Engine, keys: Sequence[OffloadKey]) -> None:
+    """A new request uses ``keys`` while vLLM's CPU tier holds them, as vLLM's scheduler
+    does: they are HITs, loaded from the CPU tier, and (request-level offload policy)
+    offered for storing from chunk 0, which cascades the hits to the tier."""
+    ctx = e.request()
+    assert e.lookup(keys, ctx) == [LookupResult.HIT] * len(keys)
+    e.read(keys, ctx)
+    with e.manager.lock:
+        out = e.manager.prepare_store(keys, ctx)
+        assert out is not None and not out.keys_to_store  # nothing new for the CPU tier
+        e.manager.on_request_finished(ctx)
+    e.settle()
+
+
 def test_selective_offload_hint_and_hot(node_factory: Any, engines: Any) -> None:
     node = node_factory()
     a = engines(node=node.endpoint)  # offload: reuse (default)
+    assert a.tier.on_new_request(a.request()).policy is OffloadPolicy.REQUEST_LEVEL
     once = chunk_keys("one-shot", 3)
     a.store(once, a.request(rdmakv_keep=False))
     assert a.tier.core.stats.declined_chunks == 3 and a.tier.core.stats.stored_chunks == 0
     assert node_has(node, a, once) == [False] * 3
     # the one-shot prefix is used again while vLLM's CPU tier holds it: stored then
-    ctx = a.request()
-    with a.manager.lock:
-        a.manager.touch(once, ctx)
-    a.settle()
+    use_again(a, once)
     assert a.tier.core.stats.hot_chunks == 3 and a.tier.core.stats.stored_chunks == 3
     assert node_has(node, a, once) == [True] * 3
+    # used once more: already on the node, nothing sent
+    use_again(a, once)
+    assert a.tier.core.stats.known_chunks == 3 and a.tier.core.stats.stored_chunks == 3
     h = engines(node=node.endpoint, offload="hot")
     cold = chunk_keys("hot-mode", 2)
     h.store(cold)
     assert node_has(node, h, cold) == [False, False]
-    ctx = h.request()
-    with h.manager.lock:
-        h.manager.touch(cold[:1], ctx)
-    h.settle()
+    use_again(h, cold[:1])
     assert node_has(node, h, cold) == [True, False]
+    # offload "all" stores every chunk once: vLLM need not offer the hits again
+    e = engines(node=node.endpoint, offload="all")
+    assert e.tier.on_new_request(e.request()).policy is OffloadPolicy.CHUNK_LEVEL
