@@ -22,8 +22,11 @@ schema default. Invariants of a loaded :class:`RdmakvConfig`:
 * any problem is ONE :class:`~rdmakv.errors.ConfigError` whose message names
   the file or variable, the dotted key, what was wrong and what is allowed.
 
-This module imports nothing else of rdmakv but :mod:`rdmakv.errors`: the CLI
-and the connectors import it, never the reverse.
+This module imports nothing else of rdmakv but :mod:`rdmakv.errors` and
+:mod:`rdmakv.defaults` (the defaults it shares with the node and the client,
+which import them from there too): the CLI and the connectors import it, never
+the reverse. :func:`load_config` alone also loads :mod:`rdmakv.native_core`
+(standard library only), to check the receive-spin variable.
 """
 
 from __future__ import annotations
@@ -41,11 +44,8 @@ import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from rdmakv import native_core
+from rdmakv import defaults
 from rdmakv.errors import ConfigError
-from rdmakv.node.admission import SessionLimits
-from rdmakv.node.store import DEFAULT_MAX_LEASES_PER_BLOCK
-from rdmakv.streams import MAX_STREAMS
 
 # -- sizes -----------------------------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class NodeConfig(_Section):
         description="`auto`: RDMA too when a usable device exists; TCP always serves",
     )
     lease_timeout_s: Seconds = Field(
-        default=30.0, description="seconds a client's read lease lasts"
+        default=defaults.DEFAULT_LEASE_TIMEOUT, description="seconds a client's read lease lasts"
     )
     token_file: str | None = Field(
         default=None, description="file holding the shared-secret token clients must send"
@@ -156,28 +156,28 @@ class NodeConfig(_Section):
     metrics_port: Port | None = Field(
         default=None, description="serve `/metrics`, `/healthz`, `/readyz` on this port (null: off)"
     )
-    # Connection and lease limits (docs/security.md); defaults from the node's classes.
+    # Connection and lease limits (docs/security.md).
     handshake_timeout_s: Seconds = Field(
-        default=SessionLimits.handshake_timeout_s,
+        default=defaults.HANDSHAKE_TIMEOUT_S,
         description="a connection must finish HELLO this long after it was accepted",
     )
     idle_timeout_s: Seconds = Field(
-        default=SessionLimits.idle_timeout_s,
+        default=defaults.IDLE_TIMEOUT_S,
         description="close an authenticated connection with no request for this long",
     )
     max_sessions: Count = Field(
-        default=SessionLimits.max_sessions, description="connections open at once, in all"
+        default=defaults.MAX_SESSIONS, description="connections open at once, in all"
     )
     max_sessions_per_source: Count = Field(
-        default=SessionLimits.max_sessions_per_source,
+        default=defaults.MAX_SESSIONS_PER_SOURCE,
         description="connections open at once from one IP address",
     )
     max_unauthenticated: Count = Field(
-        default=SessionLimits.max_unauthenticated,
+        default=defaults.MAX_UNAUTHENTICATED,
         description="connections still in their handshake, in all (the oldest are shed first)",
     )
     max_unauthenticated_per_source: Count = Field(
-        default=SessionLimits.max_unauthenticated_per_source,
+        default=defaults.MAX_UNAUTHENTICATED_PER_SOURCE,
         description="connections still in their handshake from one IP address",
     )
     lease_quota_bytes: Size | None = Field(
@@ -192,7 +192,7 @@ class NodeConfig(_Section):
         "without memory windows)",
     )
     max_leases_per_block: Count = Field(
-        default=DEFAULT_MAX_LEASES_PER_BLOCK,
+        default=defaults.DEFAULT_MAX_LEASES_PER_BLOCK,
         description="live read leases one connection may hold on one value",
     )
 
@@ -207,7 +207,7 @@ class ClientConfig(_Section):
     streams: int | None = Field(
         default=None,
         ge=1,
-        le=MAX_STREAMS,
+        le=defaults.MAX_STREAMS,
         description="connections to one node (unset: 2 over RDMA; over TCP 2 with 2 usable "
         "CPUs or more, else 1); a batch of >= 4 MiB is split across them when its values are "
         ">= 16 KiB over RDMA, a get's over TCP, or a put's over TCP with 4 usable CPUs or "
@@ -402,7 +402,12 @@ def load_config(
     file = Path(path) if path is not None else None
     data = _read_file(file) if file is not None else {}
     merged, sources, errors = _env_overrides(env, data)
-    spin = native_core.recv_spin_env_problem(env)  # not configuration, but checked here
+    # Not configuration, but every command and connector loads the configuration at start-up,
+    # so this is where a bad value can stop them. Its bound is rk_tcp.h's, known only by
+    # loading the native TCP core: imported here so that importing this module stays cheap.
+    from rdmakv import native_core
+
+    spin = native_core.recv_spin_env_problem(env)
     if spin:
         errors.append((f"environment variable {native_core.ENV_RECV_SPIN}", spin))
     try:

@@ -28,6 +28,11 @@ class InvalidHandle(SlabError):
     """A block handle that is out of range or no longer allocated."""
 
 
+class MissingExtra(RdmakvError, ImportError):
+    """A feature needs a package that one of rdmakv's extras installs, and it is
+    not installed (``pip install 'rdmakv[EXTRA]'``)."""
+
+
 class MemoryLockWarning(RuntimeWarning):
     """The slab could not be locked in RAM (memlock limit too small)."""
 

@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rdmakv import native_call
-from rdmakv.errors import ConfigError, InvalidHandle, MemoryLockWarning, SlabExhausted
+from rdmakv.errors import (
+    ConfigError,
+    InvalidHandle,
+    MemoryLockWarning,
+    MissingExtra,
+    SlabExhausted,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -356,7 +362,15 @@ class Slab:
 
     def torch(self, h: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Zero-copy CPU tensor aliasing block ``h`` (uint8 unless ``dtype``)."""
-        import torch  # heavy import: only when a tensor view is asked for
+        try:
+            import torch  # heavy import: only when a tensor view is asked for
+        except ModuleNotFoundError as e:
+            if e.name != "torch":  # torch is there but broken: its own error says more
+                raise
+            raise MissingExtra(
+                "Slab.torch needs torch, which is not installed: pip install 'rdmakv[torch]'",
+                name="torch",
+            ) from None
 
         t = torch.from_numpy(self.numpy(h))
         return t if dtype is None else t.view(dtype)

@@ -64,6 +64,7 @@ from itertools import pairwise
 from typing import Any, TypeVar
 
 from rdmakv.client import DEFAULT_TIMEOUT, KVClient, check_get, check_put
+from rdmakv.defaults import MAX_STREAMS
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.slab import Slab
 
@@ -94,9 +95,6 @@ STREAMS_RDMA = 2
 """Connections (queue pairs) per node by default over RDMA: in the soft-RoCE VM
 two moved 1.05-1.86x one's bytes at 16 KiB-1 MiB (two ``rdmakv bench`` runs,
 2026-11-27), where one queue pair stays at perftest's single-QP rate."""
-MAX_STREAMS = 16
-"""More connections than this per engine process and node only hoard node
-sessions (the node limits connections per address)."""
 MIN_SPLIT_VALUE_BYTES = 64 * 1024
 """A put's values this big at least are split over TCP with fewer than
 :data:`MANY_CPUS` usable CPUs: 1000 x 16 KiB over two connections put 3.2-3.4

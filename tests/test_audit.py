@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from rdmakv.client import KVClient
 from rdmakv.connectors.audit import audit_sampled, block_diff
@@ -46,6 +45,7 @@ def test_sampling_is_a_deterministic_share_of_request_ids() -> None:
 
 
 def test_block_diff_is_exact_or_relative_per_layer() -> None:
+    torch = pytest.importorskip("torch")
     a = torch.arange(2 * 16 * 4, dtype=torch.float32).view(2, 16, 4) + 1.0
     same = block_diff(a, a.clone())
     assert same.identical and same.max_rel == 0.0 and not same.mismatch(0.0)

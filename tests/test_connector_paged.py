@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rdmakv.connectors.paged import PagedFormat, PagedGroupCopier, PageSpec, detect_format
 from rdmakv.errors import ConfigError, InvalidHandle
 from rdmakv.slab import Slab
+
+# Engine KV caches are torch tensors (rdmakv[torch]; the dev extras install it).
+torch = pytest.importorskip("torch")
 
 N, H, D = 4, 2, 3  # tokens per block, heads, head size (small: many blocks per test)
 NUM_BLOCKS = 12

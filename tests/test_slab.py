@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from typing import Any
 
@@ -11,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmakv.errors import ConfigError, InvalidHandle, MemoryLockWarning, SlabExhausted
+from rdmakv.errors import (
+    ConfigError,
+    InvalidHandle,
+    MemoryLockWarning,
+    MissingExtra,
+    SlabExhausted,
+)
 from rdmakv.slab import Slab
 
 BS = 256
@@ -180,12 +187,37 @@ def test_views_alias_the_arena() -> None:
     s.view(h)[:3] = b"abc"
     assert bytes(s.numpy(h)[:3]) == b"abc"
     assert bytes(s.buffer[s.offset(h) : s.offset(h) + 3]) == b"abc"
-    t = s.torch(h)
-    assert t.numel() == BS and bytes(t[:3].numpy()) == b"abc"
     assert s.numpy(h, np.uint32).size == BS // 4
     assert s.addr(h) == s.base_addr + s.offset(h)
     s.close()
     assert s.closed
+
+
+def test_a_tensor_view_aliases_the_block() -> None:
+    pytest.importorskip("torch")
+    s = make_slab(4)
+    h = s.alloc()
+    s.view(h)[:3] = b"abc"
+    t = s.torch(h)
+    assert t.numel() == BS and bytes(t[:3].numpy()) == b"abc"
+    t[3] = 7
+    assert s.view(h)[3] == 7
+    s.close()
+
+
+def test_a_tensor_view_without_torch_names_the_extra_that_installs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # None in sys.modules is Python's own "this module cannot be imported".
+    monkeypatch.setitem(sys.modules, "torch", None)
+    s = make_slab(2)
+    h = s.alloc()
+    with pytest.raises(MissingExtra, match=r"^Slab.torch needs torch, .*'rdmakv\[torch\]'$"):
+        s.torch(h)
+    with pytest.raises(ImportError) as info:  # and callers that catch ImportError still do
+        s.torch(h)
+    assert info.value.name == "torch"
+    s.close()
 
 
 @settings(max_examples=200, deadline=None)

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from rdmakv import defaults
 from rdmakv.errors import ConfigError
 
 MIN_IDLE_TO_SHED_S = 1.0
@@ -65,12 +66,12 @@ SHED_TIMEOUT = "timeout"
 class SessionLimits:
     """The node's connection limits (config keys ``node.<field>``)."""
 
-    handshake_timeout_s: float = 5.0
-    idle_timeout_s: float = 300.0
-    max_sessions: int = 1024
-    max_sessions_per_source: int = 512
-    max_unauthenticated: int = 256
-    max_unauthenticated_per_source: int = 32
+    handshake_timeout_s: float = defaults.HANDSHAKE_TIMEOUT_S
+    idle_timeout_s: float = defaults.IDLE_TIMEOUT_S
+    max_sessions: int = defaults.MAX_SESSIONS
+    max_sessions_per_source: int = defaults.MAX_SESSIONS_PER_SOURCE
+    max_unauthenticated: int = defaults.MAX_UNAUTHENTICATED
+    max_unauthenticated_per_source: int = defaults.MAX_UNAUTHENTICATED_PER_SOURCE
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout_s", "idle_timeout_s"):

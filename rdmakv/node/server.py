@@ -29,12 +29,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rdmakv.defaults import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK
 from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
 from rdmakv.node.admission import Admission, SessionLimits
 from rdmakv.node.native_loop import Outcome, RequestLoop
-from rdmakv.node.store import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK, KVStore
+from rdmakv.node.store import KVStore
 from rdmakv.protocol import (
     BULK_REQUEST_OPCODES,
     COMMIT_FLAG_REQUIRE_WRITTEN,

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from rdmakv.defaults import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK
 from rdmakv.errors import ConfigError
 from rdmakv.node.index import NO_BLOCK, Index, IndexBase, Refcounts, Reserved
 from rdmakv.node.leases import Lease, LeaseTable
@@ -68,10 +69,6 @@ from rdmakv.transport.base import BadAddress, ExtentGuard, PinnedValues, Receivi
 
 log = logging.getLogger("rdmakv.node")
 
-DEFAULT_LEASE_TIMEOUT = 30.0
-DEFAULT_MAX_LEASES_PER_BLOCK = 4
-"""Live leases one session may hold on one block: a reader needs one (a few while
-requests overlap); hundreds are hoarding."""
 DEFAULT_LEASE_QUOTA_SHARE = 2
 """Default per-session lease quota: 1 / this of the pool ..."""
 LEASE_QUOTA_FLOOR = MAX_BULK_BYTES
