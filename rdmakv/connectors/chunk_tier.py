@@ -75,7 +75,7 @@ from rdmakv.connectors.store import StoreOptions
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.keys import KeyNamespace, NamedKeys
 from rdmakv.l1 import OffloadMode, make_offload_policy
-from rdmakv.metrics.tier import TierMetrics
+from rdmakv.metrics.tier import TierMetrics, TierStats
 from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 
@@ -105,26 +105,6 @@ class JobOutcome:
     @property
     def success(self) -> bool:
         return all(self.ok)
-
-
-@dataclass
-class TierStats:
-    """What the tier did (counted by its threads; read by metrics and tests)."""
-
-    lookup_keys: int = 0
-    lookup_found: int = 0
-    stored_chunks: int = 0
-    declined_chunks: int = 0
-    hot_chunks: int = 0
-    """Declined chunks the policy sent when they were offered again (used again)."""
-    known_chunks: int = 0
-    """Chunks offered again that were sent already (no node call)."""
-    failed_store_chunks: int = 0
-    loaded_chunks: int = 0
-    failed_load_chunks: int = 0
-    expired_jobs: int = 0
-    put_bytes: int = 0
-    get_bytes: int = 0
 
 
 ChunkPlan = Callable[[], tuple[Sequence[int], Sequence[bool | None]]]
@@ -230,6 +210,11 @@ class ChunkTier:
             # lookups are control-only: one connection is enough
             streams=1 if slab is None and o.streams is None else o.streams,
         )
+
+    @property
+    def expired_lookups(self) -> int:
+        """Lookups unanswered within the client timeout (read as absent)."""
+        return self.lookups.stats.expired if self.lookups is not None else 0
 
     @property
     def wants_every_use(self) -> bool:
@@ -526,4 +511,4 @@ class ChunkTier:
         }
 
 
-__all__ = ["DIGEST_PERSON", "TIER_OFFLOAD_MODES", "ChunkTier", "JobOutcome", "TierStats"]
+__all__ = ["DIGEST_PERSON", "TIER_OFFLOAD_MODES", "ChunkTier", "JobOutcome"]

@@ -30,8 +30,8 @@ each engine process its own port with :func:`start_http_server` (config key
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,8 +40,31 @@ from prometheus_client.registry import Collector
 from rdmakv.metrics.http import MetricsServer, Route
 
 if TYPE_CHECKING:
-    from rdmakv.connectors.audit import AuditLedger
     from rdmakv.manager import KVCacheManager
+
+
+class AuditCounts(Protocol):
+    checks: int
+    mismatches: int
+
+
+class Quarantine(Protocol):
+    @property
+    def reason(self) -> str | None: ...
+
+
+class AuditSource(Protocol):
+    """What the collector reads of the connector's audits
+    (:class:`~rdmakv.connectors.audit.AuditLedger`; a protocol, so metrics import
+    nothing of the connectors above them)."""
+
+    on_result: Callable[[float], None] | None
+
+    @property
+    def stats(self) -> AuditCounts: ...
+
+    @property
+    def guard(self) -> Quarantine: ...
 
 AUDIT_DIFF_BUCKETS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)
 """Relative KV diff of an audit: 0 is exact; bf16 rounding is ~4e-3."""
@@ -61,7 +84,7 @@ class ClientMetrics:
         self,
         managers: Sequence[KVCacheManager],
         registry: CollectorRegistry = REGISTRY,
-        audits: AuditLedger | None = None,
+        audits: AuditSource | None = None,
     ) -> None:
         self.registry = registry
         self._managers = list(managers)
@@ -109,7 +132,7 @@ def start_http_server(
 
 
 class _ClientCollector(Collector):
-    def __init__(self, managers: list[KVCacheManager], audits: AuditLedger | None) -> None:
+    def __init__(self, managers: list[KVCacheManager], audits: AuditSource | None) -> None:
         self._managers = managers
         self._audits = audits
 

@@ -1,15 +1,17 @@
 """TierMetrics: the metrics of rdmakv's secondary tiers in this process, read at scrape time.
 
 Each tier (:class:`~rdmakv.connectors.chunk_tier.ChunkTier`) already counts
-what it did (:class:`~rdmakv.connectors.chunk_tier.TierStats`); one collector,
+what it did (:class:`TierStats`, defined here so that this module needs
+nothing of the tier's: no import circle); one collector,
 registered once in the process registry, reads every live tier when
 scraped, so the scheduler thread pays nothing. Several tiers in one process
 (several engines) are told apart by the ``tier`` label (vLLM's engine id).
 
 Names:
 
-* ``rdmakv_tier_chunks_total{tier,op="store|load",outcome="ok|failed|declined|hot"}``
-  (``declined``: the offload policy did not send it; ``hot``: sent later, on reuse);
+* ``rdmakv_tier_chunks_total{tier,op="store|load",outcome="ok|failed|declined|hot|known"}``
+  (``declined``: the offload policy did not send it; ``hot``: sent later, on reuse;
+  ``known``: offered again while on the node, not sent);
 * ``rdmakv_tier_bytes_total{tier,direction="put|get"}``;
 * ``rdmakv_tier_lookup_keys_total{tier,answer="found|absent"}`` (answered by a node;
   questions that expired are in ``rdmakv_tier_lookups_expired_total``);
@@ -25,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -35,10 +38,37 @@ from rdmakv.errors import ConfigError
 from rdmakv.metrics.client import start_http_server
 from rdmakv.metrics.http import MetricsServer
 
-if TYPE_CHECKING:
-    from rdmakv.connectors.chunk_tier import ChunkTier
-
 log = logging.getLogger("rdmakv.metrics.tier")
+
+
+@dataclass
+class TierStats:
+    """What the tier did (counted by its threads; read by metrics and tests)."""
+
+    lookup_keys: int = 0
+    lookup_found: int = 0
+    stored_chunks: int = 0
+    declined_chunks: int = 0
+    hot_chunks: int = 0
+    """Declined chunks the policy sent when they were offered again (used again)."""
+    known_chunks: int = 0
+    """Chunks offered again that were sent already (no node call)."""
+    failed_store_chunks: int = 0
+    loaded_chunks: int = 0
+    failed_load_chunks: int = 0
+    expired_jobs: int = 0
+    put_bytes: int = 0
+    get_bytes: int = 0
+
+
+class CountedTier(Protocol):
+    """What the collector reads of a tier (:class:`~rdmakv.connectors.chunk_tier.ChunkTier`)."""
+
+    @property
+    def stats(self) -> TierStats: ...
+
+    @property
+    def expired_lookups(self) -> int: ...
 
 
 class TierMetrics(Collector):
@@ -49,11 +79,11 @@ class TierMetrics(Collector):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tiers: dict[str, ChunkTier] = {}
+        self._tiers: dict[str, CountedTier] = {}
         self._servers: dict[str, MetricsServer] = {}
 
     @classmethod
-    def attach(cls, label: str, tier: ChunkTier, port: int | None) -> TierMetrics:
+    def attach(cls, label: str, tier: CountedTier, port: int | None) -> TierMetrics:
         """Count ``tier`` under ``label`` (made unique in the process); serve the
         process registry on ``port`` too when given (a taken port is logged)."""
         with cls._instance_lock:
@@ -77,7 +107,7 @@ class TierMetrics(Collector):
                     me._servers[name] = server
         return me
 
-    def detach(self, tier: ChunkTier) -> None:
+    def detach(self, tier: CountedTier) -> None:
         """Stop counting ``tier`` (and stop its metrics server, if it started one)."""
         with self._lock:
             names = [k for k, t in self._tiers.items() if t is tier]
@@ -119,6 +149,7 @@ class TierMetrics(Collector):
                 ("store", "failed", s.failed_store_chunks),
                 ("store", "declined", s.declined_chunks),
                 ("store", "hot", s.hot_chunks),
+                ("store", "known", s.known_chunks),
                 ("load", "ok", s.loaded_chunks),
                 ("load", "failed", s.failed_load_chunks),
             ):
@@ -127,10 +158,9 @@ class TierMetrics(Collector):
             moved.add_metric([name, "get"], s.get_bytes)
             keys.add_metric([name, "found"], s.lookup_found)
             keys.add_metric([name, "absent"], s.lookup_keys - s.lookup_found)
-            lookups = t.lookups
-            expired_lookups.add_metric([name], lookups.stats.expired if lookups else 0)
+            expired_lookups.add_metric([name], t.expired_lookups)
             expired_jobs.add_metric([name], s.expired_jobs)
         yield from (chunks, moved, keys, expired_lookups, expired_jobs)
 
 
-__all__ = ["TierMetrics"]
+__all__ = ["CountedTier", "TierMetrics", "TierStats"]
