@@ -190,9 +190,6 @@ class Op(IntEnum):
 BULK_REQUEST_OPCODES = frozenset({Op.WRITE, Op.PUT})
 """The only requests that carry bulk; a node refuses bulk on any other (and skips it)."""
 
-RESERVED_RDMA_OPCODES = range(32, 48)
-"""Opcodes a node data path (RDMA) may claim without changing this module."""
-
 
 class Status(IntEnum):
     OK = 0
@@ -1710,10 +1707,6 @@ class Channel:
         reply = Reply(opcode, self.next_req_id(), what or f"opcode {opcode}", on_ok)
         self._queue.append(reply)
         return reply, HEADER.pack(opcode, flags, 0, payload_len, bulk_len, reply.req_id)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._queue)
 
     def _read_response(self, opcode: int, req_id: int, what: str) -> tuple[Header, bytearray]:
         """The next response's header and payload, which must answer request
