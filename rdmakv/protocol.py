@@ -208,6 +208,12 @@ class Status(IntEnum):
 FATAL_STATUSES = frozenset(
     {Status.BAD_VERSION, Status.AUTH_FAILED, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE}
 )
+"""Error statuses after which the node closes the connection (it answers
+first): the stream can no longer be trusted, or the client may not go on.
+Any error answer to a HELLO closes it too, whatever its status: a session
+starts only with a good handshake. A client reads these as ProtocolError or
+AuthError (:func:`raise_for_status`), every other error status as a
+RemoteError."""
 
 
 class AllocStatus(IntEnum):
@@ -1287,7 +1293,7 @@ def raise_for_status(hdr: Header, payload: Buffer, what: str) -> None:
         raise AuthError(text)
     if hdr.status == Status.UNKNOWN_OPCODE:
         raise UnknownOpcode(text)
-    if hdr.status in (Status.BAD_VERSION, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE):
+    if hdr.status in FATAL_STATUSES:
         raise ProtocolError(text)
     raise RemoteError(text)
 

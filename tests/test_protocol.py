@@ -14,12 +14,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rdmakv.errors import AuthError, ProtocolError, RemoteError
+from rdmakv.errors import AuthError, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
     ALLOC_ITEM,
     DIGEST_LEN,
     EXTENT,
     EXTENT_DTYPE,
+    FATAL_STATUSES,
     HEADER,
     LOOKUP_ENTRY,
     LOOKUP_ENTRY_DTYPE,
@@ -275,6 +276,17 @@ def test_status_maps_to_exceptions() -> None:
     with pytest.raises(RemoteError, match="BAD_ADDRESS: outside"):
         raise_for_status(hdr(Status.BAD_ADDRESS), b"outside", "WRITE")
     raise_for_status(hdr(Status.OK), b"", "x")
+    # a status after which the node closes the connection reads as the stream's
+    # end (ProtocolError, AuthError); any other as the node's refusal
+    for status in set(Status) - {Status.OK}:
+        with pytest.raises(RdmakvError) as e:
+            raise_for_status(hdr(status), b"why", "x")
+        if status == Status.AUTH_FAILED:
+            assert isinstance(e.value, AuthError)
+        elif status in FATAL_STATUSES:
+            assert isinstance(e.value, ProtocolError)
+        else:
+            assert isinstance(e.value, RemoteError) and not isinstance(e.value, ProtocolError)
 
 
 def test_scatter_gather_moves_bytes_between_many_buffers() -> None:
