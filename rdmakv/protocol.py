@@ -115,6 +115,7 @@ import xxhash
 from rdmakv import native_call
 from rdmakv.errors import (
     AuthError,
+    ConfigError,
     ConnectionLost,
     ProtocolError,
     RdmakvError,
@@ -415,19 +416,56 @@ class LimitExceeded(ProtocolError):
     """A count or length in a frame is above a named protocol limit."""
 
 
-def check_key(key: bytes) -> None:
-    if not isinstance(key, bytes | bytearray):
-        raise ProtocolError(f"keys must be bytes, got {type(key).__name__}")
-    if not (1 <= len(key) <= MAX_KEY_LEN):
-        raise ProtocolError(f"key length {len(key)} outside [1, {MAX_KEY_LEN}]")
+# -- the one key check and the one digest check ---------------------------------------
+# What a caller may hand over as a key or a digest is what the wire carries:
+# the encoders, the clients, the L1 cache and the key chain all check with these.
 
 
-def check_digest(digest: bytes) -> None:
-    if not isinstance(digest, bytes | bytearray) or len(digest) != DIGEST_LEN:
-        raise ProtocolError(
-            f"digest must be {DIGEST_LEN} bytes, got {type(digest).__name__} of "
-            f"length {len(digest) if isinstance(digest, bytes | bytearray) else '?'}"
-        )
+def check_key(key: object, what: str = "key", *, length: int | None = None) -> bytes:
+    """``key`` as ``bytes`` if the wire carries it: ``bytes`` or ``bytearray``
+    of 1..:data:`MAX_KEY_LEN` bytes, and exactly ``length`` bytes where the
+    caller's keys have one size (block keys); else :class:`ConfigError`
+    naming ``what`` and what it got."""
+    if isinstance(key, bytes | bytearray) and 1 <= len(key) <= MAX_KEY_LEN and (
+        length is None or len(key) == length
+    ):
+        return bytes(key)
+    size = f"1..{MAX_KEY_LEN}" if length is None else str(length)
+    raise ConfigError(f"{what} must be {size} bytes, got {_shown(key)}")
+
+
+def check_digest(digest: object, what: str = "digest") -> bytes:
+    """``digest`` as ``bytes`` if it is :data:`DIGEST_LEN` bytes (``bytes`` or
+    ``bytearray``); else :class:`ConfigError` naming ``what`` and what it got."""
+    if isinstance(digest, bytes | bytearray) and len(digest) == DIGEST_LEN:
+        return bytes(digest)
+    raise ConfigError(f"{what} must be {DIGEST_LEN} bytes, got {_shown(digest)}")
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """:func:`check_key` of every key; the error names the first bad one's position."""
+    # C-level passes first: batches hold thousands of keys, all valid as a rule
+    if set(map(type, keys)) <= {bytes} and all(
+        1 <= n <= MAX_KEY_LEN for n in set(map(len, keys))  # usually one length
+    ):
+        return
+    for i, k in enumerate(keys):
+        check_key(k, f"key #{i}")
+
+
+def check_digests(digests: Sequence[bytes]) -> None:
+    """:func:`check_digest` of every digest; the error names the first bad one's position."""
+    if set(map(type, digests)) <= {bytes} and set(map(len, digests)) <= {DIGEST_LEN}:
+        return
+    for i, d in enumerate(digests):
+        check_digest(d, f"digest #{i}")
+
+
+def _shown(value: object) -> str:
+    """What a bad key or digest was, for its error: a length, or a type and value."""
+    if isinstance(value, bytes | bytearray):
+        return f"{len(value)} bytes"
+    return f"{type(value).__name__} {value!r:.40}"
 
 
 def _uniform_len(items: Sequence[bytes], lo: int, hi: int) -> int | None:
@@ -630,8 +668,7 @@ def _encode_alloc_per_key(
         if type(k) is not bytes or not 0 < n <= MAX_KEY_LEN:
             check_key(k)
         if type(d) is not bytes or len(d) != DIGEST_LEN:
-            check_digest(d)  # raises unless a bytearray of the right length
-            d = bytes(d)
+            d = check_digest(d)  # raises unless a bytearray of the right length
         parts.append(pack_len(n))
         parts.append(k)
         parts.append(pack_item(size, d))
