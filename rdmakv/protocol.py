@@ -681,12 +681,11 @@ class BatchEncoder:
     :func:`encode_keys` return for ``keys[start:end]`` (and the same slices
     of ``digests`` and ``sizes``), byte for byte.
 
-    Why: a call is sent as several sub-batches, and each encoder checks its
-    keys and digests again (C-level passes, ~30 ns a key each) and joins them
-    again. For a 1000-key put in four sub-batches the per-request encoders
-    took ~0.3 ms of the client's CPU, this ~0.2 ms (timeit, 2-core VM), on a
-    host where the client's CPU is what a 16 KiB put waits for. Here the
-    checks run once per call.
+    Why: a call is sent as several sub-batches, and each per-request encoder
+    would check its keys and digests again and join them again, on the
+    client's CPU, which is what a small put waits for on a busy host. Here
+    the checks run once per call (measured: bench/README.md, "Measurements
+    moved from code comments (issue 58)").
 
     Invariants: the records are laid out (once, for the whole call, per kind
     on first use) only when every key is ``bytes`` of one length in
@@ -1354,8 +1353,8 @@ def _advance(bufs: list[memoryview], i: int, done: int) -> int:
 SMALL_FRAME_BYTES = 8192
 """A frame without bulk whose payload is at most this size goes out as one
 joined ``bytes`` in one ``os.write``: the copy costs less than a gather list's
-Python (a 100-byte EXISTS frame 1.6 us against 3.8 through :func:`send_views`,
-syscall included)."""
+Python through :func:`send_views` (measured: bench/README.md, "Measurements
+moved from code comments (issue 58)")."""
 
 
 def send_frame(
@@ -1802,11 +1801,12 @@ class Channel:
         """One request/response round trip for a control op (no bulk)."""
         if not self._idle:  # earlier answers are read first, in order
             return self.wait(self.submit(opcode, payload, what, flags=flags))
-        # An idle channel, as for a lookup a scheduler waits for (~30 us on the
-        # 2-core VM): no Reply queued, and a wait for the answer's first bytes
-        # at once (poll, then one read), not through a read that fails first
-        # (BlockingIOError, ~1.2 us): nothing else is on its way, and the answer
-        # is hardly ever in yet.
+        # An idle channel, as for a lookup a scheduler waits for: no Reply
+        # queued, and a wait for the answer's first bytes at once (poll, then
+        # one read), not through a read that fails first (BlockingIOError, a
+        # cost of its own): nothing else is on its way, and the answer is
+        # hardly ever in yet (bench/README.md, "Measurements moved from code
+        # comments (issue 58)").
         what = what or f"opcode {opcode}"
         req_id = self.next_req_id()
         send_frame(self.sock, HEADER.pack(opcode, flags, 0, len(payload), 0, req_id), payload)
