@@ -17,34 +17,23 @@
 
 #define RK_TCP_IOV_MAX 1024
 /* Bytes per system call at most (a longer range moves in pieces). Not the
- * fewest calls: over loopback, an unhashed send of 16 MiB of 16 KiB blocks
- * ran at 3.3-3.9 GB/s median as whole lists of 1024 ranges per call and at
- * 4.7-6.0 in 512 KiB windows (15 runs each, three sessions), since each
- * call's bytes are still in the CPU cache when the kernel copies them on.
- * When hashing, a range is hashed and moved within one window for the same
- * reason. */
+ * fewest calls: in windows of this size each call's bytes are still in the
+ * CPU cache when the kernel copies them on, which moved more over loopback
+ * than whole lists of RK_TCP_IOV_MAX ranges per call. When hashing, a range
+ * is hashed and moved within one window for the same reason.
+ * The measurements behind this and the plans and spinning below are in
+ * bench/README.md, section "Measurements moved from code comments (issue 58)". */
 #define RK_TCP_WINDOW 524288
 /* The plan of a send that hashes as it goes (rk_tcp_sendv_hashed): how many
  * bytes each sendmsg moves, and whether the hash reads each window before
  * sendmsg copies it (ahead) or right after. Either way one of the two reads
  * takes the bytes from memory and the other finds them in the CPU cache;
  * which order and which size cost the sending thread least depends on the
- * CPU, so the loop measures them.
- * - On a 2-core Intel Xeon VM (AVX-512) 512 KiB windows had left the cache by
- *   the time the hash read them (XXH3 at 22 GB/s, against 31-35 in 128 KiB
- *   windows): 256 KiB blocks to the bench's socket loop moved at 4.10-4.18
- *   GB/s median in 512 KiB windows, 4.59-4.64 in 128 KiB ones. There,
- *   hashing each window after its sendmsg rather than before took a plain
- *   hashed sender (1000 x 16 KiB) from 0.72-0.79x the socket loop to
- *   0.91-1.00x (2026-11-26).
- * - On a 2-core AMD EPYC VM hashing after, the four times as many sendmsg
- *   calls were what cost: the same send, 40 rounds, 3.88-4.17 GB/s median in
- *   128 KiB windows, 4.75-5.24 in 512 KiB ones (unhashed: 4.75 against 6.92).
- *   And there the order goes the other way (2026-11-28): a 1000 x 16 KiB put
- *   on a warm connection took 2.46-2.59 ms (median) hashed ahead in 512 KiB
- *   windows, against 3.05-3.42 hashed after (128 KiB: 2.99-3.06 ahead,
- *   3.43-3.76 after). The kernel's copy from memory cost more than the
- *   hash's read from memory and the copy from the cache together.
+ * CPU, so the loop measures them. On one CPU 512 KiB windows left the cache
+ * before the hash read them, and small windows hashed after their sendmsg
+ * cost least; on another the kernel's copy from memory cost more than the
+ * hash's read from memory and the copy from the cache together, and large
+ * windows hashed ahead cost least.
  * So the first hashed sends of a process on a non-blocking socket take the
  * RK_TCP_SEND_PLANS plans (each window size, each order) in turn, and time
  * each window's sendmsg and hash on the thread's CPU clock (waits for room
@@ -63,14 +52,11 @@
  * clean one after so many) measures a plan, each in turn, the chosen one
  * too, so that all are timed over the same stretch; each time every plan
  * has its samples again the choice is made anew. A choice made on one kind
- * of batch or in a noisy moment does not stay for good (a bench whose
- * 16 KiB puts, where the sizes differ little, came first once kept 128 KiB
- * for its 256 KiB and 1 MiB puts too), and the other plans move about 2% of
- * the windows, spread thinly: re-measuring in bursts instead (all plans in
- * turn for 96 windows every 2048) caught one put in several mid-burst, and
- * the bench's 64 KiB put drew medians of 5.3-6.2 GB/s where a fixed plan drew
- * 7.7. Spread, a warm 16 KiB put took 2.34-2.35 ms (median) against 2.33-2.42
- * with the plan fixed at the one it chose.
+ * of batch or in a noisy moment does not stay for good (one made on small
+ * puts, where the sizes differ little, would otherwise hold for large ones
+ * too), and the other plans move about 2% of the windows, spread thinly:
+ * re-measuring in bursts instead caught puts mid-burst and slowed them, while
+ * spread samples cost a put no more than a plan fixed at the one chosen.
  * A send that does not hash, and a receive (which hashes the bytes it has
  * just written, still in cache), keep RK_TCP_WINDOW: unhashed, 128 KiB
  * windows were slower. */
@@ -94,17 +80,14 @@
  * without sleeping, for up to rk_tcp_recv_spin_us() microseconds (and never
  * past its deadline), and only then sleeps in poll(). A sleeping receiver
  * must be woken by the sender's every segment, and in a VM the sender's
- * thread pays for each wake-up (an inter-processor interrupt): over loopback
- * on the 2-core AMD EPYC VM (2026-11-28) the wake-ups cost the sender of a
- * 1000 x 16 KiB put ~7% of its CPU (sock_def_readable). With the node's
- * receives spinning for up to 100 us first, that put on a warm connection
- * took 2.94-3.02 ms against 3.24-3.26 (medians), and `rdmakv bench` put
- * 5.31-5.78 GB/s against 4.59-5.06 (best of 5; 50 to 400 us did the same).
+ * thread pays for each wake-up (an inter-processor interrupt); a receiver
+ * that spins first spares the sender most of them, and puts over loopback
+ * got faster (spins of 50 to 400 us did the same as the default's 100).
  * A receive spins only while this process has fewer receives in flight than
  * it may use CPUs (sched_getaffinity), so that a CPU stays free for the
- * sender, or for its other threads: on that host two connections' receives
- * spinning at once took the CPU their senders needed (a 2-stream 256 KiB put
- * fell from 8.5 to 7.0-7.8 GB/s), and with the rule they sleep as before.
+ * sender, or for its other threads: two connections' receives spinning at
+ * once on 2 CPUs took the CPU their senders needed, and with the rule they
+ * sleep as before.
  * A signal that arrives while a receive spins is seen when the next sleeping
  * wait is interrupted, as one that arrives while bytes move: the call returns
  * RK_TCP_EINTR only from a sleeping wait. */
@@ -163,8 +146,8 @@ typedef struct {
  * hashed, so it holds their final values. As a rule those ranges went out in
  * earlier system calls; when they and it fit one window, they are hashed just
  * before that window's sendmsg and it goes out with them (a small put's
- * frames then leave in one segment, and the node reads them in one wake-up:
- * over loopback on the 2-core bench host a 1-block put sent in two). */
+ * frames then leave in one segment, and the node reads them in one wake-up,
+ * not two). */
 int rk_tcp_sendv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, int timeout_ms,
                         const rk_hasher *hasher, uint64_t *hashes, uint64_t *hashed,
                         uint64_t *done, int *err);
@@ -204,10 +187,9 @@ void rk_tcp_copy_in(const uint64_t *iov, size_t n, const void *src, uint64_t len
  * documented in rdmakv/protocol.py): m little-endian u32 value lengths (0:
  * the key missed), then m little-endian u64 checksums, at any alignment.
  * Key j's value goes to the slab block at base + slots[j] * block. Numpy
- * did this per answer in a dozen calls: a quarter of a 1-block get's client
- * CPU (147 -> 107 us with these, client and node on one CPU of the 2-core
- * bench host) and ~40 us per 250-key answer (a 1000 x 16 KiB get's client
- * CPU 3.91 -> 3.75 ms). These are one call each side of the receive.
+ * did this per answer in a dozen calls, a large share of a small get's
+ * client CPU; these are one call each side of the receive (measured:
+ * bench/README.md, "Measurements moved from code comments (issue 58)").
  *
  * rk_tcp_get_answer_layout: iov[i] = (address, length) of the i-th hit in key
  * order, hit[i] its key. Returns the number of hits; *total: their bytes.

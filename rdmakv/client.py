@@ -61,10 +61,8 @@ from rdmakv.errors import (
 )
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
-    DIGEST_LEN,
     LOOKUP_FLAG_LEASE,
     MAX_BULK_BYTES,
-    MAX_KEY_LEN,
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
@@ -75,6 +73,8 @@ from rdmakv.protocol import (
     NodeInfo,
     Op,
     Reply,
+    check_digests,
+    check_keys,
     decode_extent_table,
     decode_flags,
     decode_json,
@@ -861,27 +861,6 @@ def same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:
     for name, seq in others.items():
         if len(seq) != len(keys):
             raise ConfigError(f"{len(keys)} keys but {len(seq)} {name}")
-
-
-def check_keys(keys: Sequence[bytes]) -> None:
-    """ConfigError naming the first key that is not 1..MAX_KEY_LEN bytes."""
-    # C-level passes first: batches hold thousands of keys, all valid as a rule
-    if set(map(type, keys)) <= {bytes} and all(
-        1 <= n <= MAX_KEY_LEN for n in set(map(len, keys))  # usually one length
-    ):
-        return
-    for i, k in enumerate(keys):
-        if not isinstance(k, bytes | bytearray) or not (1 <= len(k) <= MAX_KEY_LEN):
-            raise ConfigError(f"key #{i} must be 1..{MAX_KEY_LEN} bytes, got {k!r:.60}")
-
-
-def check_digests(digests: Sequence[bytes]) -> None:
-    """ConfigError naming the first digest that is not DIGEST_LEN bytes."""
-    if set(map(type, digests)) <= {bytes} and set(map(len, digests)) <= {DIGEST_LEN}:
-        return
-    for i, d in enumerate(digests):
-        if not isinstance(d, bytes | bytearray) or len(d) != DIGEST_LEN:
-            raise ConfigError(f"digest #{i} must be {DIGEST_LEN} bytes, got {d!r:.40}")
 
 
 def sub_batch_sizes(n: int, max_keys: int, *, ramp: bool = True) -> list[int]:

@@ -16,6 +16,11 @@ class ConfigError(RdmakvError, ValueError):
     """A caller passed an invalid argument or configuration value."""
 
 
+class UnsupportedTransport(ConfigError):
+    """The transport asked for is unknown, cannot load on this host, or the
+    peer does not offer it (a node answers it with ``Status.UNSUPPORTED``)."""
+
+
 class SlabError(RdmakvError):
     """Misuse of the L1 slab (bad handle, double free, ...)."""
 

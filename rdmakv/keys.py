@@ -45,12 +45,12 @@ import numpy as np
 import xxhash
 
 from rdmakv.errors import ConfigError
+from rdmakv.protocol import DIGEST_LEN, check_key
 
 BlockKey = bytes
 """A block key: exactly :data:`KEY_BYTES` bytes."""
 
 KEY_BYTES = 16
-DIGEST_BYTES = 16
 
 TOKEN_DTYPE = np.dtype("<i4")
 """Tokens are hashed as little-endian int32: every real vocabulary fits."""
@@ -63,7 +63,7 @@ _NAMESPACE_PERSON = b"rdmakv.ns.v1"
 _DIGEST_PERSON = b"rdmakv.digest.v1"
 # Copying a personalised BLAKE2b state is ~40% cheaper per block than
 # constructing one with keyword arguments. Copy is safe across threads.
-_DIGEST_BASE = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_DIGEST_PERSON)
+_DIGEST_BASE = hashlib.blake2b(digest_size=DIGEST_LEN, person=_DIGEST_PERSON)
 _PERSON_BYTES = 16  # BLAKE2b's personalisation field
 
 _LEN = struct.Struct("<I")
@@ -82,7 +82,7 @@ xxh3_key_hash: KeyHash = xxhash.xxh3_128_digest
 
 
 def _blake2b_16(data: bytes | memoryview, person: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=person).digest()
+    return hashlib.blake2b(data, digest_size=DIGEST_LEN, person=person).digest()
 
 
 def _lp(data: bytes) -> bytes:
@@ -198,8 +198,18 @@ def _digest_tail(extra: bytes | None) -> bytes:
     return _NO_EXTRA_DIGEST_TAIL if e is None else e + _LEN.pack(len(e))
 
 
-def _check_parent(parent: object) -> None:
-    check_key(parent, "parent key")
+def _check_parent(parent: object) -> BlockKey:
+    return check_key(parent, "parent key", length=KEY_BYTES)
+
+
+def _checked_hash(key_hash: KeyHash) -> KeyHash:
+    """``key_hash`` whose every output is checked to be a :data:`BlockKey`: a
+    chain's parents must be of one size for its messages to stay unambiguous."""
+
+    def checked(message: bytes) -> BlockKey:
+        return check_key(key_hash(message), "key hash output", length=KEY_BYTES)
+
+    return checked
 
 
 def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -252,7 +262,8 @@ class BlockKeyer:
         self.namespace = namespace
         self.block_size = block_size
         self._root = namespace.seed()
-        self._hash: KeyHash = key_hash if key_hash is not None else xxh3_key_hash
+        # XXH3 always gives KEY_BYTES, and its hot loops pay for no check.
+        self._hash: KeyHash = xxh3_key_hash if key_hash is None else _checked_hash(key_hash)
         self._step = block_size * TOKEN_DTYPE.itemsize
         self._splitter = struct.Struct(f"{self._step}s")
 
@@ -277,8 +288,7 @@ class BlockKeyer:
         earlier call to continue a chain incrementally (keys of the new blocks
         only -- identical to recomputing from the start).
         """
-        p = self._root if parent is None else parent
-        _check_parent(p)
+        p = self._root if parent is None else _check_parent(parent)
         tail = _key_tail(extra)
         blocks = self._block_bytes(tokens)
         h = self._hash
@@ -289,9 +299,6 @@ class BlockKeyer:
             out = [(p := h(p + c + tail)) for (c,) in blocks]
         else:
             out = [(p := h(p + c)) for (c,) in blocks]
-        if self._hash is not xxh3_key_hash:
-            for k in out:
-                check_key(k, "key hash output")
         return out
 
     def _block_bytes(self, tokens: Sequence[int] | np.ndarray[Any, Any]) -> Iterator[tuple[bytes]]:
@@ -326,7 +333,7 @@ class BlockKeyer:
         so a key collision does not imply a digest collision. Pass the same
         ``extra`` that produced the key (``chain`` does).
         """
-        _check_parent(parent)
+        parent = _check_parent(parent)
         arr = as_token_array(block_tokens)
         if len(arr) != self.block_size:
             raise ConfigError(f"a block has {self.block_size} tokens, digest() got {len(arr)}")
@@ -345,8 +352,7 @@ class BlockKeyer:
         parent: BlockKey | None = None,
     ) -> list[tuple[BlockKey, BlockKey, bytes]]:
         """``(parent, key, digest)`` for every full block: what a put or a verified get needs."""
-        p = self._root if parent is None else parent
-        _check_parent(p)
+        p = self._root if parent is None else _check_parent(parent)
         ktail = _key_tail(extra)
         dtail = _digest_tail(extra)
         h = self._hash
@@ -361,9 +367,6 @@ class BlockKeyer:
             d = hd.digest()
             out.append((p, k, d))
             p = k
-        if self._hash is not xxh3_key_hash:
-            for _, k, _ in out:
-                check_key(k, "key hash output")
         return out
 
 
@@ -387,7 +390,7 @@ class NamedKeys:
         if not isinstance(person, bytes) or not 0 < len(person) <= _PERSON_BYTES:
             raise ConfigError(f"person must be 1..{_PERSON_BYTES} bytes, got {person!r}")
         self.seed = namespace.seed()
-        self._digest_base = hashlib.blake2b(digest_size=DIGEST_BYTES, person=person)
+        self._digest_base = hashlib.blake2b(digest_size=DIGEST_LEN, person=person)
 
     def keys(self, names: Sequence[bytes]) -> list[BlockKey]:
         """One key per name, in order."""
@@ -403,18 +406,3 @@ class NamedKeys:
             out.append(d.digest())
         return out
 
-
-def check_key(key: object, what: str = "key") -> BlockKey:
-    """``key`` if it is a valid :data:`BlockKey`, else :class:`ConfigError` naming it."""
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        shown = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
-        raise ConfigError(f"{what} must be {KEY_BYTES} bytes, got {shown}")
-    return key
-
-
-def check_digest(digest: object, what: str = "digest") -> bytes:
-    """``digest`` if it is :data:`DIGEST_BYTES` bytes, else :class:`ConfigError`."""
-    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
-        shown = f"{len(digest)} bytes" if isinstance(digest, bytes) else type(digest).__name__
-        raise ConfigError(f"{what} must be {DIGEST_BYTES} bytes, got {shown}")
-    return digest

@@ -115,6 +115,7 @@ import xxhash
 from rdmakv import native_call
 from rdmakv.errors import (
     AuthError,
+    ConfigError,
     ConnectionLost,
     ProtocolError,
     RdmakvError,
@@ -190,9 +191,6 @@ class Op(IntEnum):
 BULK_REQUEST_OPCODES = frozenset({Op.WRITE, Op.PUT})
 """The only requests that carry bulk; a node refuses bulk on any other (and skips it)."""
 
-RESERVED_RDMA_OPCODES = range(32, 48)
-"""Opcodes a node data path (RDMA) may claim without changing this module."""
-
 
 class Status(IntEnum):
     OK = 0
@@ -211,6 +209,12 @@ class Status(IntEnum):
 FATAL_STATUSES = frozenset(
     {Status.BAD_VERSION, Status.AUTH_FAILED, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE}
 )
+"""Error statuses after which the node closes the connection (it answers
+first): the stream can no longer be trusted, or the client may not go on.
+Any error answer to a HELLO closes it too, whatever its status: a session
+starts only with a good handshake. A client reads these as ProtocolError or
+AuthError (:func:`raise_for_status`), every other error status as a
+RemoteError."""
 
 
 class AllocStatus(IntEnum):
@@ -412,19 +416,56 @@ class LimitExceeded(ProtocolError):
     """A count or length in a frame is above a named protocol limit."""
 
 
-def check_key(key: bytes) -> None:
-    if not isinstance(key, bytes | bytearray):
-        raise ProtocolError(f"keys must be bytes, got {type(key).__name__}")
-    if not (1 <= len(key) <= MAX_KEY_LEN):
-        raise ProtocolError(f"key length {len(key)} outside [1, {MAX_KEY_LEN}]")
+# -- the one key check and the one digest check ---------------------------------------
+# What a caller may hand over as a key or a digest is what the wire carries:
+# the encoders, the clients, the L1 cache and the key chain all check with these.
 
 
-def check_digest(digest: bytes) -> None:
-    if not isinstance(digest, bytes | bytearray) or len(digest) != DIGEST_LEN:
-        raise ProtocolError(
-            f"digest must be {DIGEST_LEN} bytes, got {type(digest).__name__} of "
-            f"length {len(digest) if isinstance(digest, bytes | bytearray) else '?'}"
-        )
+def check_key(key: object, what: str = "key", *, length: int | None = None) -> bytes:
+    """``key`` as ``bytes`` if the wire carries it: ``bytes`` or ``bytearray``
+    of 1..:data:`MAX_KEY_LEN` bytes, and exactly ``length`` bytes where the
+    caller's keys have one size (block keys); else :class:`ConfigError`
+    naming ``what`` and what it got."""
+    if isinstance(key, bytes | bytearray) and 1 <= len(key) <= MAX_KEY_LEN and (
+        length is None or len(key) == length
+    ):
+        return bytes(key)
+    size = f"1..{MAX_KEY_LEN}" if length is None else str(length)
+    raise ConfigError(f"{what} must be {size} bytes, got {_shown(key)}")
+
+
+def check_digest(digest: object, what: str = "digest") -> bytes:
+    """``digest`` as ``bytes`` if it is :data:`DIGEST_LEN` bytes (``bytes`` or
+    ``bytearray``); else :class:`ConfigError` naming ``what`` and what it got."""
+    if isinstance(digest, bytes | bytearray) and len(digest) == DIGEST_LEN:
+        return bytes(digest)
+    raise ConfigError(f"{what} must be {DIGEST_LEN} bytes, got {_shown(digest)}")
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """:func:`check_key` of every key; the error names the first bad one's position."""
+    # C-level passes first: batches hold thousands of keys, all valid as a rule
+    if set(map(type, keys)) <= {bytes} and all(
+        1 <= n <= MAX_KEY_LEN for n in set(map(len, keys))  # usually one length
+    ):
+        return
+    for i, k in enumerate(keys):
+        check_key(k, f"key #{i}")
+
+
+def check_digests(digests: Sequence[bytes]) -> None:
+    """:func:`check_digest` of every digest; the error names the first bad one's position."""
+    if set(map(type, digests)) <= {bytes} and set(map(len, digests)) <= {DIGEST_LEN}:
+        return
+    for i, d in enumerate(digests):
+        check_digest(d, f"digest #{i}")
+
+
+def _shown(value: object) -> str:
+    """What a bad key or digest was, for its error: a length, or a type and value."""
+    if isinstance(value, bytes | bytearray):
+        return f"{len(value)} bytes"
+    return f"{type(value).__name__} {value!r:.40}"
 
 
 def _uniform_len(items: Sequence[bytes], lo: int, hi: int) -> int | None:
@@ -627,8 +668,7 @@ def _encode_alloc_per_key(
         if type(k) is not bytes or not 0 < n <= MAX_KEY_LEN:
             check_key(k)
         if type(d) is not bytes or len(d) != DIGEST_LEN:
-            check_digest(d)  # raises unless a bytearray of the right length
-            d = bytes(d)
+            d = check_digest(d)  # raises unless a bytearray of the right length
         parts.append(pack_len(n))
         parts.append(k)
         parts.append(pack_item(size, d))
@@ -641,12 +681,11 @@ class BatchEncoder:
     :func:`encode_keys` return for ``keys[start:end]`` (and the same slices
     of ``digests`` and ``sizes``), byte for byte.
 
-    Why: a call is sent as several sub-batches, and each encoder checks its
-    keys and digests again (C-level passes, ~30 ns a key each) and joins them
-    again. For a 1000-key put in four sub-batches the per-request encoders
-    took ~0.3 ms of the client's CPU, this ~0.2 ms (timeit, 2-core VM), on a
-    host where the client's CPU is what a 16 KiB put waits for. Here the
-    checks run once per call.
+    Why: a call is sent as several sub-batches, and each per-request encoder
+    would check its keys and digests again and join them again, on the
+    client's CPU, which is what a small put waits for on a busy host. Here
+    the checks run once per call (measured: bench/README.md, "Measurements
+    moved from code comments (issue 58)").
 
     Invariants: the records are laid out (once, for the whole call, per kind
     on first use) only when every key is ``bytes`` of one length in
@@ -1290,7 +1329,7 @@ def raise_for_status(hdr: Header, payload: Buffer, what: str) -> None:
         raise AuthError(text)
     if hdr.status == Status.UNKNOWN_OPCODE:
         raise UnknownOpcode(text)
-    if hdr.status in (Status.BAD_VERSION, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE):
+    if hdr.status in FATAL_STATUSES:
         raise ProtocolError(text)
     raise RemoteError(text)
 
@@ -1314,8 +1353,8 @@ def _advance(bufs: list[memoryview], i: int, done: int) -> int:
 SMALL_FRAME_BYTES = 8192
 """A frame without bulk whose payload is at most this size goes out as one
 joined ``bytes`` in one ``os.write``: the copy costs less than a gather list's
-Python (a 100-byte EXISTS frame 1.6 us against 3.8 through :func:`send_views`,
-syscall included)."""
+Python through :func:`send_views` (measured: bench/README.md, "Measurements
+moved from code comments (issue 58)")."""
 
 
 def send_frame(
@@ -1711,10 +1750,6 @@ class Channel:
         self._queue.append(reply)
         return reply, HEADER.pack(opcode, flags, 0, payload_len, bulk_len, reply.req_id)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._queue)
-
     def _read_response(self, opcode: int, req_id: int, what: str) -> tuple[Header, bytearray]:
         """The next response's header and payload, which must answer request
         ``req_id`` (``opcode``); an error response's bulk is skipped."""
@@ -1766,11 +1801,12 @@ class Channel:
         """One request/response round trip for a control op (no bulk)."""
         if not self._idle:  # earlier answers are read first, in order
             return self.wait(self.submit(opcode, payload, what, flags=flags))
-        # An idle channel, as for a lookup a scheduler waits for (~30 us on the
-        # 2-core VM): no Reply queued, and a wait for the answer's first bytes
-        # at once (poll, then one read), not through a read that fails first
-        # (BlockingIOError, ~1.2 us): nothing else is on its way, and the answer
-        # is hardly ever in yet.
+        # An idle channel, as for a lookup a scheduler waits for: no Reply
+        # queued, and a wait for the answer's first bytes at once (poll, then
+        # one read), not through a read that fails first (BlockingIOError, a
+        # cost of its own): nothing else is on its way, and the answer is
+        # hardly ever in yet (bench/README.md, "Measurements moved from code
+        # comments (issue 58)").
         what = what or f"opcode {opcode}"
         req_id = self.next_req_id()
         send_frame(self.sock, HEADER.pack(opcode, flags, 0, len(payload), 0, req_id), payload)

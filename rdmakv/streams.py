@@ -45,13 +45,14 @@ Engine's default too (``MC_NUM_QP_PER_EP``), tuned on production NICs. Over
 TCP :data:`STREAMS_TCP` on a host of :data:`TWO_CPUS` usable CPUs or more
 (:func:`usable_cpus`), else :data:`STREAMS_TCP_ONE_CPU`. Each stream's bytes
 are moved by its own client thread (and node session thread), so a second one
-pays where it has a core to run on: on a 16-core host two streams moved
-1.46-2.11x one's bytes from 64 KiB values, and on a 2-core host, on warm
-connections, 1.26-1.62x (the two ends' four threads share two cores, but a
-client thread spends most of a put in one native call with the GIL released,
-most of that in the kernel's copy). A second stream costs a node session
-either way, and where several client processes share 2 cores, one stream
-each moved more (bench/README.md): pass ``streams=1`` there.
+pays where it has a core to run on, even on 2 cores: a client thread spends
+most of a put in one native call with the GIL released, most of that in the
+kernel's copy. A second stream costs a node session either way, and where
+several client processes share 2 cores, one stream each moved more: pass
+``streams=1`` there.
+
+The measurements behind these defaults and the split floors below are in
+bench/README.md, section "Measurements moved from code comments (issue 58)".
 """
 
 from __future__ import annotations
@@ -70,17 +71,9 @@ from rdmakv.slab import Slab
 
 STREAMS_TCP = 2
 """Connections per node by default over TCP on a host of :data:`TWO_CPUS`
-usable CPUs or more. Measured with ``rdmakv bench`` (best of 3-5, node and
-bench on the same host, each timed transfer on warm connections):
-
-* 16-core Intel Xeon host (2026-11-27, four runs): two moved 1.46-2.11x one's
-  bytes at 64 KiB-1 MiB: put 5.0-6.9 / 5.8-9.4 / 6.1-9.1 GB/s against 3.3-4.4 /
-  3.1-4.8 / 3.1-4.8, get likewise (bench/README.md);
-* 2-core AMD EPYC VM (2026-11-28, three runs): two put 7.6-7.7 / 9.1-9.6 /
-  9.9-10.1 GB/s at 64 KiB / 256 KiB / 1 MiB against one's 5.8-6.1 / 6.4-6.6 /
-  6.1-6.4, and got 8.8-9.1 / 10.0-10.4 / 10.2-10.4 against 6.5-7.1 / 7.2-7.5 /
-  7.4-7.6. (Runs there on 2026-11-27, before the bench warmed connections,
-  had two at 0.9-1.0x one.)"""
+usable CPUs or more: with a core each, two connections' threads moved more
+bytes than one's from 64 KiB values, on 2 cores as on 16 (``rdmakv bench`` on
+warm connections)."""
 STREAMS_TCP_ONE_CPU = 1
 """Connections per node by default over TCP where the process may use one CPU
 only (a cpuset, ``taskset``): a second stream's thread would only take turns
@@ -92,37 +85,26 @@ MANY_CPUS = 4
 :data:`MIN_SPLIT_VALUE_BYTES_MANY_CPUS` values, not :data:`MIN_SPLIT_VALUE_BYTES`:
 two streams' client threads beside the caller's own."""
 STREAMS_RDMA = 2
-"""Connections (queue pairs) per node by default over RDMA: in the soft-RoCE VM
-two moved 1.05-1.86x one's bytes at 16 KiB-1 MiB (two ``rdmakv bench`` runs,
-2026-11-27), where one queue pair stays at perftest's single-QP rate."""
+"""Connections (queue pairs) per node by default over RDMA: where one queue pair
+stays at perftest's single-QP rate (soft-RoCE), two moved more bytes than one."""
 MIN_SPLIT_VALUE_BYTES = 64 * 1024
 """A put's values this big at least are split over TCP with fewer than
-:data:`MANY_CPUS` usable CPUs: 1000 x 16 KiB over two connections put 3.2-3.4
-GB/s against one connection's 4.1 on a 2-core host (2026-11-25)."""
+:data:`MANY_CPUS` usable CPUs: below it, on 2 cores, two connections put less
+than one, their threads hashing and sending beside the node's receiving ones."""
 MIN_SPLIT_GET_VALUE_BYTES = 16 * 1024
 """The TCP floor for a get's values, on any host. A get's client thread
 receives each value and verifies its checksum while the node's thread only
-sends from its pool, so two connections put the second core to work: on the
-2-core AMD EPYC VM (2026-11-28, nine runs of 6-8 rounds of 1000 x 16 KiB on
-warm connections, best / median of each run) two got 4.52-5.62 / 3.56-5.03
-GB/s (means 5.13 / 4.33) against one's 3.85-5.09 / 3.46-4.28 (4.53 / 4.03),
-the socket loop 4.29-5.51 (4.69); two had the better best in all nine. In six
-of those runs two put 3.79-4.56 against one's 4.19-4.96, so a put keeps
-:data:`MIN_SPLIT_VALUE_BYTES` there. ``rdmakv bench`` (best of 5, five runs
-that day, ``rdmakv`` against ``rdmakv_streams1``) was less clear: the split get
-3.83-5.41 GB/s (mean 4.63) against 4.27-4.75 (4.48), ahead in three of five.
-Smaller values were not measured."""
+sends from its pool, so two connections put the second core to work: on 2
+cores two got more than one at 16 KiB where two put less, so a put keeps
+:data:`MIN_SPLIT_VALUE_BYTES` there. Smaller values were not measured."""
 
 MIN_SPLIT_VALUE_BYTES_MANY_CPUS = 16 * 1024
 """A put's TCP floor with :data:`MANY_CPUS` usable CPUs or more, where each
-connection's thread has a core: on a 16-core Intel Xeon host (2026-11-27, two
-runs of 1000 values, best of 5) two connections moved 1.19-1.27x one's put and
-1.37-1.38x its get at 16 KiB, 1.39-1.70x and 1.34-1.81x at 32 KiB. Smaller
-values were not measured."""
+connection's thread has a core: there two connections moved more than one, put
+and get, from 16 KiB values. Smaller values were not measured."""
 MIN_SPLIT_VALUE_BYTES_RDMA = 16 * 1024
-"""The floor when every connection runs RDMA: 1000 x 16 KiB over two queue pairs
-moved 0.069 / 0.072 GB/s (put / get) in the soft-RoCE VM against one queue
-pair's 0.056 / 0.056 (2026-11-25). Smaller values were not measured."""
+"""The floor when every connection runs RDMA: two queue pairs moved more than one
+at 16 KiB, put and get (soft-RoCE). Smaller values were not measured."""
 MIN_SPLIT_BATCH_BYTES = 4 * 1024 * 1024
 """And the batch at least this big in all."""
 

@@ -109,7 +109,7 @@ def test_keys_the_native_call_leaves_to_python_get_the_same_answers(
 @pytest.mark.parametrize(
     ("bad", "error"),
     [
-        ([b"fine", "text"], f"key #1 must be 1..{MAX_KEY_LEN} bytes, got 'text'"),
+        ([b"fine", "text"], f"key #1 must be 1..{MAX_KEY_LEN} bytes, got str 'text'"),
         ([b""], "key #0 must be 1.."),
         ([b"fine", b"x" * (MAX_KEY_LEN + 1)], "key #1 must be 1.."),
     ],

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from rdmakv.errors import ConfigError
 from rdmakv.keys import (
-    DIGEST_BYTES,
     KEY_BYTES,
     BlockKeyer,
     KeyNamespace,
     extra_bytes,
 )
+from rdmakv.protocol import DIGEST_LEN
 
 NS = KeyNamespace(model="llama-3-8b@abc123", dtype="bfloat16", kv_layout="NHD")
 BS = 4
@@ -194,7 +194,7 @@ def test_chain_matches_keys_and_digest() -> None:
     assert [c[1] for c in ch] == ks
     assert [c[0] for c in ch] == [k.root, *ks[:-1]]
     for i, (parent, _key, dig) in enumerate(ch):
-        assert len(dig) == DIGEST_BYTES
+        assert len(dig) == DIGEST_LEN
         assert dig == k.digest(parent, k.block_tokens(toks, i), extra=ex)
     # The digest depends on parent, tokens and extra, and is not the key.
     p, key, d = ch[1]

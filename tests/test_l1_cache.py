@@ -83,7 +83,14 @@ def test_put_accepts_numpy_and_rejects_bad_input(slab: Slab) -> None:
         c.put(key(2), b"x", "d" * 16)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="bytes-like"):
         c.put(key(2), 12, digest(key(2)))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="key must be 16 bytes, got 32 bytes"):
+        c.put(key(2) * 2, b"x", digest(key(2)))  # a key the wire carries, but no block key
     assert slab.used_blocks == used and len(c) == 1  # nothing leaked or stored
+    # the wire's rules otherwise: a bytearray key or digest is stored as its bytes
+    assert c.put(bytearray(key(2)), b"x", bytearray(digest(key(2))))  # type: ignore[arg-type]
+    h = c.get(key(2), digest(key(2)))
+    assert h is not None
+    c.release([h])
 
 
 def test_duplicate_insert_returns_false_and_drops_the_ref(slab: Slab) -> None:

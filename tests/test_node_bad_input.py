@@ -18,7 +18,10 @@ import pytest
 from conftest import IO_TIMEOUT_S, NodeProcess, Raw
 
 from rdmakv.client import KVClient
+from rdmakv.errors import ConfigError, ProtocolError, UnsupportedTransport
+from rdmakv.node.server import status_for
 from rdmakv.protocol import (
+    FATAL_STATUSES,
     MAGIC,
     MAX_KEYS_PER_REQUEST,
     MAX_OPS_PER_DATA_REQUEST,
@@ -27,6 +30,8 @@ from rdmakv.protocol import (
     U16,
     U32,
     AllocStatus,
+    FrameTooLarge,
+    LimitExceeded,
     Op,
     Status,
     decode_extents,
@@ -42,6 +47,7 @@ from rdmakv.protocol import (
     value_checksum,
 )
 from rdmakv.slab import Slab
+from rdmakv.transport import BadAddress, get_transport, resolve_transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -332,6 +338,42 @@ def test_oversized_token_and_hello_limits(raw: Callable[[], Raw]) -> None:
     payload = struct.pack("<4sHH", MAGIC, PROTOCOL_VERSION, 60000) + b"t" * 10
     status, msg, _ = r.call(Op.HELLO, payload)
     assert status == Status.BAD_REQUEST and b"token length" in msg
+    assert r.closed_by_peer()
+
+
+def test_any_error_answer_to_hello_closes_later_ones_only_when_fatal(
+    raw: Callable[[], Raw], victim: Callable[[], None]
+) -> None:
+    """The one rule for closing (Session.fail): the same status (BAD_REQUEST,
+    not in FATAL_STATUSES) closes a connection in its handshake and keeps one
+    that has said HELLO."""
+    assert Status.BAD_REQUEST not in FATAL_STATUSES
+    r = raw()
+    status, msg, _ = r.call(Op.HELLO, encode_hello(None), bulk=b"x" * 10)
+    assert status == Status.BAD_REQUEST and b"no bulk" in msg
+    assert r.closed_by_peer()
+    r = raw()
+    r.hello()
+    status, msg, _ = r.call(Op.STATS, b"", bulk=b"x" * 10)
+    assert status == Status.BAD_REQUEST and b"carries no bulk" in msg
+    status, payload, _ = r.call(Op.EXISTS, encode_keys([b"victim-0"]))
+    assert status == Status.OK and decode_flags(payload, 1, "EXISTS") == [True]
+    victim()
+
+
+def test_a_refused_request_is_answered_by_its_error_type_not_its_message() -> None:
+    assert status_for(BadAddress("transport")) == Status.BAD_ADDRESS
+    assert status_for(LimitExceeded("transport")) == Status.LIMIT_EXCEEDED
+    assert status_for(FrameTooLarge("x")) == Status.FRAME_TOO_LARGE in FATAL_STATUSES
+    assert status_for(UnsupportedTransport("x")) == Status.UNSUPPORTED
+    # a message that names a transport makes no other error UNSUPPORTED
+    assert status_for(ConfigError("transport 'tcp' claims opcode 5")) == Status.BAD_REQUEST
+    assert status_for(ProtocolError("no transport here")) == Status.BAD_REQUEST
+    # what the transport registry refuses is of that type
+    with pytest.raises(UnsupportedTransport, match="unknown transport"):
+        get_transport("carrier-pigeon")
+    with pytest.raises(UnsupportedTransport, match="node offers only"):
+        resolve_transport("tcp", ("rdma",))
 
 
 def test_node_counts_refusals_and_keeps_serving(

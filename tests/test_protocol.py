@@ -6,6 +6,7 @@ import contextlib
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -14,12 +15,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rdmakv.errors import AuthError, ProtocolError, RemoteError
+from rdmakv.errors import AuthError, ConfigError, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
     ALLOC_ITEM,
     DIGEST_LEN,
     EXTENT,
     EXTENT_DTYPE,
+    FATAL_STATUSES,
     HEADER,
     LOOKUP_ENTRY,
     LOOKUP_ENTRY_DTYPE,
@@ -41,6 +43,10 @@ from rdmakv.protocol import (
     LookupResult,
     NodeInfo,
     Status,
+    check_digest,
+    check_digests,
+    check_key,
+    check_keys,
     chunk_ops,
     decode_alloc,
     decode_commit,
@@ -150,7 +156,7 @@ def test_malformed_get_and_get_answers_are_refused() -> None:
     for bad in (good[:-1], good + b"x", U32.pack(3) + good[4:], U32.pack(1) + good[4:]):
         with pytest.raises(ProtocolError):
             decode_get(bad)
-    with pytest.raises(ProtocolError, match="digest must be 16 bytes"):
+    with pytest.raises(ConfigError, match="digest must be 16 bytes, got 5 bytes"):
         encode_get([b"a"], [b"short"])
     answer = encode_get_answer([5, 0], [9, 0])
     for decode in (decode_get_answer, decode_get_answer_arrays):
@@ -245,10 +251,42 @@ def test_response_count_mismatch_is_detected() -> None:
         decode_flags(encode_flags([True, False]), 3, "EXISTS")
 
 
+def test_one_key_check_and_one_digest_check_name_what_was_wrong() -> None:
+    """The wire's rules, for every caller (encoders, clients, L1, key chain),
+    each naming its own argument."""
+
+    def error(check: Callable[..., object], *args: object, **kw: object) -> str:
+        with pytest.raises(ConfigError) as e:
+            check(*args, **kw)
+        return str(e.value)
+
+    assert check_key(b"k") == b"k" and check_key(b"x" * MAX_KEY_LEN) == b"x" * MAX_KEY_LEN
+    assert type(check_key(bytearray(b"k"))) is bytes and check_key(bytearray(b"k")) == b"k"
+    for bad, got in ((b"", "0 bytes"), (b"x" * (MAX_KEY_LEN + 1), f"{MAX_KEY_LEN + 1} bytes"),
+                     ("k", "str 'k'"), (None, "NoneType None")):
+        assert error(check_key, bad, "parent") == (
+            f"parent must be 1..{MAX_KEY_LEN} bytes, got {got}"
+        )
+    assert check_key(bytes(16), length=16) == bytes(16)
+    for bad in (b"abc", b"x" * MAX_KEY_LEN):  # valid on the wire, not of the caller's one size
+        assert error(check_key, bad, "block key", length=16) == (
+            f"block key must be 16 bytes, got {len(bad)} bytes"
+        )
+    assert check_digest(bytearray(DIGEST_LEN)) == bytes(DIGEST_LEN)
+    assert error(check_digest, bytes(15)) == "digest must be 16 bytes, got 15 bytes"
+    assert error(check_digest, "d" * 16, "value digest") == (
+        "value digest must be 16 bytes, got str 'dddddddddddddddd'"
+    )
+    check_keys([b"a", bytearray(b"bc")])  # type: ignore[list-item]
+    check_digests([bytes(DIGEST_LEN), bytearray(DIGEST_LEN)])  # type: ignore[list-item]
+    assert error(check_keys, [b"a", b"b", b""]).startswith("key #2 must be")
+    assert error(check_digests, [bytes(DIGEST_LEN), b"x"]).startswith("digest #1 must be")
+
+
 def test_bad_keys_and_digests_refused_on_encode() -> None:
-    with pytest.raises(ProtocolError, match="key length"):
+    with pytest.raises(ConfigError, match=f"^key must be .* got {MAX_KEY_LEN + 1} bytes"):
         encode_keys([b"x" * (MAX_KEY_LEN + 1)])
-    with pytest.raises(ProtocolError, match="digest"):
+    with pytest.raises(ConfigError, match="digest must be 16 bytes"):
         encode_alloc([b"k"], [1], [b"short"])
 
 
@@ -275,6 +313,17 @@ def test_status_maps_to_exceptions() -> None:
     with pytest.raises(RemoteError, match="BAD_ADDRESS: outside"):
         raise_for_status(hdr(Status.BAD_ADDRESS), b"outside", "WRITE")
     raise_for_status(hdr(Status.OK), b"", "x")
+    # a status after which the node closes the connection reads as the stream's
+    # end (ProtocolError, AuthError); any other as the node's refusal
+    for status in set(Status) - {Status.OK}:
+        with pytest.raises(RdmakvError) as e:
+            raise_for_status(hdr(status), b"why", "x")
+        if status == Status.AUTH_FAILED:
+            assert isinstance(e.value, AuthError)
+        elif status in FATAL_STATUSES:
+            assert isinstance(e.value, ProtocolError)
+        else:
+            assert isinstance(e.value, RemoteError) and not isinstance(e.value, ProtocolError)
 
 
 def test_scatter_gather_moves_bytes_between_many_buffers() -> None:
@@ -466,9 +515,9 @@ def test_a_part_of_a_batch_encoder_encodes_as_an_encoder_of_its_keys_does(
 
 def test_batch_encoder_refuses_what_the_per_request_encoders_refuse() -> None:
     digests = [bytes(DIGEST_LEN)] * 2
-    with pytest.raises(ProtocolError, match="key length 0"):
+    with pytest.raises(ConfigError, match=r"^key must be .* got 0 bytes"):
         BatchEncoder([b"k1", b""], digests, [1, 1]).alloc(0, 2)
-    with pytest.raises(ProtocolError, match="digest must be 16 bytes"):
+    with pytest.raises(ConfigError, match="digest must be 16 bytes, got 5 bytes"):
         BatchEncoder([b"k1", b"k2"], [bytes(DIGEST_LEN), b"short"]).get(0, 2)
     for sizes in ([2**32, 1], [-1, 1], [1.5, 1]):
         with pytest.raises((struct.error, TypeError)):
@@ -478,7 +527,7 @@ def test_batch_encoder_refuses_what_the_per_request_encoders_refuse() -> None:
     with pytest.raises(ProtocolError, match="needs the keys' digests"):
         BatchEncoder([b"k1"]).get(0, 1)
     # a key that is no bytes at all: the per-key path names it
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ConfigError, match="got str 'k2'"):
         BatchEncoder([b"k1", "k2"]).keys(0, 2)  # type: ignore[list-item]
     assert BatchEncoder([]).keys(0, 0) == encode_keys([])
 
@@ -540,5 +589,5 @@ def test_alloc_refuses_what_does_not_fit_its_fields_on_every_path() -> None:
             encode_alloc(keys, sizes, digests)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         encode_alloc(keys, [1], digests)  # counts differ
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ConfigError, match="digest must be 16 bytes"):
         encode_alloc(keys, [1, 1], [bytes(DIGEST_LEN), b"short"])

@@ -57,7 +57,6 @@ from rdmakv.client import (
     DEFAULT_TIMEOUT,
     KVClient,
     check_get,
-    check_keys,
     check_put,
 )
 from rdmakv.cluster.health import DEFAULT_BACKOFF_BASE_S, DEFAULT_BACKOFF_CAP_S, NodeHealth
@@ -71,6 +70,7 @@ from rdmakv.errors import (
     RdmakvError,
     TransportError,
 )
+from rdmakv.protocol import check_keys
 from rdmakv.slab import Slab
 from rdmakv.transport import get_transport
 

@@ -36,6 +36,7 @@ from rdmakv import __version__
 from rdmakv.errors import RdmakvError
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
+from rdmakv.protocol import DIGEST_LEN
 
 log = logging.getLogger("rdmakv.connectors.fingerprint")
 
@@ -52,7 +53,9 @@ WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 WEIGHT_PREFIX_BYTES = 1 << 20
 """Bytes hashed from the start of each weight file (its header and first tensors)."""
 MAX_WEIGHT_FILES = 64
-DIGEST_BYTES = 16
+CHECKPOINT_HASH_BYTES = 16
+"""Size of :func:`checkpoint_hash` (a BLAKE2b digest, shown as hex in the
+record): part of the record format, which engines of other versions compare."""
 
 
 def checkpoint_hash(model_path: str | Path) -> str | None:
@@ -64,7 +67,7 @@ def checkpoint_hash(model_path: str | Path) -> str | None:
     root = Path(model_path)
     if not root.is_dir():
         return None
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h = hashlib.blake2b(digest_size=CHECKPOINT_HASH_BYTES)
     seen = 0
     for pattern in CHECKPOINT_FILE_PATTERNS:
         for p in sorted(root.glob(pattern)):
@@ -104,7 +107,7 @@ def engine_fingerprint(
 def record_key(namespace: KeyNamespace) -> tuple[bytes, bytes]:
     """``(key, digest)`` of the namespace's fingerprint record."""
     key = RECORD_KEY_PREFIX + namespace.seed()
-    return key, hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()
+    return key, hashlib.blake2b(key, digest_size=DIGEST_LEN).digest()
 
 
 def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:

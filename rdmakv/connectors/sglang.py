@@ -88,7 +88,8 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 from rdmakv.client import NodeClient
 from rdmakv.connectors.store import AUDIT_OPTIONS, StoreOptions
 from rdmakv.errors import ConfigError, RdmakvError
-from rdmakv.keys import DIGEST_BYTES, KeyNamespace
+from rdmakv.keys import KeyNamespace
+from rdmakv.protocol import DIGEST_LEN
 from rdmakv.remote import open_remote
 from rdmakv.slab import Slab
 
@@ -289,7 +290,7 @@ class RdmakvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         out = []
         for k in keys:
             for j in range(self.parts):
-                h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_DIGEST_PERSON)
+                h = hashlib.blake2b(digest_size=DIGEST_LEN, person=_DIGEST_PERSON)
                 h.update(self._part_input(k, j))
                 out.append(h.digest())
         return out

@@ -55,6 +55,7 @@ from rdmakv.fuzz.model import Content, Ext, Model, lookup_extra
 from rdmakv.fuzz.wire import Conn, Exchange, FuzzFailure, Req, Resp, raw_keys
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.protocol import (
+    DIGEST_LEN,
     HELLO_FIXED,
     MAGIC,
     PROTOCOL_VERSION,
@@ -264,7 +265,7 @@ class Target:
         rng = random.Random(1234)
         keys = [b"victim/" + rng.randbytes(16) for _ in range(n)]
         values = [rng.randbytes(rng.choice([1, bs, rng.randint(1, bs)])) for _ in range(n)]
-        digests = [hashlib.blake2b(v, digest_size=16).digest() for v in values]
+        digests = [hashlib.blake2b(v, digest_size=DIGEST_LEN).digest() for v in values]
         handles = self.slab.alloc_many(n)
         for h, v in zip(handles, values, strict=True):
             self.slab.view(h)[: len(v)] = v

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from rdmakv.errors import ConfigError, InvalidHandle, SlabExhausted
-from rdmakv.keys import BlockKey, check_digest, check_key
+from rdmakv.keys import KEY_BYTES, BlockKey
 from rdmakv.l1.offload import OffloadItem, OffloadQueue
 from rdmakv.l1.offload_policies import OffloadMode, OffloadPolicy, make_offload_policy
 from rdmakv.l1.policies import (
@@ -52,6 +52,7 @@ from rdmakv.l1.policies import (
     EvictionPolicy,
     make_policy,
 )
+from rdmakv.protocol import check_digest, check_key
 from rdmakv.slab import Slab
 
 
@@ -250,8 +251,8 @@ class L1Cache:
         ``depth`` (the block's index in its request's chain) and ``keep`` (the
         request's reuse hint) are what the offload policy decides on.
         """
-        check_key(key)
-        check_digest(digest)
+        key = check_key(key, length=KEY_BYTES)
+        digest = check_digest(digest)
         self._check_nbytes(nbytes)
         _check_offload_context(depth, keep)
         if not self.slab.is_live(handle):
@@ -309,8 +310,8 @@ class L1Cache:
         keep: bool | None = None,
     ) -> bool:
         """Copy ``data`` into a fresh block and insert it; False if ``key`` is present."""
-        check_key(key)
-        check_digest(digest)
+        key = check_key(key, length=KEY_BYTES)
+        digest = check_digest(digest)
         _check_offload_context(depth, keep)
         src = _as_bytes_view(data)
         self._check_nbytes(src.nbytes)
@@ -345,9 +346,9 @@ class L1Cache:
         With ``digest``, a stored value whose digest differs is a miss and is
         dropped (it answers some other prefix). Release the handle when done.
         """
-        check_key(key)
+        key = check_key(key, length=KEY_BYTES)
         if digest is not None:
-            check_digest(digest)
+            digest = check_digest(digest)
         e = self._lookup(key, digest)
         if e is None:
             self._stats.misses += 1
@@ -366,11 +367,9 @@ class L1Cache:
         """
         if digests is not None and len(digests) != len(keys):
             raise ConfigError(f"acquire_prefix got {len(keys)} keys but {len(digests)} digests")
-        for k in keys:
-            check_key(k)
+        keys = [check_key(k, length=KEY_BYTES) for k in keys]
         if digests is not None:
-            for d in digests:
-                check_digest(d)
+            digests = [check_digest(d) for d in digests]
         out: list[int] = []
         for i, k in enumerate(keys):
             e = self._lookup(k, None if digests is None else digests[i])

@@ -58,7 +58,6 @@ they are shed keeps every slot younger than 1 s; this shorter floor still finds 
 (bench/flood.py, slow+idle phase: 1 of 200 good connects refused with the 1 s floor
 alone.)"""
 
-SHED_OVER_LIMIT = "over_limit"
 SHED_TIMEOUT = "timeout"
 
 

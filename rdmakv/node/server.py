@@ -9,11 +9,12 @@ for tcp, RDMA_CONNECT for rdma), so a transport adds opcodes without touching
 this module.
 
 A bad request gets an error response naming what was wrong and the session
-keeps serving; only a broken handshake or a header announcing more than the
-protocol limits closes the connection. Nothing a client sends can touch
-another client's data: addresses are checked by the store against the
-extents handed to that session. When a session ends, its uncommitted extents
-and leases are reclaimed.
+keeps serving; the connection closes after any error answer to the handshake,
+and after an answer whose status is in :data:`~rdmakv.protocol.FATAL_STATUSES`
+(a header announcing more than the protocol limits): :meth:`Session.fail`.
+Nothing a client sends can touch another client's data: addresses are
+checked by the store against the extents handed to that session. When a
+session ends, its uncommitted extents and leases are reclaimed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rdmakv.defaults import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK
-from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError
+from rdmakv.errors import (
+    ConfigError,
+    ConnectionLost,
+    ProtocolError,
+    RdmakvError,
+    UnsupportedTransport,
+)
 from rdmakv.metrics.http import MetricsServer
 from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
 from rdmakv.node.admission import Admission, SessionLimits
@@ -39,6 +46,7 @@ from rdmakv.node.store import KVStore
 from rdmakv.protocol import (
     BULK_REQUEST_OPCODES,
     COMMIT_FLAG_REQUIRE_WRITTEN,
+    FATAL_STATUSES,
     LOOKUP_FLAG_LEASE,
     MAX_BULK_BYTES,
     MAX_ERROR_MESSAGE,
@@ -201,15 +209,30 @@ class Session:
         and one this session answers in Python through :meth:`reply` (see
         :data:`HELD_FOR`): an answer that may wait is then held back and goes
         out with that one's. A put's PUT and COMMIT answers then leave in one
-        system call, and the client, which reads them together, wakes once
-        (over loopback on the 2-core bench host: ~15 us less of the client's
-        CPU per 1-block put, 2026-11-28)."""
+        system call, and the client, which reads them together, wakes once,
+        which saves it CPU per put (measured: bench/README.md, "Measurements
+        moved from code comments (issue 58)")."""
         hdr = self.channel.next_frame_here()
         return hdr is not None and hdr.opcode in HELD_FOR
 
     def reply_error(self, req: Header, status: Status, message: str) -> None:
         data = message.encode("utf-8", errors="replace")[:MAX_ERROR_MESSAGE]
         self.channel.send(req.opcode | RESPONSE_BIT, data, status=status, req_id=req.req_id)
+
+    def fail(self, req: Header, status: Status, message: str) -> bool:
+        """Answer ``req`` with an error; whether the connection keeps serving.
+
+        The one rule for closing: never before a good HELLO (a session starts
+        only with a good handshake), and not after a status of
+        :data:`FATAL_STATUSES` (the stream can no longer be trusted)."""
+        self.reply_error(req, status, message)
+        return self.authenticated and status not in FATAL_STATUSES
+
+    def _refused(self, req: Header, status: Status, message: str) -> bool:
+        """:meth:`fail` for a request past the handshake, counted in the metrics."""
+        self.node.count("refused_ops" if status == Status.BAD_ADDRESS else "protocol_errors")
+        self.node.refuse(_REFUSAL_REASON.get(status, "bad_frame"))
+        return self.fail(req, status, message)
 
     # -- loop -------------------------------------------------------------------------
     def _wait_readable(self, limit: float | None) -> bool:
@@ -293,37 +316,31 @@ class Session:
             hdr = ch.recv_header()
         except FrameTooLarge as e:
             self.node.refuse("bad_frame")
-            self.reply_error(Header(Op.HELLO, 0, 0, 0, 0, 0), Status.FRAME_TOO_LARGE, str(e))
-            return False
+            return self.fail(Header(Op.HELLO, 0, 0, 0, 0, 0), Status.FRAME_TOO_LARGE, str(e))
         payload = ch.recv_payload(hdr)
         if hdr.opcode != Op.HELLO:
             self.node.refuse("bad_frame")
-            self.reply_error(hdr, Status.NOT_AUTHENTICATED, "the first frame must be HELLO")
-            return False
+            return self.fail(hdr, Status.NOT_AUTHENTICATED, "the first frame must be HELLO")
         if hdr.bulk_len:  # HELLO carries none: the stream cannot be trusted
             self.node.refuse("bad_frame")
-            self.reply_error(hdr, Status.BAD_REQUEST, "HELLO carries no bulk data")
-            return False
+            return self.fail(hdr, Status.BAD_REQUEST, "HELLO carries no bulk data")
         try:
             version, token = decode_hello(payload)
-        except ProtocolError as e:
+        except ProtocolError as e:  # a HELLO over a limit too: it is no HELLO this node reads
             self.node.refuse("bad_frame")
-            self.reply_error(hdr, Status.BAD_REQUEST, str(e))
-            return False
+            return self.fail(hdr, Status.BAD_REQUEST, str(e))
         if version != PROTOCOL_VERSION:
             self.node.refuse("bad_frame")
-            self.reply_error(
+            return self.fail(
                 hdr,
                 Status.BAD_VERSION,
                 f"client speaks protocol version {version}, this node speaks {PROTOCOL_VERSION}",
             )
-            return False
         expected = self.node.token
         if expected is not None and not hmac.compare_digest(expected, token):
             log.warning("session %d (%s): wrong or missing token", self.session_id, self.peer)
             self.node.refuse("bad_token")
-            self.reply_error(hdr, Status.AUTH_FAILED, "wrong or missing shared-secret token")
-            return False
+            return self.fail(hdr, Status.AUTH_FAILED, "wrong or missing shared-secret token")
         # Authenticated before the answer leaves: once the client has it, it may
         # send a request at once, and admission must never mistake this session
         # for one still in its handshake (the oldest of those get shed).
@@ -337,26 +354,19 @@ class Session:
         ch = self.channel
         try:
             hdr = ch.recv_header()
-        except FrameTooLarge as e:
-            self.node.count("protocol_errors")
-            self.node.refuse("bad_frame")
-            self.reply_error(Header(0, 0, 0, 0, 0, 0), Status.FRAME_TOO_LARGE, str(e))
-            return False
+        except FrameTooLarge as e:  # no request to name, and its bulk cannot be skipped
+            return self._refused(Header(0, 0, 0, 0, 0, 0), status_for(e), str(e))
         payload = ch.recv_payload(hdr)
         handler = self.node.handlers.get(hdr.opcode)
         if handler is None:
-            self.node.count("protocol_errors")
-            self.node.refuse("bad_frame")
             ch.skip_bulk()
-            self.reply_error(hdr, Status.UNKNOWN_OPCODE, f"unknown opcode {hdr.opcode}")
-            return True
+            return self._refused(hdr, Status.UNKNOWN_OPCODE, f"unknown opcode {hdr.opcode}")
         if hdr.bulk_len and hdr.opcode not in BULK_REQUEST_OPCODES:
             # Its bulk would otherwise be read as the next request.
-            self.node.count("protocol_errors")
-            self.node.refuse("bad_frame")
             ch.skip_bulk()
-            self.reply_error(hdr, Status.BAD_REQUEST, f"opcode {hdr.opcode} carries no bulk data")
-            return True
+            return self._refused(
+                hdr, Status.BAD_REQUEST, f"opcode {hdr.opcode} carries no bulk data"
+            )
         timers = self.node.request_timers  # empty when metrics are off: no clock read then
         started = time.perf_counter() if timers else 0.0
         try:
@@ -365,14 +375,11 @@ class Session:
             raise
         except RdmakvError as e:
             ch.skip_bulk()
-            status = _status_for(e)
-            self.node.count("protocol_errors" if status != Status.BAD_ADDRESS else "refused_ops")
-            self.node.refuse(_REFUSAL_REASON.get(status, "bad_frame"))
-            self.reply_error(hdr, status, str(e))
+            return self._refused(hdr, status_for(e), str(e))
         except Exception as e:  # a bug must not take the node down with it
             log.exception("session %d: internal error in opcode %d", self.session_id, hdr.opcode)
             ch.skip_bulk()
-            self.reply_error(hdr, Status.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            return self.fail(hdr, Status.INTERNAL, f"internal error: {type(e).__name__}: {e}")
         else:
             observe = timers.get(hdr.opcode) if timers else None
             if observe is not None:
@@ -387,13 +394,23 @@ _REFUSAL_REASON = {
 """Refusal reason (a metrics label) per error status; every other status is a bad frame."""
 
 
-def _status_for(e: RdmakvError) -> Status:
-    if isinstance(e, BadAddress):
-        return Status.BAD_ADDRESS
-    if isinstance(e, LimitExceeded):
-        return Status.LIMIT_EXCEEDED
-    if isinstance(e, ConfigError) and "transport" in str(e):
-        return Status.UNSUPPORTED
+_STATUS_BY_ERROR: tuple[tuple[type[RdmakvError], Status], ...] = (
+    (BadAddress, Status.BAD_ADDRESS),
+    (LimitExceeded, Status.LIMIT_EXCEEDED),
+    (UnsupportedTransport, Status.UNSUPPORTED),
+    (FrameTooLarge, Status.FRAME_TOO_LARGE),
+)
+"""The status a refused request is answered with, by its error's type (the
+first that matches); whether the connection then closes is the status's
+(:meth:`Session.fail`)."""
+
+
+def status_for(e: RdmakvError) -> Status:
+    """The status a request that raised ``e`` is answered with: by type
+    (:data:`_STATUS_BY_ERROR`), else BAD_REQUEST."""
+    for kind, status in _STATUS_BY_ERROR:
+        if isinstance(e, kind):
+            return status
     return Status.BAD_REQUEST
 
 

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from rdmakv.client import DEFAULT_TIMEOUT, check_get, check_keys, check_put
+from rdmakv.client import DEFAULT_TIMEOUT, check_get, check_put
 from rdmakv.errors import (
     ConfigError,
     ConnectionLost,
@@ -57,7 +57,7 @@ from rdmakv.errors import (
     TransportError,
     TransportTimeout,
 )
-from rdmakv.protocol import DIGEST_LEN
+from rdmakv.protocol import DIGEST_LEN, check_keys
 from rdmakv.slab import Slab
 from rdmakv.transport import verbs
 

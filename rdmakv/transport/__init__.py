@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rdmakv.errors import ConfigError
+from rdmakv.errors import ConfigError, UnsupportedTransport
 from rdmakv.transport.base import (
     BadAddress,
     IoFuture,
@@ -73,10 +73,10 @@ def get_transport(name: str) -> TransportSpec:
         try:
             importlib.import_module(_BUILTIN_MODULES[name])
         except ImportError as e:
-            raise ConfigError(f"transport {name!r} is not available here: {e}") from e
+            raise UnsupportedTransport(f"transport {name!r} is not available here: {e}") from e
     if name not in _REGISTRY:
         known = sorted({*_REGISTRY, *_BUILTIN_MODULES, AUTO})
-        raise ConfigError(f"unknown transport {name!r}; choose one of {known}")
+        raise UnsupportedTransport(f"unknown transport {name!r}; choose one of {known}")
     return _REGISTRY[name]
 
 
@@ -102,7 +102,7 @@ def resolve_transport(name: str, offered: tuple[str, ...] | None = None) -> str:
     if name != AUTO:
         get_transport(name)
         if offered is not None and name not in offered:
-            raise ConfigError(
+            raise UnsupportedTransport(
                 f"transport {name!r} requested but the node offers only {list(offered)}"
             )
         return name
@@ -116,7 +116,7 @@ def resolve_transport(name: str, offered: tuple[str, ...] | None = None) -> str:
         if spec.usable():
             log.info("transport auto -> %s", cand)
             return cand
-    raise ConfigError(f"no usable transport (node offers {list(offered or ())})")
+    raise UnsupportedTransport(f"no usable transport (node offers {list(offered or ())})")
 
 
 def _register_tcp() -> None:

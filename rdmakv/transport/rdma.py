@@ -27,8 +27,9 @@ Failure rules:
 * After any failure the QP is reset and reconnected (on the caller's thread,
   over the control channel) before the next batch; if reconnecting fails the
   error says so and the next batch tries again.
-* :func:`client_transport` (``auto``) falls back to TCP, logging why, when
-  RDMA cannot be set up with a peer.
+* ``auto`` falls back to TCP, logging why, when RDMA is not usable here
+  (:func:`rdmakv.transport.resolve_transport`) or cannot be set up with a
+  peer (:class:`rdmakv.client.KVClient`, as it connects).
 """
 
 from __future__ import annotations
@@ -513,30 +514,6 @@ class _NoRegion:
 _NO_REGION: Any = _NoRegion()
 
 
-def client_transport(
-    channel: Channel, info: NodeInfo, timeout: float, *, required: bool = False
-) -> Transport:
-    """``auto``: RDMA when a usable device exists and the node offers it, else
-    TCP. Logs which and why. ``required=True`` (transport ``rdma``) raises
-    instead of falling back."""
-    from rdmakv.transport.tcp import TcpTransport
-
-    ok, why = rdma_usable()
-    if ok and "rdma" not in info.transports:
-        ok, why = False, f"the node does not offer rdma (offers {', '.join(info.transports)})"
-    if ok:
-        try:
-            t = RdmaTransport(channel, info, timeout)
-            log.info("rdmakv: transport rdma (%s)", why)
-            return t
-        except RdmakvError as e:
-            ok, why = False, f"RDMA set-up with the node failed: {e}"
-    if required:
-        raise RdmaUnavailable(why)
-    log.warning("rdmakv: transport tcp (RDMA not used: %s)", why)
-    return TcpTransport(channel, info, timeout)
-
-
 class _Window:
     """One bound window of a session over [addr, addr+length), shared by the
     ``count`` extent grants it covers (contiguous extents of one grant call
@@ -789,12 +766,6 @@ class RdmaNodeDataPath(NodeDataPath):
     def sessions(self) -> int:
         with self._lock:
             return sum(1 for s in self._sessions.values() if s.qp is not None)
-
-    @property
-    def live_windows(self) -> int:
-        """Windows bound right now, all sessions (tests, stats)."""
-        with self._lock:
-            return sum(len(s.windows) for s in self._sessions.values())
 
     def session_closed(self, session: NodeSession) -> None:
         self._drop(session.session_id)

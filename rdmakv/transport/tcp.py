@@ -41,12 +41,13 @@ and the reader's verification come from that pass instead of one more read
 of every block. A receive hashes each call's bytes right after the copy wrote
 them. A send moves 128 KiB or 512 KiB per call and hashes each right before
 or right after it, whichever plan the process measured to cost its thread
-less on this CPU (:func:`hashed_send_plan`; rk_tcp.h has the figures).
+less on this CPU (:func:`hashed_send_plan`; rk_tcp.h says why).
 A receive that runs out of bytes mid-list polls for the rest without sleeping
 for up to 100 us before it sleeps, while its process has fewer receives in
 flight than CPUs: the sender then need not wake it for every segment
-(:func:`set_recv_spin_us`, ``RDMAKV_TCP_RECV_SPIN_US``; rk_tcp.h has the
-figures).
+(:func:`set_recv_spin_us`, ``RDMAKV_TCP_RECV_SPIN_US``; rk_tcp.h says why).
+The figures behind both: bench/README.md, section "Measurements moved from
+code comments (issue 58)".
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
 raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
 mid-transfer raises ``ConnectionLost``). Without the native module, or with
