@@ -272,8 +272,11 @@ def pct(xs: Sequence[float], q: float) -> float:
 def measure(
     chunk: int, chunks: int, repeats: int, lookup_rounds: int, transport: str
 ) -> dict[str, Any]:
+    # Over RDMA a get leases what it reads, a client may lease up to half the pool,
+    # and a get keeps up to four sub-batches leased: room for the whole batch twice.
+    room = 2.5 if transport == "rdma" else 1.25
     node = LocalNodeProcess(
-        {"pool-size": str(int(chunks * chunk * 1.25)), "block-size": str(chunk),
+        {"pool-size": str(int(chunks * chunk * room)), "block-size": str(chunk),
          "transport": transport},
         extra_args=["--no-lock"],
     )
