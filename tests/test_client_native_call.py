@@ -15,6 +15,7 @@ recorded by a wrapper around it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,6 +44,9 @@ pytestmark = [
 
 BLOCK = 64 * 1024
 DIGEST = b"d" * 16
+
+STALL_S = 0.3
+"""How long the node stays stopped (SIGSTOP) while a get waits for its answer."""
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
@@ -235,7 +239,7 @@ def test_the_native_get_receives_with_the_process_receive_spin_setting(
     """rk_tcp.c is compiled into rdmakv._native_call too, with statics of its
     own; native_core points them at _native_tcp's, so the get call's receive
     waits obey tcp.set_recv_spin_us and count in tcp.recv_wait_counts."""
-    n = client_slab.num_blocks // 2  # 8 MiB: more than one socket buffer, so it waits
+    n = client_slab.num_blocks // 2
     keys = [b"spin-%03d" % i for i in range(n)]
     before_us = tcp.recv_spin_us()
     assert before_us is not None
@@ -245,11 +249,18 @@ def test_the_native_get_receives_with_the_process_receive_spin_setting(
         assert c.put(keys, src, BLOCK, [DIGEST] * n) == [True] * n
         dst = client_slab.alloc_many(n)
         tcp.set_recv_spin_us(0)
+        # The node is stopped while the get starts, so its first answer cannot be
+        # there yet: the get's receive has to wait, however loaded this host is.
+        wake = threading.Timer(STALL_S, node.resume)
         try:
             before = tcp.recv_wait_counts()
+            node.pause()
+            wake.start()
             assert c.get(keys, dst, [DIGEST] * n) == [True] * n
             after = tcp.recv_wait_counts()
         finally:
+            wake.cancel()
+            node.resume()
             tcp.set_recv_spin_us(before_us)
     assert len(got_back) == 1 and got_back[0] is not None  # the native call answered
     for s, d in zip(src, dst, strict=True):
