@@ -482,3 +482,25 @@ def test_selective_offload_hint_and_hot(node_factory: Any, engines: Any) -> None
     # offload "all" stores every chunk once: vLLM need not offer the hits again
     e = engines(node=node.endpoint, offload="all")
     assert e.tier.on_new_request(e.request()).policy is OffloadPolicy.CHUNK_LEVEL
+
+
+def test_a_job_whose_rows_do_not_match_its_keys_fails_alone(
+    node_factory: Any, engines: Any
+) -> None:
+    """Rows and keys of unequal length (a caller's bug) fail that job, logged; the
+    I/O thread goes on and the next job is served."""
+    node = node_factory()
+    e = engines(node=node.endpoint, offload="all")
+    core = e.tier.core
+    keys = chunk_keys("mismatch", 2)
+    core.store(10_001, keys, [0])  # two keys, one row
+    core.store(10_002, keys[:1], [1])
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < 2:
+        assert time.monotonic() < deadline, "the jobs never ended"
+        got.update((out.job_id, out) for out in core.finished())
+        time.sleep(0.005)
+    assert got[10_001].ok == [False, False] and got[10_001].nbytes == 0
+    assert got[10_002].success and core.stats.stored_chunks == 1
+    assert node_has(node, e, keys) == [True, False]
