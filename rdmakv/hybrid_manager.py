@@ -27,11 +27,21 @@ The group is part of every block key: group ``g``'s keys are chained with
 ``extra = g.key_extra(request_extra)`` (see :class:`~rdmakv.hybrid.KVCacheGroup`),
 so equal tokens in two groups never share a key.
 
-Ownership: :meth:`acquire` hands the caller one slab reference per block in
+This is the one class that keeps "a manager per KV cache group": the vLLM
+connector's :class:`~rdmakv.connectors.store.GroupStores` holds one too and adds
+only what is the connector's (paged copies, audits, metrics).
+
+Ownership: this class builds its managers (and through them their node
+clients) in ``__init__`` -- if one fails, those already built are closed
+before the error propagates -- and owns them until :meth:`close`, which closes
+every one and leaves :attr:`HybridKVCacheManager.managers` empty (closing twice
+is harmless). :meth:`acquire` hands the caller one slab reference per block in
 :class:`HybridAcquired` (per group, block index -> handle), held until
-:meth:`release`. Only full blocks of each group are cached (partial blocks
-never are), and hits are multiples of the lcm of the block sizes.
-Single-threaded, like the managers it wraps.
+:meth:`release`; :meth:`acquire_blocks` hands out handles of one group, which the
+caller gives back with that group's ``manager(group_id).release``. Only full
+blocks of each group are cached (partial blocks never are), and hits are
+multiples of the lcm of the block sizes. Single-threaded, like the managers it
+wraps.
 """
 
 from __future__ import annotations
@@ -93,8 +103,11 @@ class HybridAcquired:
 class HybridKVCacheManager:
     """Prefix cache over several KV cache groups; see the module docstring.
 
+    Invariants: ``managers[k]`` serves ``groups[k]`` (the order of ``groups``
+    as given), group ids are unique, and every key of group ``g`` is made with
+    ``g.key_extra(extra)``; the managers are this object's until :meth:`close`.
     Options other than ``groups`` are those of :class:`KVCacheManager` and
-    apply to every group.
+    apply to every group (``streams`` included).
     """
 
     def __init__(
@@ -111,6 +124,7 @@ class HybridKVCacheManager:
         timeout: float = 5.0,
         lock_slab: bool = True,
         replication: int = 1,
+        streams: int | None = None,
     ) -> None:
         for gl in groups:
             if not isinstance(gl, GroupLayout):
@@ -140,6 +154,7 @@ class HybridKVCacheManager:
                         timeout=timeout,
                         lock_slab=lock_slab,
                         replication=replication,
+                        streams=streams,
                     )
                 )
         except BaseException:
@@ -194,11 +209,28 @@ class HybridKVCacheManager:
 
         One L1 index pass plus at most one batched node ``exists`` per group.
         """
-        limit = self._limit(tokens, max_tokens)
-        return [
-            m.hit_bitmap(tokens, extra=g.key_extra(extra), max_blocks=limit // g.block_size)
+        return self.batch_hit_bitmaps([(tokens, extra, max_tokens)])[0]
+
+    def batch_hit_bitmaps(
+        self, prompts: Sequence[tuple[Tokens, bytes | None, int | None]]
+    ) -> list[list[list[bool]]]:
+        """:meth:`hit_bitmaps` of several ``(tokens, extra, max_tokens)`` at once:
+        per prompt, per group, with one batched node ``exists`` per group for all.
+
+        Real bitmaps, not leading runs: a sliding-window or state group may hit
+        after a hole (its early blocks were never saved or were evicted).
+        """
+        limits = [self._limit(tokens, max_tokens) for tokens, _, max_tokens in prompts]
+        per_group = [
+            m.hit_bitmaps(
+                [
+                    (tokens, g.key_extra(extra), limit // g.block_size)
+                    for (tokens, extra, _), limit in zip(prompts, limits, strict=True)
+                ]
+            )
             for g, m in zip(self.groups, self.managers, strict=True)
         ]
+        return [[bitmaps[p] for bitmaps in per_group] for p in range(len(prompts))]
 
     def exists(
         self, tokens: Tokens, *, extra: bytes | None = None, max_tokens: int | None = None
@@ -208,6 +240,17 @@ class HybridKVCacheManager:
         limit = self._limit(tokens, max_tokens)
         bitmaps = self.hit_bitmaps(tokens, extra=extra, max_tokens=limit)
         return longest_common_hit(self.groups, bitmaps, limit)
+
+    def acquire_blocks(
+        self, group_id: int, tokens: Tokens, indices: Sequence[int], *, extra: bytes | None = None
+    ) -> list[int | None]:
+        """Hold blocks ``indices`` of group ``group_id`` (L1, then one batched node fetch):
+        a handle or None each, as :meth:`KVCacheManager.acquire_blocks`; give the
+        handles back with ``manager(group_id).release``."""
+        k = self._index(group_id)
+        return self.managers[k].acquire_blocks(
+            tokens, indices, extra=self.groups[k].key_extra(extra)
+        )
 
     def acquire(
         self, tokens: Tokens, *, extra: bytes | None = None, max_tokens: int | None = None
@@ -231,9 +274,9 @@ class HybridKVCacheManager:
         """Every group's required blocks for ``length``, or None (all released, the
         missing blocks cleared in ``bitmaps``) if one turned out missing."""
         held: list[dict[int, int]] = []
-        for k, (g, m) in enumerate(zip(self.groups, self.managers, strict=True)):
+        for k, g in enumerate(self.groups):
             need = list(g.spec.required_blocks(length))
-            got = m.acquire_blocks(tokens, need, extra=g.key_extra(extra))
+            got = self.acquire_blocks(g.group_id, tokens, need, extra=extra)
             blocks = {i: h for i, h in zip(need, got, strict=True) if h is not None}
             held.append(blocks)
             if len(blocks) < len(need):
@@ -271,6 +314,7 @@ class HybridKVCacheManager:
         return all([m.flush(timeout) for m in self.managers])
 
     def close(self) -> None:
+        """Close every group's manager (and its node clients); idempotent."""
         for m in self.managers:
             m.close()
         self.managers = []

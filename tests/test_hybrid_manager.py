@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import NodeProcess
 from test_hybrid import reference_longest_common_hit
-from test_manager import CountingClient
+from test_manager import CountingClient, count_calls
 
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, StateSpec
@@ -29,6 +29,7 @@ from rdmakv.hybrid_manager import (
     HybridKVCacheManager,
 )
 from rdmakv.keys import BlockKey, KeyNamespace
+from rdmakv.streams import MultiStreamClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,3 +271,36 @@ def test_l1_only_hybrid_and_bad_configuration() -> None:
             h.put(9, tokens, [])
     with pytest.raises(ConfigError, match="unique"):
         make(None, [THREE_GROUPS[0], THREE_GROUPS[0]], "dup", "none")
+
+
+def test_batched_lookup_is_one_node_call_per_group_and_streams_reach_every_group(
+    node: NodeProcess,
+) -> None:
+    """``batch_hit_bitmaps`` answers several prompts with one ``exists`` per group,
+    as each prompt's own :meth:`hit_bitmaps` would; ``streams`` applies to every group."""
+    ns = KeyNamespace(model="hybrid-batch", dtype="bfloat16")
+    writer = make(node, TWO_GROUPS, "hybrid-batch", "all")
+    reader = HybridKVCacheManager(
+        namespace=ns, groups=TWO_GROUPS, node=node.endpoint, transport="tcp", offload="none",
+        timeout=CLIENT_TIMEOUT, lock_slab=False, streams=2,
+    )
+    with writer, reader:
+        assert all(
+            isinstance(m.client, MultiStreamClient) and m.client.streams == 2
+            for m in reader.managers
+        )
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(0, VOCAB, 192, dtype=np.int32) for _ in range(3)]
+        for i in range(12):
+            put_block(writer, 0, prompts[0], i)
+        for i in (1, 3):  # holes: a window group's bitmap is not a leading run
+            put_block(writer, 1, prompts[1], i)
+        assert writer.flush(FLUSH_TIMEOUT)
+        asks = [(prompts[0], None, None), (prompts[1], None, 150), (prompts[2], None, None)]
+        one_by_one = [reader.hit_bitmaps(t, extra=e, max_tokens=m) for t, e, m in asks]
+        counts = [count_calls(m) for m in reader.managers]
+        assert reader.batch_hit_bitmaps(asks) == one_by_one
+        assert [c["exists"] for c in counts] == [1, 1]
+        assert one_by_one[0] == [[True] * 12, [False] * 4]
+        assert one_by_one[1] == [[False] * 9, [False, True, False]]
+        assert reader.batch_hit_bitmaps([]) == []

@@ -1,9 +1,13 @@
-"""Per-group KV stores of a connector: one :class:`KVCacheManager` per KV cache group.
+"""Per-group KV stores of a connector: a manager per KV cache group, and what a connector adds.
 
 A hybrid model's groups differ in layers (and possibly block sizes), so each
 group gets its own manager: its own slab of group-block-sized blocks, sharing
-one node. The group is part of every key (:meth:`KVCacheGroup.key_extra`), so
-groups never see each other's blocks even on one node.
+one node. Those managers belong to one
+:class:`~rdmakv.hybrid_manager.HybridKVCacheManager` (it builds them, looks up
+across them and closes them); the group is part of every key
+(:meth:`KVCacheGroup.key_extra`), so groups never see each other's blocks even
+on one node. This module adds what is the connector's: its options, paged
+loads and saves, audits and metrics.
 
 Used by both connector sides:
 
@@ -47,6 +51,7 @@ from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import KVCacheGroup
+from rdmakv.hybrid_manager import GroupLayout, HybridKVCacheManager
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
 from rdmakv.metrics.client import ClientMetrics, start_http_server
@@ -252,10 +257,16 @@ class StoreStats:
 
 
 class GroupStores:
-    """One manager per group; ``block_bytes[k]`` is group ``k``'s block size in bytes.
+    """A connector's stores: ``cache``, one manager per group; ``block_bytes[k]`` is
+    group ``k``'s block size in bytes.
 
-    ``scheduler=True`` makes control-only stores (tiny L1, no offload): the
-    scheduler side only asks what is cached.
+    ``scheduler=True`` makes control-only stores (tiny L1, no offload, one
+    stream unless ``streams`` is set): the scheduler side only asks what is
+    cached. Invariants: this object owns ``cache`` (and through it every
+    group's manager and node clients) and its metrics server from ``__init__``
+    (which closes what it opened if it fails) until :meth:`close`; a block a
+    call takes from a manager is given back before that call returns, except
+    the blocks of a :class:`PendingAudit`, held until :meth:`end_audit`.
     """
 
     def __init__(
@@ -270,7 +281,6 @@ class GroupStores:
     ) -> None:
         if len(groups) != len(block_bytes) or not groups:
             raise ConfigError(f"{len(groups)} groups but {len(block_bytes)} block sizes")
-        self.groups = list(groups)
         self.block_bytes = list(block_bytes)
         self.stats = StoreStats()
         self.namespace = namespace
@@ -278,37 +288,24 @@ class GroupStores:
         self.audits = AuditLedger(
             self.guard, tolerance=options.audit_tolerance, quarantine=options.audit_quarantine
         )
-        share = options.l1_bytes // len(groups)
-        self.managers: list[KVCacheManager] = []
         self.metrics: ClientMetrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.cache = HybridKVCacheManager(
+            namespace=namespace,
+            groups=_layouts(groups, self.block_bytes, options.l1_bytes, scheduler),
+            node=options.node,
+            transport=options.transport,
+            policy=options.policy,
+            offload="none" if scheduler else options.offload,
+            offload_budget=None if scheduler else options.offload_budget,
+            token=options.secret(),
+            timeout=options.timeout,
+            lock_slab=options.lock_slab and not scheduler,
+            replication=options.replication,
+            # the scheduler side only looks keys up: no second QP
+            streams=1 if scheduler and options.streams is None else options.streams,
+        )
         try:
-            for group, nbytes in zip(self.groups, self.block_bytes, strict=True):
-                l1 = nbytes * SCHEDULER_L1_BLOCKS if scheduler else share
-                if l1 < nbytes:
-                    raise ConfigError(
-                        f"l1_bytes {options.l1_bytes} leaves {share} bytes per group, less than "
-                        f"one {nbytes}-byte block"
-                    )
-                self.managers.append(
-                    KVCacheManager(
-                        namespace=namespace,
-                        block_tokens=group.block_size,
-                        block_bytes=nbytes,
-                        l1_bytes=l1,
-                        node=options.node,
-                        transport=options.transport,
-                        policy=options.policy,
-                        offload="none" if scheduler else options.offload,
-                        offload_budget=None if scheduler else options.offload_budget,
-                        token=options.secret(),
-                        timeout=options.timeout,
-                        lock_slab=options.lock_slab and not scheduler,
-                        replication=options.replication,
-                        # the scheduler side only looks keys up: no second QP
-                        streams=1 if scheduler and options.streams is None else options.streams,
-                    )
-                )
             if fingerprint is not None:
                 conflict = check_fingerprint(self.managers[0], namespace, fingerprint)
                 if conflict is not None:
@@ -320,6 +317,16 @@ class GroupStores:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def groups(self) -> list[KVCacheGroup]:
+        """The KV cache groups, in the engine's order."""
+        return self.cache.groups
+
+    @property
+    def managers(self) -> list[KVCacheManager]:
+        """``managers[k]`` serves ``groups[k]`` (``cache``'s; empty once closed)."""
+        return self.cache.managers
 
     def _serve_metrics(self, port: int) -> None:
         """Export the managers' metrics in the process registry (the engine's own
@@ -363,13 +370,7 @@ class GroupStores:
     ) -> list[list[list[bool]]]:
         """Per ``(tokens, extra)`` and per group: which full blocks are cached (L1, then the
         node), with one batched node call per group for all the prompts together."""
-        per_group = [
-            mgr.hit_bitmaps([(tokens, g.key_extra(extra), None) for tokens, extra in prompts])
-            for g, mgr in zip(self.groups, self.managers, strict=True)
-        ]
-        # Real bitmaps, not leading runs: a sliding-window or state group may hit
-        # after a hole (its early blocks were never saved or were evicted).
-        return [[bitmaps[p] for bitmaps in per_group] for p in range(len(prompts))]
+        return self.cache.batch_hit_bitmaps([(tokens, extra, None) for tokens, extra in prompts])
 
     # -- worker side -----------------------------------------------------------------------
     def load(
@@ -404,10 +405,11 @@ class GroupStores:
             got: list[int | None] = []
             started = time.perf_counter()
             try:
-                got = mgr.acquire_blocks(
+                got = self.cache.acquire_blocks(
+                    g.group_id,
                     transfer.tokens[: part.end_block * g.block_size],
                     [i for i, _ in wanted],
-                    extra=g.key_extra(transfer.extra),
+                    extra=transfer.extra,
                 )
                 fetched = time.perf_counter()
                 self.stats.fetch_s += fetched - started
@@ -467,7 +469,6 @@ class GroupStores:
             zip(self.groups, transfer.groups, copiers, self.managers, strict=True)
         ):
             tokens = transfer.tokens[: part.end_block * g.block_size]
-            extra = g.key_extra(transfer.extra)
             for first, ids in _runs(part.first_block, part.block_ids, null_block):
                 audited = audit is not None and any(
                     first + j in audit.fetched[k] for j in range(len(ids))
@@ -486,12 +487,15 @@ class GroupStores:
                     )
                     continue
                 if audit is not None and audited:
-                    self._compare(audit, k, copier, tokens, extra, first, handles)
+                    self._compare(audit, k, copier, tokens, transfer.extra, first, handles)
                 if self.guard.reason is not None:
                     mgr.discard(handles)
                     continue
                 try:
-                    mgr.put(tokens, handles, extra=extra, first_block=first, keep=transfer.keep)
+                    self.cache.put(
+                        g.group_id, tokens, handles, extra=transfer.extra, first_block=first,
+                        keep=transfer.keep,
+                    )
                 except RdmakvError as e:  # put takes the handles over even when it fails
                     self.stats.failed_save_blocks += len(ids)
                     log.warning(
@@ -511,17 +515,16 @@ class GroupStores:
         """Hold the blocks ``transfer`` would have loaded (L1, then one node fetch per
         group); blocks not found are not audited. Release with :meth:`end_audit`."""
         audit = PendingAudit(transfer.req_id, [{} for _ in self.groups])
-        for k, (g, part, mgr) in enumerate(
-            zip(self.groups, transfer.groups, self.managers, strict=True)
-        ):
+        for k, (g, part) in enumerate(zip(self.groups, transfer.groups, strict=True)):
             wanted = [part.first_block + j for j, b in enumerate(part.block_ids) if b != null_block]
             if not wanted:
                 continue
             try:
-                got = mgr.acquire_blocks(
+                got = self.cache.acquire_blocks(
+                    g.group_id,
                     transfer.tokens[: part.end_block * g.block_size],
                     wanted,
-                    extra=g.key_extra(transfer.extra),
+                    extra=transfer.extra,
                 )
             except RdmakvError as e:
                 log.warning("request %s: audit fetch of group %d failed: %s",
@@ -576,7 +579,7 @@ class GroupStores:
                     copier.block_layers(mgr.slab, h), copier.block_layers(mgr.slab, fetched)
                 )
                 if chain is None:
-                    chain = mgr.keyer.chain(tokens, extra)
+                    chain = mgr.keyer.chain(tokens, self.groups[k].key_extra(extra))
                 self.audits.compared(
                     audit, diff, key=chain[first + j][1], group=k, block=first + j
                 )
@@ -584,19 +587,36 @@ class GroupStores:
                 mgr.release([fetched])
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every group's offloads reached the node."""
-        return all(m.flush(timeout) for m in self.managers)
+        """Wait until every group's offloads reached the node (see ``cache.flush``)."""
+        return self.cache.flush(timeout)
 
     def close(self) -> None:
+        """Stop the metrics, then close ``cache`` (every group's manager); idempotent."""
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        for m in self.managers:
-            m.close()
-        self.managers = []
+        self.cache.close()
+
+
+def _layouts(
+    groups: Sequence[KVCacheGroup], block_bytes: Sequence[int], l1_bytes: int, scheduler: bool
+) -> list[GroupLayout]:
+    """Each group with its block bytes and L1: ``l1_bytes`` split evenly (a worker), or
+    the smallest L1 possible (the scheduler side, which never holds KV)."""
+    share = l1_bytes // len(groups)
+    layouts: list[GroupLayout] = []
+    for group, nbytes in zip(groups, block_bytes, strict=True):
+        l1 = nbytes * SCHEDULER_L1_BLOCKS if scheduler else share
+        if l1 < nbytes:
+            raise ConfigError(
+                f"l1_bytes {l1_bytes} leaves {share} bytes per group, less than "
+                f"one {nbytes}-byte block"
+            )
+        layouts.append(GroupLayout(group, nbytes, l1))
+    return layouts
 
 
 def _runs(
