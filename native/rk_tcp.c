@@ -3,12 +3,9 @@
 #include "rk_tcp.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -114,133 +111,20 @@ static int recv_wait(int fd, int timeout_ms, int64_t deadline, int *err) {
     return wait_fd(fd, POLLIN, timeout_ms, deadline, err);
 }
 
-/* The hashed-send plan (see rk_tcp.h). `chosen` is read without the lock:
- * the plan in use as window * 2 + ahead, 0 before the first choice.
- * Everything else is shared by every thread that sends hashed, under
- * probe_lock. */
-static const struct send_plan {
-    uint64_t window;
-    int ahead; /* the window is hashed before its sendmsg, not right after */
-} plans[RK_TCP_SEND_PLANS] = {
-    {RK_TCP_HASHED_WINDOW_SMALL, 0},
-    {RK_TCP_HASHED_WINDOW_LARGE, 0},
-    {RK_TCP_HASHED_WINDOW_SMALL, 1},
-    {RK_TCP_HASHED_WINDOW_LARGE, 1},
-};
-static uint64_t chosen;
-static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
-static int fixed;       /* set by rk_tcp_set_hashed_send_plan: never measure */
-static int probing = 1; /* before the first choice: every window measures a plan */
-static int warm_up = RK_TCP_WINDOW_WARM_UP; /* windows left before the samples */
-static uint64_t since;  /* after a choice: windows since the last one that measured */
-static uint64_t choices;
-static double probe_cost[RK_TCP_SEND_PLANS][RK_TCP_WINDOW_PROBES]; /* ns of thread CPU per byte */
-static int probe_count[RK_TCP_SEND_PLANS];
-static unsigned probe_turn;
+/* The hashed-send plan (see rk_tcp.h) as window * 2 + ahead: one word, so
+ * that a send reads a consistent pair without a lock. Until one is set:
+ * RK_TCP_WINDOW, hashed after its sendmsg. */
+static uint64_t send_plan = (uint64_t)RK_TCP_WINDOW * 2;
 
-static uint64_t chosen_plan(void) { return __atomic_load_n(&chosen, __ATOMIC_ACQUIRE); }
-
-static int64_t thread_ns(void) {
-    struct timespec ts = {0, 0}; /* no such clock: every sample 0, a tie: the first plan */
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-/* The plan the next window should measure (one with the fewest samples,
- * taken in turn), or -1: use the chosen plan. Before the first choice every
- * window measures; after it, one in RK_TCP_WINDOW_RESAMPLE. Only a window
- * that starts `clean` (see run_loop) measures: else *due is set, and the
- * window catches up instead. */
-static int probe_next(int clean, int *due) {
-    pthread_mutex_lock(&probe_lock);
-    int which = -1;
-    *due = 0;
-    if (!fixed) {
-        int measure = probing || ++since >= RK_TCP_WINDOW_RESAMPLE;
-        if (measure && !clean) {
-            *due = 1;
-        } else if (measure) {
-            since = 0;
-            which = (int)(probe_turn++ % RK_TCP_SEND_PLANS);
-            for (int k = 1; k < RK_TCP_SEND_PLANS; k++) {
-                int j = (which + k) % RK_TCP_SEND_PLANS;
-                if (probe_count[j] < probe_count[which]) which = j;
-            }
-        }
-    }
-    pthread_mutex_unlock(&probe_lock);
-    return which;
-}
-
-/* One window of plan `which`: `cost` ns of thread CPU per byte moved and
- * hashed. The last sample needed settles the choice (ties keep the earlier
- * plan), and the next round of samples starts from none. */
-static void probe_record(int which, double cost) {
-    pthread_mutex_lock(&probe_lock);
-    if (fixed) {
-        /* set meanwhile by another thread */
-    } else if (warm_up > 0) {
-        warm_up--;
-    } else if (probe_count[which] < RK_TCP_WINDOW_PROBES) {
-        probe_cost[which][probe_count[which]++] = cost;
-        int full = 1;
-        for (int j = 0; j < RK_TCP_SEND_PLANS; j++) full &= probe_count[j] == RK_TCP_WINDOW_PROBES;
-        if (full) {
-            int best = 0;
-            double least = median(probe_cost[0], RK_TCP_WINDOW_PROBES);
-            for (int j = 1; j < RK_TCP_SEND_PLANS; j++) {
-                double cost = median(probe_cost[j], RK_TCP_WINDOW_PROBES);
-                if (cost < least) {
-                    least = cost;
-                    best = j;
-                }
-            }
-            __atomic_store_n(&chosen, plans[best].window * 2 + (uint64_t)plans[best].ahead,
-                             __ATOMIC_RELEASE);
-            memset(probe_count, 0, sizeof probe_count);
-            probing = 0;
-            since = 0;
-            choices++;
-        }
-    }
-    pthread_mutex_unlock(&probe_lock);
-}
-
-int rk_tcp_hashed_send_plan(uint64_t *window, int *ahead) {
-    uint64_t c = chosen_plan();
-    if (!c) return -1;
-    *window = c / 2;
-    *ahead = (int)(c & 1);
-    return 0;
-}
-
-uint64_t rk_tcp_hashed_send_choices(void) {
-    pthread_mutex_lock(&probe_lock);
-    uint64_t n = choices;
-    pthread_mutex_unlock(&probe_lock);
-    return n;
+void rk_tcp_hashed_send_plan(uint64_t *window, int *ahead) {
+    uint64_t p = __atomic_load_n(&send_plan, __ATOMIC_RELAXED);
+    *window = p / 2;
+    *ahead = (int)(p & 1);
 }
 
 int rk_tcp_set_hashed_send_plan(uint64_t bytes, int ahead) {
-    if (bytes > RK_TCP_WINDOW || (ahead != 0 && ahead != 1)) return -1;
-    pthread_mutex_lock(&probe_lock);
-    fixed = bytes != 0;
-    probing = !fixed;
-    memset(probe_count, 0, sizeof probe_count);
-    warm_up = RK_TCP_WINDOW_WARM_UP;
-    since = choices = 0;
-    __atomic_store_n(&chosen, fixed ? bytes * 2 + (uint64_t)ahead : 0, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&probe_lock);
+    if (bytes == 0 || bytes > RK_TCP_WINDOW || (ahead != 0 && ahead != 1)) return -1;
+    __atomic_store_n(&send_plan, bytes * 2 + (uint64_t)ahead, __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -350,12 +234,11 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
     size_t i = 0;
     uint64_t off = skip, moved = skip, bytes;
     uint64_t cap = RK_TCP_WINDOW;
-    /* a hashed send takes part in measuring its windows, but not on a blocking
-     * socket, where the calls' time would include the waits for room */
-    int measures = 0;
-    if (h && sending) {
-        int fl = fcntl(fd, F_GETFL);
-        measures = fl >= 0 && (fl & O_NONBLOCK);
+    int ahead = 0; /* each window is hashed before its sendmsg */
+    if (h && sending) { /* the plan as this call starts (rk_tcp.h) */
+        uint64_t plan = __atomic_load_n(&send_plan, __ATOMIC_RELAXED);
+        cap = plan / 2;
+        ahead = (int)(plan & 1);
     }
     *err = 0;
     *done = skip;
@@ -378,29 +261,6 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             return RK_TCP_OK;
         }
         size_t end = n;
-        /* no byte past `moved` hashed yet: a window that measures a plan
-         * must start so, or its copy would find bytes an earlier window
-         * hashed ahead in the cache */
-        int clean = h && h->at == moved;
-        int due = 0;
-        int which = measures ? probe_next(clean, &due) : -1; /* the plan this window measures */
-        int ahead = 0; /* this window is hashed before its sendmsg */
-        int64_t t_start = 0, t_copy = 0, t_copied = 0;
-        uint64_t hashed_from = h ? h->at : 0;
-        if (which >= 0) {
-            cap = plans[which].window;
-            ahead = plans[which].ahead;
-            t_start = thread_ns();
-        } else if (h && sending) {
-            uint64_t plan = chosen_plan();
-            cap = plan ? plan / 2 : RK_TCP_HASHED_WINDOW_SMALL;
-            ahead = (int)(plan & 1);
-            /* a window is due to measure, but a send cut short left bytes
-             * hashed ahead of it: this one ends where the hash did, so the
-             * next starts clean (sends that keep filling the socket would
-             * otherwise never let a window measure) */
-            if (due && h->at - moved < cap) cap = h->at - moved;
-        }
         if (h && sending) {
             /* A window hashed right after it goes out (below) holds a range
              * of hashes[] entries only at its start: every range before it
@@ -429,9 +289,7 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             memset(&msg, 0, sizeof msg);
             msg.msg_iov = win;
             msg.msg_iovlen = (size_t)k;
-            if (which >= 0) t_copy = thread_ns();
             r = sendmsg(fd, &msg, MSG_NOSIGNAL);
-            if (which >= 0) t_copied = thread_ns();
         } else {
             r = readv(fd, win, k);
         }
@@ -442,21 +300,6 @@ static int run_loop(int fd, int sending, const uint64_t *iov, size_t n, uint64_t
             /* hashed right after the copy into or out of the socket, while
              * the bytes are still in the CPU cache (sends hashed ahead: done) */
             if (h && hash_to(h, iov, n, moved)) goto nomem;
-            /* A sample: the copy's ns per byte it moved plus the hash's per
-             * byte it hashed (before and after the copy), so that a send cut
-             * short after its window was hashed ahead still counts, from a
-             * (clean) window at least half the plan's size: a short window's
-             * fixed costs would skew it (windows cut short by the end of the
-             * list, a checksum row or the next range not fitting whole;
-             * after a partial send a window starts inside a range and rarely
-             * fills exactly). */
-            if (which >= 0 && 2 * bytes >= cap && h->at > hashed_from) {
-                int64_t t_end = thread_ns();
-                double copy = (double)(t_copied - t_copy) / (double)r;
-                double hash = (double)((t_copy - t_start) + (t_end - t_copied)) /
-                              (double)(h->at - hashed_from);
-                probe_record(which, copy + hash);
-            }
             if (timeout_ms >= 0) deadline = now_ms() + timeout_ms;
             continue;
         }

@@ -29,43 +29,13 @@
  * sendmsg copies it (ahead) or right after. Either way one of the two reads
  * takes the bytes from memory and the other finds them in the CPU cache;
  * which order and which size cost the sending thread least depends on the
- * CPU, so the loop measures them. On one CPU 512 KiB windows left the cache
- * before the hash read them, and small windows hashed after their sendmsg
- * cost least; on another the kernel's copy from memory cost more than the
- * hash's read from memory and the copy from the cache together, and large
- * windows hashed ahead cost least.
- * So the first hashed sends of a process on a non-blocking socket take the
- * RK_TCP_SEND_PLANS plans (each window size, each order) in turn, and time
- * each window's sendmsg and hash on the thread's CPU clock (waits for room
- * are polls outside it). A sample is the copy's nanoseconds per byte it
- * moved plus the hash's per byte it hashed, so that a send cut short after
- * its window was hashed ahead still counts; it is taken only from a window
- * at least half its plan's size that starts with nothing past it hashed yet
- * (else its copy would find bytes an earlier window hashed ahead in the
- * cache). When a window is due to measure but a send cut short left bytes
- * hashed ahead, it ends where the hash did instead, and the next measures:
- * sends that keep filling the socket would otherwise never let one measure.
- * The first RK_TCP_WINDOW_WARM_UP windows are not counted
- * (a new connection's first sends cost more, whatever their plan); once
- * each plan has RK_TCP_WINDOW_PROBES samples, the one with the lowest median
- * is used. From then on one window in RK_TCP_WINDOW_RESAMPLE (the first
- * clean one after so many) measures a plan, each in turn, the chosen one
- * too, so that all are timed over the same stretch; each time every plan
- * has its samples again the choice is made anew. A choice made on one kind
- * of batch or in a noisy moment does not stay for good (one made on small
- * puts, where the sizes differ little, would otherwise hold for large ones
- * too), and the other plans move about 2% of the windows, spread thinly:
- * re-measuring in bursts instead caught puts mid-burst and slowed them, while
- * spread samples cost a put no more than a plan fixed at the one chosen.
+ * CPU. The plan is the process's, set once at start-up
+ * (rk_tcp_set_hashed_send_plan: rdmakv.transport.tcp sets the default or the
+ * configuration's tcp.send_plan, and `rdmakv doctor --tune` times the plans
+ * on a host); nothing here measures or changes it while bytes move.
  * A send that does not hash, and a receive (which hashes the bytes it has
- * just written, still in cache), keep RK_TCP_WINDOW: unhashed, 128 KiB
+ * just written, still in cache), keep RK_TCP_WINDOW: unhashed, smaller
  * windows were slower. */
-#define RK_TCP_HASHED_WINDOW_SMALL 131072
-#define RK_TCP_HASHED_WINDOW_LARGE 524288
-#define RK_TCP_SEND_PLANS 4 /* each window, hashed after its sendmsg, then each hashed ahead */
-#define RK_TCP_WINDOW_PROBES 24
-#define RK_TCP_WINDOW_WARM_UP 32
-#define RK_TCP_WINDOW_RESAMPLE 32
 
 /* Return codes. */
 #define RK_TCP_OK 0
@@ -161,20 +131,14 @@ int rk_tcp_recvv_hashed(int fd, const uint64_t *iov, size_t n, uint64_t skip, in
  * Python would make one call per value. */
 void rk_tcp_hash_ranges(const rk_hasher *hasher, const uint64_t *iov, size_t n,
                         uint64_t *hashes);
-/* The hashed-send plan in use, once measured (or set): *window bytes per
- * sendmsg (RK_TCP_HASHED_WINDOW_SMALL or _LARGE when measured), *ahead 1 when
- * each window is hashed before its sendmsg, 0 right after. 0, or -1 (nothing
- * set) before the process's first choice. */
-int rk_tcp_hashed_send_plan(uint64_t *window, int *ahead);
+/* The hashed-send plan in use: *window bytes per sendmsg, *ahead 1 when each
+ * window is hashed before its sendmsg, 0 right after. Until one is set:
+ * RK_TCP_WINDOW, hashed after. */
+void rk_tcp_hashed_send_plan(uint64_t *window, int *ahead);
 
-/* How often the measurement has settled on a plan since the process started
- * (or since the last rk_tcp_set_hashed_send_plan). */
-uint64_t rk_tcp_hashed_send_choices(void);
-
-/* Fix the plan at `bytes` (1 to RK_TCP_WINDOW) per sendmsg, hashed ahead
- * (`ahead` 1) or after (0), never measured again (tests, and an operator who
- * measured); bytes 0 forgets it: the next hashed sends measure anew. 0, or -1
- * for a size or `ahead` out of range. */
+/* Set the plan of every hashed send that starts from now on: `bytes` (1 to
+ * RK_TCP_WINDOW) per sendmsg, hashed ahead (`ahead` 1) or after (0). 0, or -1
+ * (nothing changes) for a size or `ahead` out of range. */
 int rk_tcp_set_hashed_send_plan(uint64_t bytes, int ahead);
 
 /* Copy `len` bytes from src into the list's first bytes, range by range

@@ -612,6 +612,11 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="check this machine's RDMA set-up and say how to fix it", parents=[common]
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--tune", action="store_true",
+        help="instead, time the TCP send plans on this host once (about a second) and "
+        "print the tcp.send_plan line to put in the rdmakv config",
+    )
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser(
@@ -676,8 +681,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from rdmakv.doctor import main as doctor_main
+    from rdmakv.doctor import tune_main
 
-    return doctor_main(as_json=args.json)
+    return tune_main(as_json=args.json) if args.tune else doctor_main(as_json=args.json)
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -708,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if args.verbose else _LOG_LEVELS[config.log.level]
     configure_logging(level, log_format)
     args.config_values = config
+    from rdmakv.transport import tcp  # here: --help and a bad config need no numpy
+
+    tcp.set_send_plan(config.tcp.send_plan)  # once, before any byte moves
     try:
         rc: int = args.func(args)
     except RdmakvError as e:

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from rdmakv.defaults import DEFAULT_TIMEOUT
 from rdmakv.errors import (
     AuthError,
     ConfigError,
@@ -97,7 +98,6 @@ from rdmakv.transport.congestion import apply_congestion
 log = logging.getLogger("rdmakv.client")
 _T = TypeVar("_T")
 
-DEFAULT_TIMEOUT = 5.0
 DEFAULT_CONNECT_RETRIES = 3
 PIPELINE_WINDOW = 4
 """Sub-batches a put/get splits into and keeps in flight: each one's ALLOC or

@@ -1,4 +1,4 @@
-"""rdmakv's one configuration: a YAML file with ``node``, ``client`` and ``log`` sections.
+"""rdmakv's one configuration: a YAML file with ``node``, ``client``, ``tcp`` and ``log`` sections.
 
 The schema below is the single source of truth: :func:`load_config` validates
 against it, ``rdmakv serve`` / ``demo`` / ``stats`` and the engine connectors
@@ -37,7 +37,7 @@ import sys
 import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 import annotated_types
 import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
@@ -115,6 +115,8 @@ Count = Annotated[int, Field(ge=1)]
 Transport = Literal["tcp", "rdma", "auto"]
 OffloadMode = Literal["none", "all", "hot", "cold", "reuse"]
 """Mirrors :data:`rdmakv.l1.offload_policies.OFFLOAD_MODES` (a test keeps them equal)."""
+TcpSendPlan = Literal["512k-ahead", "512k-after", "128k-ahead", "128k-after"]
+"""Mirrors the names of :data:`rdmakv.transport.tcp.SEND_PLANS` (a test keeps them equal)."""
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
 
@@ -131,8 +133,13 @@ class _Section(BaseModel):
 class NodeConfig(_Section):
     """``rdmakv serve``: one KV node."""
 
-    host: str = Field(default="127.0.0.1", description="bind address (`0.0.0.0`: every interface)")
-    port: Port = Field(default=7480, description="TCP port clients connect to (0: pick a free one)")
+    host: str = Field(
+        default=defaults.DEFAULT_HOST, description="bind address (`0.0.0.0`: every interface)"
+    )
+    port: Port = Field(
+        default=defaults.DEFAULT_PORT,
+        description="TCP port clients connect to (0: pick a free one)",
+    )
     pool_size: Size = Field(
         default=1 << 30, description="bytes of KV the node holds (its pinned pool)"
     )
@@ -152,7 +159,9 @@ class NodeConfig(_Section):
     lock_pool: bool = Field(
         default=True, description="mlock the pool (needs a memlock limit of at least pool_size)"
     )
-    metrics_host: str = Field(default="127.0.0.1", description="address of the metrics HTTP server")
+    metrics_host: str = Field(
+        default=defaults.DEFAULT_HOST, description="address of the metrics HTTP server"
+    )
     metrics_port: Port | None = Field(
         default=None, description="serve `/metrics`, `/healthz`, `/readyz` on this port (null: off)"
     )
@@ -203,7 +212,9 @@ class ClientConfig(_Section):
     nodes: str | None = Field(
         default=None, description="`HOST:PORT`, a list `a:7480,b:7480`, or `dns://NAME:PORT`"
     )
-    replication: int = Field(default=1, ge=1, description="copies of each block in a cluster")
+    replication: int = Field(
+        default=defaults.DEFAULT_REPLICATION, ge=1, description="copies of each block in a cluster"
+    )
     streams: int | None = Field(
         default=None,
         ge=1,
@@ -217,11 +228,17 @@ class ClientConfig(_Section):
     transport: Transport = Field(
         default="auto", description="`auto`: RDMA when a usable device exists, else TCP"
     )
-    timeout_s: Seconds = Field(default=5.0, description="seconds any remote wait may take")
+    timeout_s: Seconds = Field(
+        default=defaults.DEFAULT_TIMEOUT, description="seconds any remote wait may take"
+    )
     token_file: str | None = Field(default=None, description="file holding the nodes' token")
-    l1_size: Size = Field(default=1 << 30, description="the engine process's L1 (pinned slab)")
+    l1_size: Size = Field(
+        default=defaults.DEFAULT_L1_BYTES, description="the engine process's L1 (pinned slab)"
+    )
     offload: OffloadMode = Field(
-        default="reuse", description="which computed blocks go to the node (docs/offload.md)"
+        # a str there (defaults.py imports nothing, not even typing.Final); validated here
+        default=cast(OffloadMode, defaults.DEFAULT_OFFLOAD),
+        description="which computed blocks go to the node (docs/offload.md)",
     )
     offload_budget: Annotated[float, Field(gt=0, le=1)] | None = Field(
         default=None,
@@ -229,6 +246,18 @@ class ClientConfig(_Section):
     )
     metrics_port: Port | None = Field(
         default=None, description="client metrics HTTP server in the engine process (null: off)"
+    )
+
+
+class TcpConfig(_Section):
+    """The TCP loop of every ``rdmakv`` command and engine process, node and client alike."""
+
+    send_plan: TcpSendPlan = Field(
+        default=cast(TcpSendPlan, defaults.DEFAULT_TCP_SEND_PLAN),  # validated, as offload's
+        description="how a put's values go out as they are hashed: bytes per `sendmsg` "
+        "(`512k` / `128k`), each window hashed before (`ahead`) or after (`after`) it; "
+        "which costs least depends on the CPU: `rdmakv doctor --tune` times the four here "
+        "and prints the line to set",
     )
 
 
@@ -247,6 +276,7 @@ class RdmakvConfig(_Section):
     # Sections are frozen, so one default instance can be shared.
     node: NodeConfig = NodeConfig()
     client: ClientConfig = ClientConfig()
+    tcp: TcpConfig = TcpConfig()
     log: LogConfig = LogConfig()
 
 
@@ -259,6 +289,9 @@ SECTIONS: dict[str, type[_Section]] = {
 CONFIG_ENV = "RDMAKV_CONFIG"
 """Names the YAML file when no path is given."""
 ENV_PREFIX = "RDMAKV_"
+NOT_CONFIG_ENV = frozenset({"RDMAKV_TCP_NATIVE", "RDMAKV_TCP_RECV_SPIN_US"})
+"""Variables that look like ``RDMAKV_TCP_<KEY>`` but are not configuration
+(docs/operations.md): left alone, not refused as unknown ``tcp`` keys."""
 
 
 def env_var(section: str, key: str) -> str:
@@ -359,6 +392,8 @@ def _env_overrides(
     errors: list[tuple[str, str]] = []
     for name in sorted(env):
         raw = env[name]
+        if name in NOT_CONFIG_ENV:
+            continue
         for section, model in SECTIONS.items():
             prefix = f"{ENV_PREFIX}{section.upper()}_"
             if not name.startswith(prefix):
@@ -391,9 +426,10 @@ def load_config(
     """Validate the YAML file (``path``, else ``$RDMAKV_CONFIG``, else none) with the
     ``RDMAKV_<SECTION>_<KEY>`` variables of ``env`` (default: ``os.environ``) applied.
 
-    Variables outside the three sections (``RDMAKV_TCP_NATIVE``, ...) are not
-    configuration and are ignored; an unknown ``RDMAKV_NODE_*`` /
-    ``RDMAKV_CLIENT_*`` / ``RDMAKV_LOG_*`` variable is an error naming it.
+    Variables outside the sections (``RDMAKV_TCP_NATIVE``, ...; see
+    :data:`NOT_CONFIG_ENV`) are not configuration and are ignored; an unknown
+    ``RDMAKV_NODE_*`` / ``RDMAKV_CLIENT_*`` / ``RDMAKV_TCP_*`` / ``RDMAKV_LOG_*``
+    variable is an error naming it.
     Raises one :class:`ConfigError` listing every problem.
     """
     env = os.environ if env is None else env
@@ -588,6 +624,9 @@ log:
   `RDMAKV_REQUIRE_RDMA`, ...) are not configuration (docs/operations.md).
 * Sizes are bytes: an int, or a string with a unit: `256KiB`, `8GiB` (binary),
   `16k`, `2MB` (decimal).
+* `tcp` is read by every command (`serve` as much as `demo`) and connector, and
+  set once as the process starts; an unknown `RDMAKV_TCP_*` variable is an
+  error too, but for `RDMAKV_TCP_NATIVE` and `RDMAKV_TCP_RECV_SPIN_US`.
 * `client` keys left unset keep each tool's own default: the defaults below are
   the connectors'; `rdmakv demo` starts with a 32 MiB L1 and local nodes.
 * `python -m rdmakv.config --check FILE` validates a file (with the

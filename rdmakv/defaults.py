@@ -7,6 +7,14 @@ node or the client (and with them the wire protocol, numpy and the native
 core): reading a YAML file stays cheap and its layer stays below theirs.
 """
 
+# -- the node: where it listens (rdmakv.node.server.KVNode) -------------------------------------
+
+DEFAULT_HOST = "127.0.0.1"
+"""The address a node binds (and serves its metrics on) unless told otherwise: this
+host only, so that a node is reachable from elsewhere only when asked to be."""
+DEFAULT_PORT = 7480
+"""The TCP port a node listens on, and the one its clients' addresses name."""
+
 # -- the node: connection limits (rdmakv.node.admission.SessionLimits, docs/security.md) ------
 
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -30,8 +38,26 @@ DEFAULT_MAX_LEASES_PER_BLOCK = 4
 """Live leases one session may hold on one block: a reader needs one (a few while
 requests overlap); hundreds are hoarding."""
 
-# -- the client (rdmakv.streams) ---------------------------------------------------------------
+# -- the client (rdmakv.client, rdmakv.cluster, rdmakv.streams, the connectors) ---------------
+
+DEFAULT_TIMEOUT = 5.0
+"""Seconds any one remote wait of a client may take."""
+DEFAULT_REPLICATION = 1
+"""Copies of each block in a cluster."""
+DEFAULT_L1_BYTES = 1 << 30
+"""An engine process's L1 (its pinned slab), split evenly across its KV cache groups."""
+DEFAULT_OFFLOAD = "reuse"
+"""Which computed blocks an engine's L1 sends to the node (docs/offload.md)."""
 
 MAX_STREAMS = 16
 """More connections than this per engine process and node only hoard node
 sessions (the node limits connections per address)."""
+
+# -- the TCP loop of every process (rdmakv.transport.tcp, native/rk_tcp.h) ----------------------
+
+DEFAULT_TCP_SEND_PLAN = "512k-ahead"
+"""How a send that hashes as it goes moves its bytes: 512 KiB per ``sendmsg``, each
+window hashed right before the call. Of the four plans
+(:data:`rdmakv.transport.tcp.SEND_PLANS`) it cost the sending thread least on the
+bench hosts where the hash's read from memory is cheaper than the kernel's copy from
+memory; ``rdmakv doctor --tune`` times the four on another host."""

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from rdmakv.config import CONFIG_ENV, env_var
+from rdmakv.defaults import DEFAULT_OFFLOAD, DEFAULT_REPLICATION, DEFAULT_TIMEOUT
 from rdmakv.errors import ConfigError
 from rdmakv.keys import KeyNamespace
 from rdmakv.manager import KVCacheManager
@@ -62,7 +63,7 @@ class DemoConfig:
     requests: int = 64
     suffix_blocks: int = 8
     policy: str = "s3fifo"
-    offload: str = "reuse"
+    offload: str = DEFAULT_OFFLOAD
     offload_budget: float | None = None
     transport: str = "auto"
     seed: int = 0
@@ -70,11 +71,11 @@ class DemoConfig:
     nodes: str | None = None
     """Running nodes to use (``rdmakv.remote`` address) instead of local ones."""
     token: bytes | None = None
-    replication: int = 1
+    replication: int = DEFAULT_REPLICATION
     streams: int | None = None
     """Connections to one node, a large batch split across them (None: 2 over
     RDMA; over TCP 2 on a host of 2 usable CPUs or more, else 1)."""
-    timeout: float = 5.0
+    timeout: float = DEFAULT_TIMEOUT
     """Seconds any remote wait may take."""
 
 

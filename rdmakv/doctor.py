@@ -4,6 +4,10 @@ Reads sysfs (works without opening a device) and, when the native core is
 built, queries each port through libibverbs for the active MTU and limits.
 Every problem found is stated plainly with the command that fixes it; the
 exit status is 0 when rdmakv can use RDMA here, 1 otherwise.
+
+``rdmakv doctor --tune`` instead times the TCP send plans on this host, once
+(:func:`time_send_plans`), and prints the ``tcp.send_plan`` line to set: the
+data path itself never measures (native/rk_tcp.h).
 """
 
 from __future__ import annotations
@@ -11,22 +15,42 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
+import statistics
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rdmakv import native_call, native_core
+from rdmakv.config import env_var
 from rdmakv.errors import RdmakvError
 from rdmakv.node import native_index, native_loop
 from rdmakv.streams import default_streams, usable_cpus
 from rdmakv.transport import checksum, tcp, verbs
-from rdmakv.transport.congestion import probe_congestion
+from rdmakv.transport.congestion import apply_congestion, probe_congestion
 
 MEMLOCK_RECOMMENDED = 1 << 30
 """Below this, a typical slab or node pool (GiBs) cannot be pinned/registered."""
 UVERBS_DIR = Path("/dev/infiniband")
 SETUP_HOST = "deploy/softroce/setup-host.sh"
 RUN_IN_VM = "deploy/softroce/run-in-vm.sh"
+
+TUNE_VALUE_BYTES = 64 * 1024
+"""The values a tuning send moves: a KV block of a typical size (the plans cut
+their windows between whole values where they fit)."""
+TUNE_SEND_BYTES = 8 << 20
+"""Bytes per timed send: many windows of either size, so that a send's fixed
+costs weigh little."""
+TUNE_ROUNDS = 16
+"""Timed sends per plan (the plans take turns, so a busy moment hits them all)."""
+TUNE_WARM_UP_ROUNDS = 2
+"""Untimed rounds first: a new connection's first sends cost more, whatever the plan."""
+TUNE_TIMEOUT_S = 30.0
+"""A tuning send or receive that moves nothing for this long fails."""
 
 
 @dataclass
@@ -69,6 +93,8 @@ class Report:
     tcp_recv_spin: str = ""
     """How long a native TCP receive polls for more bytes before it sleeps
     (:func:`recv_spin`). Speed only."""
+    tcp_send_plan: str = ""
+    """The plan of this process's hashed TCP sends (:func:`send_plan`). Speed only."""
     native_core: dict[str, str] = field(default_factory=dict)
     """Each plain-libc piece of the native core for a new process here: "on",
     "off (ENV=0)" or "not built (why)" (:func:`native_pieces`). Speed only."""
@@ -151,6 +177,117 @@ def recv_spin() -> str:
             f"({tcp.ENV_RECV_SPIN} sets it, 0 turns it off)")
 
 
+def send_plan() -> str:
+    """The plan of a hashed send here: the configuration's ``tcp.send_plan``,
+    which the command applied before this ran (native/rk_tcp.h)."""
+    name = tcp.send_plan_name()
+    if name is None:
+        return "none (sends do not hash as they go: no native tcp loop or hasher)"
+    return f"{name} (tcp.send_plan sets it; `rdmakv doctor --tune` times the plans here)"
+
+
+def time_send_plans(
+    rounds: int = TUNE_ROUNDS, send_bytes: int = TUNE_SEND_BYTES
+) -> dict[str, float]:
+    """Each plan of :data:`rdmakv.transport.tcp.SEND_PLANS`: bytes its hashed sends
+    moved per second of the sending thread's CPU (the median of ``rounds``
+    sends of ``send_bytes`` in :data:`TUNE_VALUE_BYTES` values, each hashed, to
+    a receiving thread over a loopback TCP connection like a client's). The
+    plans take turns; the plan in use before is put back. Raises
+    :class:`RdmakvError` where the loop does not hash as it sends."""
+    if not tcp.native_checksums():
+        raise RdmakvError(
+            f"no hashed sends to tune here: {tcp.NATIVE_ERROR or 'the native hasher is missing'}"
+        )
+    before = tcp.send_plan_name()
+    count = send_bytes // TUNE_VALUE_BYTES
+    src = np.random.default_rng(0).integers(0, 256, count * TUNE_VALUE_BYTES, dtype=np.uint8)
+    iov = np.empty((count, 2), dtype=np.uint64)
+    iov[:, 0] = np.uint64(src.ctypes.data) + np.arange(count, dtype=np.uint64) * np.uint64(
+        TUNE_VALUE_BYTES)
+    iov[:, 1] = TUNE_VALUE_BYTES
+    sink = np.empty(src.nbytes, dtype=np.uint8)
+    sink_iov = np.array([[sink.ctypes.data, sink.nbytes]], dtype=np.uint64)
+    hashes = np.zeros(count, dtype=np.uint64)
+    sends = (TUNE_WARM_UP_ROUNDS + rounds) * len(tcp.SEND_PLANS)
+    cpu: dict[str, list[float]] = {name: [] for name in tcp.SEND_PLANS}
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname()[:2], timeout=TUNE_TIMEOUT_S)
+        receiver, _ = server.accept()
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            for _ in range(sends):
+                tcp.recv_iov(receiver, sink_iov)
+        except (OSError, RdmakvError) as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=receive, name="rdmakv-tune-receiver", daemon=True)
+    try:
+        for sock in (sender, receiver):
+            sock.settimeout(TUNE_TIMEOUT_S)  # non-blocking underneath, as a client's
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            apply_congestion(sock)
+        thread.start()
+        names = list(tcp.SEND_PLANS)
+        for r in range(TUNE_WARM_UP_ROUNDS + rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                tcp.set_send_plan(name)
+                start = time.thread_time_ns()
+                tcp.send_iov(sender, iov, hashes)
+                spent = time.thread_time_ns() - start
+                if r >= TUNE_WARM_UP_ROUNDS:
+                    cpu[name].append(spent / 1e9)
+        thread.join(TUNE_TIMEOUT_S)
+    finally:
+        if before is not None:
+            tcp.set_send_plan(before)
+        sender.close()
+        receiver.close()
+    if failed:
+        raise RdmakvError(f"tuning's receiver failed: {failed[0]}")
+    return {name: src.nbytes / max(statistics.median(s), 1e-9) for name, s in cpu.items()}
+
+
+def render_tune(rates: dict[str, float], in_use: str | None) -> str:
+    """:func:`time_send_plans`' result, and the configuration to copy."""
+    best = max(rates, key=lambda name: rates[name])
+    lines = [
+        f"tcp send plans here: bytes sent per second of the sending thread's CPU (median of "
+        f"{TUNE_ROUNDS} hashed sends of {TUNE_SEND_BYTES >> 20} MiB in "
+        f"{TUNE_VALUE_BYTES >> 10} KiB values over loopback; more is better, and a few "
+        f"percent is noise: run it on an idle host, twice):"
+    ]
+    for name, rate in sorted(rates.items(), key=lambda item: -item[1]):
+        mark = "  (in use)" if name == in_use else ""
+        lines.append(f"  {name}  {rate / 1e9:6.2f} GB/s{mark}")
+    lines += [
+        f"fastest: {best}. To use it, put these lines in the rdmakv config (docs/config.md),",
+        f"or set {env_var('tcp', 'send_plan')}={best}:",
+        "tcp:",
+        f"  send_plan: {best}",
+    ]
+    return "\n".join(lines)
+
+
+def tune_main(as_json: bool = False) -> int:
+    """``rdmakv doctor --tune``: 0, or 1 where there is nothing to tune."""
+    in_use = tcp.send_plan_name()
+    try:
+        rates = time_send_plans()
+    except RdmakvError as e:
+        print(f"rdmakv doctor --tune: {e}")
+        return 1
+    if as_json:
+        best = max(rates, key=lambda name: rates[name])
+        print(json.dumps({"send_plans_bytes_per_cpu_s": rates, "in_use": in_use,
+                          "fastest": best, "config": {"tcp": {"send_plan": best}}}, indent=2))
+    else:
+        print(render_tune(rates, in_use))
+    return 0
+
+
 def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
     """Collect the facts and the problems (pure reading; changes nothing).
 
@@ -230,6 +367,7 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
     report.value_checksums = checksum.describe()
     report.native_core = native_pieces()
     report.tcp_recv_spin = recv_spin()
+    report.tcp_send_plan = send_plan()
     cpus = usable_cpus()
     report.tcp_streams = f"{default_streams('tcp', cpus)} ({cpus} usable CPU{'s' * (cpus != 1)})"
     if usable_port and verbs.native_available() and root == verbs.SYSFS_IB:
@@ -271,6 +409,7 @@ def render(report: Report) -> str:
     lines.append(f"tcp connections per node, streams unset: {report.tcp_streams}")
     lines.append("native core: " + ", ".join(f"{k} {v}" for k, v in report.native_core.items()))
     lines.append(f"tcp receive spin: {report.tcp_recv_spin}")
+    lines.append(f"tcp send plan: {report.tcp_send_plan}")
     if report.ok:
         lines.append("OK: RDMA is usable (transport auto picks rdma)")
     else:

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from rdmakv.defaults import DEFAULT_OFFLOAD, DEFAULT_REPLICATION, DEFAULT_TIMEOUT
 from rdmakv.errors import ConfigError
 from rdmakv.hybrid import KVCacheGroup, hit_alignment, longest_common_hit
 from rdmakv.keys import KeyNamespace
@@ -118,12 +119,12 @@ class HybridKVCacheManager:
         node: str | None = None,
         transport: str = "auto",
         policy: str = "lru",
-        offload: OffloadMode | str = OffloadMode.REUSE,
+        offload: OffloadMode | str = DEFAULT_OFFLOAD,
         offload_budget: float | None = None,
         token: bytes | str | None = None,
-        timeout: float = 5.0,
+        timeout: float = DEFAULT_TIMEOUT,
         lock_slab: bool = True,
-        replication: int = 1,
+        replication: int = DEFAULT_REPLICATION,
         streams: int | None = None,
     ) -> None:
         for gl in groups:

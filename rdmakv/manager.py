@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from rdmakv.client import NodeClient
+from rdmakv.defaults import DEFAULT_OFFLOAD, DEFAULT_REPLICATION, DEFAULT_TIMEOUT
 from rdmakv.errors import ConfigError, RdmakvError, SlabExhausted
 from rdmakv.keys import BlockKey, BlockKeyer, KeyNamespace
 from rdmakv.l1 import (
@@ -232,13 +233,13 @@ class KVCacheManager:
         node: str | None = None,
         transport: str = "auto",
         policy: str = "lru",
-        offload: OffloadMode | str | OffloadPolicy = OffloadMode.REUSE,
+        offload: OffloadMode | str | OffloadPolicy = DEFAULT_OFFLOAD,
         offload_budget: float | None = None,
         max_pending_offload_bytes: int | None = None,
         token: bytes | str | None = None,
-        timeout: float = 5.0,
+        timeout: float = DEFAULT_TIMEOUT,
         lock_slab: bool = True,
-        replication: int = 1,
+        replication: int = DEFAULT_REPLICATION,
         streams: int | None = None,
     ) -> None:
         if l1_bytes < block_bytes:

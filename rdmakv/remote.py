@@ -19,9 +19,10 @@ not know which it holds.
 
 from __future__ import annotations
 
-from rdmakv.client import DEFAULT_TIMEOUT, NodeClient
+from rdmakv.client import NodeClient
 from rdmakv.cluster import StaticMembership, parse_members, split_node_id
-from rdmakv.cluster.client import DEFAULT_REPLICATION, ClusterClient
+from rdmakv.cluster.client import ClusterClient
+from rdmakv.defaults import DEFAULT_REPLICATION, DEFAULT_TIMEOUT
 from rdmakv.errors import ConfigError
 from rdmakv.slab import Slab
 from rdmakv.streams import check_streams, open_node

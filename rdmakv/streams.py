@@ -64,8 +64,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
 from typing import Any, TypeVar
 
-from rdmakv.client import DEFAULT_TIMEOUT, KVClient, check_get, check_put
-from rdmakv.defaults import MAX_STREAMS
+from rdmakv.client import KVClient, check_get, check_put
+from rdmakv.defaults import DEFAULT_TIMEOUT, MAX_STREAMS
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.slab import Slab
 

@@ -12,14 +12,17 @@ from rdmakv.config import (
     SECTIONS,
     OffloadMode,
     RdmakvConfig,
+    TcpSendPlan,
     env_var,
     format_size,
     load_config,
     render_docs,
 )
-from rdmakv.connectors.store import DEFAULT_L1_BYTES, StoreOptions
+from rdmakv.connectors.store import StoreOptions
+from rdmakv.defaults import DEFAULT_L1_BYTES, DEFAULT_TCP_SEND_PLAN
 from rdmakv.errors import ConfigError
 from rdmakv.l1.offload_policies import OFFLOAD_MODES
+from rdmakv.transport import tcp
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -148,6 +151,28 @@ def test_offload_modes_match_the_l1() -> None:
     assert set(get_args(OffloadMode)) == set(OFFLOAD_MODES)
 
 
+def test_tcp_send_plans_match_the_tcp_loop() -> None:
+    assert get_args(TcpSendPlan) == tuple(tcp.SEND_PLANS)
+    assert RdmakvConfig().tcp.send_plan == DEFAULT_TCP_SEND_PLAN in tcp.SEND_PLANS
+
+
+def test_tcp_send_plan_from_the_file_or_the_environment(tmp_path: Path) -> None:
+    path = _write(tmp_path, "tcp:\n  send_plan: 128k-after\n")
+    assert load_config(path, {}).tcp.send_plan == "128k-after"
+    env = {"RDMAKV_TCP_SEND_PLAN": "512k-after"}
+    assert load_config(path, env).tcp.send_plan == "512k-after"
+    assert load_config(None, env).tcp.model_fields_set == {"send_plan"}
+
+
+def test_tcp_variables_that_are_not_configuration_are_left_alone() -> None:
+    # the native-loop switch and the receive spin are read where the native core loads
+    env = {"RDMAKV_TCP_NATIVE": "0", "RDMAKV_TCP_RECV_SPIN_US": "50"}
+    assert load_config(None, env).tcp.send_plan == DEFAULT_TCP_SEND_PLAN
+    msg = _error(env={"RDMAKV_TCP_SEND_PLANS": "512k-ahead"})
+    assert msg.startswith("environment variable RDMAKV_TCP_SEND_PLANS: no such setting")
+    assert "allowed: RDMAKV_TCP_SEND_PLAN" in msg
+
+
 def test_format_size() -> None:
     assert [format_size(n) for n in (1 << 30, 256 << 10, 3 << 20, 1000)] == [
         "1GiB",
@@ -169,7 +194,7 @@ def test_unknown_key_names_it_and_the_allowed_keys(tmp_path: Path) -> None:
 
 def test_unknown_section(tmp_path: Path) -> None:
     msg = _error(_write(tmp_path, "nodes:\n  port: 1\n"))
-    assert "nodes: unknown key; allowed sections: node, client, log" in msg
+    assert "nodes: unknown key; allowed sections: node, client, tcp, log" in msg
 
 
 def test_bad_literal_lists_the_allowed_values(tmp_path: Path) -> None:
@@ -189,8 +214,10 @@ def test_bad_literal_lists_the_allowed_values(tmp_path: Path) -> None:
         ("client:\n  offload_budget: 1.5\n", "client.offload_budget: input should be less than"),
         ("client:\n  offload: some\n", "'some' is not one of none, all, hot, cold, reuse"),
         ("log:\n  format: jsn\n", "log.format: 'jsn' is not one of text, json"),
+        ("tcp:\n  send_plan: fast\n", "tcp.send_plan: 'fast' is not one of 512k-ahead, "
+         "512k-after, 128k-ahead, 128k-after"),
         ("node: 5\n", "node: must be a mapping of keys (host, port,"),
-        ("- node\n", "must be a mapping of sections (node, client, log), got a list"),
+        ("- node\n", "must be a mapping of sections (node, client, tcp, log), got a list"),
     ],
 )
 def test_bad_values_name_key_and_rule(tmp_path: Path, text: str, expected: str) -> None:
@@ -320,6 +347,22 @@ def test_connector_without_config_is_unchanged() -> None:
     opts = StoreOptions.from_mapping({"node": "h:1"}, env={})
     assert opts == StoreOptions(node="h:1") and opts.given == {"node"}
     assert "l1_bytes" not in opts.given  # SGLang sizes its staging slab itself then
+
+
+@pytest.mark.skipif(not tcp.native_checksums(), reason="sends do not hash as they go here")
+def test_connector_applies_the_tcp_section_to_its_process(tmp_path: Path) -> None:
+    """An engine process's TCP sends follow its rdmakv config's tcp.send_plan,
+    set as the connector reads the config (file or environment)."""
+    before = tcp.send_plan_name()
+    assert before is not None
+    path = _write(tmp_path, "tcp:\n  send_plan: 128k-ahead\n")
+    try:
+        StoreOptions.from_mapping({"node": "h:1", "rdmakv_config": str(path)}, env={})
+        assert tcp.send_plan_name() == "128k-ahead"
+        StoreOptions.from_mapping({"node": "h:1"}, env={"RDMAKV_TCP_SEND_PLAN": "512k-after"})
+        assert tcp.send_plan_name() == "512k-after"
+    finally:
+        tcp.set_send_plan(before)
 
 
 def test_connector_bad_rdmakv_config_fails_clearly(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from rdmakv.cli import parse_size
 from rdmakv.errors import ConfigError
+from rdmakv.transport import tcp
 
 
 @pytest.mark.parametrize(
@@ -123,7 +124,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("RDMAKV_NODE_", "RDMAKV_CLIENT_", "RDMAKV_LOG_", "RDMAKV_CONFIG"))
+        if not k.startswith(("RDMAKV_NODE_", "RDMAKV_CLIENT_", "RDMAKV_LOG_", "RDMAKV_CONFIG",
+                             "RDMAKV_TCP_SEND_PLAN"))
     }
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
@@ -199,6 +201,30 @@ def test_serve_config_with_wrong_type_or_value_fails_naming_it(tmp_path: Path) -
     assert "environment variable RDMAKV_NODE_LEASE_TIMEOUT_S: node.lease_timeout_s:" in line
     line = _fails(["serve"], _clean_env(RDMAKV_NODE_PORTT="1"))
     assert "RDMAKV_NODE_PORTT: no such setting" in line
+
+
+def test_a_bad_tcp_send_plan_stops_a_command_in_one_line_naming_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text("tcp:\n  send_plan: fastest\n")
+    line = _fails(["serve", "--config", str(cfg)])
+    assert line == (f"rdmakv serve: error: config file {cfg}: tcp.send_plan: 'fastest' is not "
+                    "one of 512k-ahead, 512k-after, 128k-ahead, 128k-after")
+    line = _fails(["demo"], _clean_env(RDMAKV_TCP_SEND_PLAN="128k"))
+    assert line.startswith("rdmakv demo: error: environment variable RDMAKV_TCP_SEND_PLAN: "
+                           "tcp.send_plan: '128k' is not one of 512k-ahead, ")
+
+
+@pytest.mark.skipif(not tcp.native_checksums(), reason="sends do not hash as they go here")
+def test_every_command_sends_with_the_configured_tcp_plan(tmp_path: Path) -> None:
+    """The command applies tcp.send_plan to its process before it runs
+    (``serve`` and ``demo`` as ``doctor``, which reports the plan in use)."""
+    cfg = tmp_path / "rdmakv.yaml"
+    cfg.write_text("tcp:\n  send_plan: 128k-after\n")
+    for env in (_clean_env(RDMAKV_CONFIG=str(cfg)),
+                _clean_env(RDMAKV_TCP_SEND_PLAN="512k-after")):
+        out = subprocess.run([*RUN, "doctor"], capture_output=True, text=True, timeout=60, env=env)
+        want = "512k-after" if "RDMAKV_TCP_SEND_PLAN" in env else "128k-after"
+        assert f"tcp send plan: {want} (tcp.send_plan sets it;" in out.stdout, out.stdout
 
 
 def test_serve_config_file_errors(tmp_path: Path) -> None:

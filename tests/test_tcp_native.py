@@ -23,6 +23,7 @@ import numpy.typing as npt
 import pytest
 
 from rdmakv import doctor
+from rdmakv.defaults import DEFAULT_TCP_SEND_PLAN
 from rdmakv.errors import ConfigError, ConnectionLost
 from rdmakv.protocol import HEADER, Channel, Op, value_checksum
 from rdmakv.transport import checksum, tcp
@@ -240,19 +241,17 @@ def test_checksum_ranges_gives_each_range_value_checksum_in_one_call() -> None:
     assert checksum_ranges(base, empty, empty) == []
 
 
-@pytest.fixture(params=[("small", False), ("large", False), ("small", True), ("large", True)],
-                ids=["small-after", "large-after", "small-ahead", "large-ahead"])
+@pytest.fixture(params=list(tcp.SEND_PLANS))
 def hashed_window(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Each hashed-send plan the loop may pick (window, hashed after or
-    ahead of its sendmsg), fixed for the test; after it the process
-    measures again."""
-    size, ahead = request.param
-    window = int(getattr(tcp._lib, f"RK_TCP_HASHED_WINDOW_{size.upper()}"))
-    tcp.set_hashed_send_plan(window, ahead=ahead)
+    """Each hashed-send plan (window, hashed after or ahead of its sendmsg),
+    set for the test; the plan before is put back after it."""
+    before = tcp.send_plan_name()
+    assert before is not None
+    tcp.set_send_plan(request.param)
     try:
-        yield window
+        yield tcp.SEND_PLANS[request.param].window
     finally:
-        tcp.set_hashed_send_plan(0)
+        tcp.set_send_plan(before)
 
 
 @needs_checksums
@@ -443,103 +442,72 @@ def test_a_checksum_row_goes_out_with_its_values_when_they_fit_one_window(
 
 def _hashed_send(sock: socket.socket, peer: socket.socket, nbytes: int) -> None:
     """``nbytes`` (a multiple of 128 KiB) in 16 KiB ranges through a hashed
-    send, drained by a thread; the hashes are checked."""
+    send, drained by a thread; the bytes and the hashes are checked."""
     src = np.random.default_rng(13).integers(0, 256, 16384 * 8, dtype=np.uint8)
     ranges = [src[i * 16384 : (i + 1) * 16384] for i in range(8)] * (nbytes // (8 * 16384))
     hashes = np.zeros(len(ranges), np.uint64)
+    got = bytearray()
 
     def drain() -> None:
-        sink, left = bytearray(1 << 20), len(ranges) * 16384
-        while left:
-            left -= peer.recv_into(sink, min(left, len(sink)))
+        while len(got) < len(ranges) * 16384:
+            got.extend(peer.recv(min(1 << 20, len(ranges) * 16384 - len(got))))
 
     receiver = threading.Thread(target=drain)
     receiver.start()
     tcp.send_iov(sock, table(ranges), hashes)
     receiver.join()
+    assert bytes(got) == src.tobytes() * (len(ranges) // 8)
     want = [value_checksum(r.tobytes()) for r in ranges[:8]]
     assert hashes.tolist() == want * (len(ranges) // 8)
 
 
-@pytest.fixture
-def measuring() -> Iterator[None]:
-    """No hashed-send plan chosen: the next hashed sends measure (and again after)."""
-    tcp.set_hashed_send_plan(0)
-    try:
-        yield
-    finally:
-        tcp.set_hashed_send_plan(0)
+@needs_checksums
+def test_a_new_process_sends_with_the_default_plan() -> None:
+    """The plan is set as the module loads, before any send: the default of
+    rdmakv.defaults, which names one of the four plans."""
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "from rdmakv.transport import tcp; print(tcp.send_plan_name(), *tcp.hashed_send_plan())"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.split()
+    plan = tcp.SEND_PLANS[DEFAULT_TCP_SEND_PLAN]
+    assert out == [DEFAULT_TCP_SEND_PLAN, str(plan.window), str(plan.ahead)]
 
 
 @needs_checksums
-def test_hashed_sends_on_a_non_blocking_socket_pick_one_of_the_four_plans(
-    pair: tuple[socket.socket, socket.socket], measuring: None
+def test_a_plan_set_stays_the_plan_however_much_is_sent(
+    pair: tuple[socket.socket, socket.socket], hashed_window: int
 ) -> None:
-    """The process measures every plan (each window, hashed after or ahead)
-    on its first hashed sends and uses one: nothing is chosen before enough
-    windows went out, one of the four after, and all are measured again
-    later."""
+    """Nothing in the data path measures or changes the plan: after many
+    windows of hashed sends on a non-blocking socket (where the loop once
+    timed its windows) and on a blocking one, the plan is the one set."""
     a, b = pair
+    name = tcp.send_plan_name()
+    assert name is not None and tcp.SEND_PLANS[name].window == hashed_window
+    _hashed_send(a, b, 8 << 20)  # blocking
     a.settimeout(10)  # non-blocking underneath, as every rdmakv connection
     b.settimeout(10)
-    _hashed_send(a, b, 1 << 20)  # fewer windows than the warm-up alone
-    assert tcp.hashed_send_plan() is None
-    lib = tcp._lib
-    assert lib.RK_TCP_SEND_PLANS == 4
-    per_round = 2 * (lib.RK_TCP_HASHED_WINDOW_SMALL + lib.RK_TCP_HASHED_WINDOW_LARGE)
-    _hashed_send(a, b, per_round * (lib.RK_TCP_WINDOW_WARM_UP + lib.RK_TCP_WINDOW_PROBES + 8))
-    plan = tcp.hashed_send_plan()
-    assert plan is not None
-    assert plan.window in (lib.RK_TCP_HASHED_WINDOW_SMALL, lib.RK_TCP_HASHED_WINDOW_LARGE)
-    assert isinstance(plan.ahead, bool)
-    first = lib.rk_tcp_hashed_send_choices()
-    assert first >= 1
-    # measured again (no warm-up), one window in RK_TCP_WINDOW_RESAMPLE, and
-    # chosen anew once every plan has its samples again (each window moves at
-    # most the large window's bytes: at least that many windows)
-    _hashed_send(a, b, lib.RK_TCP_WINDOW_RESAMPLE * lib.RK_TCP_HASHED_WINDOW_LARGE
-                 * lib.RK_TCP_SEND_PLANS * (lib.RK_TCP_WINDOW_PROBES + 4))
-    assert lib.rk_tcp_hashed_send_choices() > first
+    _hashed_send(a, b, 32 << 20)
+    assert tcp.send_plan_name() == name
+    assert tcp.hashed_send_plan() == tcp.SEND_PLANS[name]
 
 
-@needs_checksums
-def test_hashed_sends_on_a_blocking_socket_measure_nothing(
-    pair: tuple[socket.socket, socket.socket], measuring: None
-) -> None:
-    """A blocking sendmsg's time includes its waits for room: no samples from it."""
-    a, b = pair
-    _hashed_send(a, b, 64 << 20)
-    assert tcp.hashed_send_plan() is None
-
-
-@needs_checksums
-@pytest.mark.parametrize("ahead", [False, True])
-def test_a_plan_set_by_hand_is_never_measured_again(
-    pair: tuple[socket.socket, socket.socket], measuring: None, ahead: bool
-) -> None:
-    a, b = pair
-    a.settimeout(10)
-    b.settimeout(10)
-    tcp.set_hashed_send_plan(200_000, ahead=ahead)
-    lib = tcp._lib
-    # enough 200_000-byte windows for a first choice and one more
-    rounds = lib.RK_TCP_SEND_PLANS * (lib.RK_TCP_WINDOW_PROBES + 4)
-    windows = lib.RK_TCP_WINDOW_WARM_UP + lib.RK_TCP_WINDOW_RESAMPLE * rounds
-    _hashed_send(a, b, windows * (256 << 10))
-    assert tcp.hashed_send_plan() == (200_000, ahead)
-    assert lib.rk_tcp_hashed_send_choices() == 0
+@pytest.mark.parametrize("name", ["", "512k", "512K-ahead", "256k-ahead", "auto"])
+def test_a_send_plan_that_is_not_one_of_the_four_is_refused(name: str) -> None:
+    before = tcp.hashed_send_plan()
+    with pytest.raises(ConfigError, match=r"^tcp\.send_plan: .* is not one of 512k-ahead, "):
+        tcp.set_send_plan(name)
+    assert tcp.hashed_send_plan() == before
 
 
 @pytest.mark.parametrize(("window", "ahead"), [
-    (tcp._lib.RK_TCP_WINDOW + 1 if tcp._lib else 1, False), (-1, False), (1 << 70, True),
-    (True, False), (4096, 1),
+    (0, 0), (tcp._lib.RK_TCP_WINDOW + 1 if tcp._lib else 1, 0), (4096, 2), (4096, -1),
 ])
-def test_a_hashed_send_plan_out_of_range_is_refused(window: int, ahead: bool) -> None:
+def test_the_native_loop_refuses_a_plan_out_of_range(window: int, ahead: int) -> None:
     if tcp._lib is None:
         pytest.skip(f"no native TCP loop: {tcp.NATIVE_ERROR}")
     before = tcp.hashed_send_plan()
-    with pytest.raises(ConfigError, match="hashed send plan"):
-        tcp.set_hashed_send_plan(window, ahead=ahead)
+    assert tcp._lib.rk_tcp_set_hashed_send_plan(window, ahead) == -1
     assert tcp.hashed_send_plan() == before
 
 

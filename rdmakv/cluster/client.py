@@ -54,7 +54,6 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.client import (
-    DEFAULT_TIMEOUT,
     KVClient,
     check_get,
     check_put,
@@ -62,6 +61,7 @@ from rdmakv.client import (
 from rdmakv.cluster.health import DEFAULT_BACKOFF_BASE_S, DEFAULT_BACKOFF_CAP_S, NodeHealth
 from rdmakv.cluster.membership import Membership, parse_members, split_node_id
 from rdmakv.cluster.rendezvous import IndexArray, Rendezvous
+from rdmakv.defaults import DEFAULT_REPLICATION, DEFAULT_TIMEOUT
 from rdmakv.errors import (
     AuthError,
     ConfigError,
@@ -77,7 +77,6 @@ from rdmakv.transport import get_transport
 log = logging.getLogger("rdmakv.cluster")
 _T = TypeVar("_T")
 
-DEFAULT_REPLICATION = 1
 DEFAULT_CONNECT_RETRIES = 1
 """Attempts per (re)connect of one node's KVClient: the cluster's own backoff
 retries a failed node, so a dead node costs one refused connect, not several."""

@@ -49,6 +49,7 @@ from rdmakv.connectors.copy_stream import CopyStream
 from rdmakv.connectors.fingerprint import check_fingerprint
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
+from rdmakv.defaults import DEFAULT_L1_BYTES, DEFAULT_OFFLOAD, DEFAULT_REPLICATION, DEFAULT_TIMEOUT
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.hybrid import KVCacheGroup
 from rdmakv.hybrid_manager import GroupLayout, HybridKVCacheManager
@@ -58,11 +59,10 @@ from rdmakv.metrics.client import ClientMetrics, start_http_server
 from rdmakv.metrics.http import HTTP_OK, MetricsServer, Route
 from rdmakv.remote import check_address
 from rdmakv.streams import check_streams
+from rdmakv.transport import tcp
 
 log = logging.getLogger("rdmakv.connectors")
 
-DEFAULT_L1_BYTES = 1 << 30
-"""Default L1 capacity of a worker, split evenly across its KV cache groups."""
 SCHEDULER_L1_BLOCKS = 1
 """The scheduler side never holds KV; its managers get the smallest L1 possible."""
 
@@ -124,14 +124,14 @@ class StoreOptions:
     transport: str = "auto"
     l1_bytes: int = DEFAULT_L1_BYTES
     policy: str = "lru"
-    offload: str = "reuse"
+    offload: str = DEFAULT_OFFLOAD
     offload_budget: float | None = None
     token: str | None = None
     token_file: str | None = None
-    timeout: float = 5.0
+    timeout: float = DEFAULT_TIMEOUT
     lock_slab: bool = True
     model: str | None = None
-    replication: int = 1
+    replication: int = DEFAULT_REPLICATION
     streams: int | None = None
     metrics_port: int | None = None
     """Serve this process's rdmakv metrics on ``/metrics`` (worker side; None = off)."""
@@ -180,7 +180,7 @@ class StoreOptions:
             values["timeout"] = float(values["timeout"])
             if values["timeout"] <= 0:
                 raise ConfigError(f"timeout must be > 0 seconds, got {values['timeout']}")
-        r = values.get("replication", 1)
+        r = values.get("replication", DEFAULT_REPLICATION)
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ConfigError(f"replication must be an int >= 1, got {r!r}")
         check_streams(values.get("streams"))
@@ -213,10 +213,14 @@ class StoreOptions:
 
 def _config_defaults(path: object, env: Mapping[str, str] | None) -> dict[str, Any]:
     """The options the rdmakv config (file at ``path`` or $RDMAKV_CONFIG, plus the
-    environment) sets in its ``client`` section, under their connector names."""
+    environment) sets in its ``client`` section, under their connector names.
+    Its ``tcp`` section is the process's, applied here: this is where an engine
+    process loads its rdmakv config, before its connector moves a byte."""
     if path is not None and not isinstance(path, str | Path):
         raise ConfigError(f'"{CONFIG_OPTION}" must be the path of a YAML file, got {path!r}')
-    client = load_config(path, env).client
+    config = load_config(path, env)
+    tcp.set_send_plan(config.tcp.send_plan)
+    client = config.client
     return {
         option: getattr(client, key)
         for key, option in _FROM_CLIENT_SECTION.items()
@@ -637,7 +641,6 @@ def _runs(
 __all__ = [
     "AUDIT_OPTIONS",
     "CONFIG_OPTION",
-    "DEFAULT_L1_BYTES",
     "LOAD_ASYNC",
     "LOAD_MODES",
     "LOAD_SYNC",

@@ -1,8 +1,8 @@
 """The KV node: pool + index + leases (:mod:`store`), served over the wire (:mod:`server`).
 
-``KVNode`` and ``KVStore`` are loaded on first use: the settings modules
-(:mod:`rdmakv.config` reads the defaults of :mod:`.admission` and :mod:`.store`)
-must not pull in the server, its metrics and the transports with them.
+``KVNode`` and ``KVStore`` are loaded on first use: a module that needs only a
+name from here must not pull in the server, its metrics and the transports with
+them. The node's defaults are :mod:`rdmakv.defaults`'s.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from rdmakv.defaults import DEFAULT_HOST, DEFAULT_PORT
+
 if TYPE_CHECKING:
-    from rdmakv.node.server import DEFAULT_HOST, DEFAULT_PORT, KVNode
+    from rdmakv.node.server import KVNode
     from rdmakv.node.store import KVStore
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "KVNode", "KVStore"]
 
 _HOME = {
-    "DEFAULT_HOST": "rdmakv.node.server",
-    "DEFAULT_PORT": "rdmakv.node.server",
     "KVNode": "rdmakv.node.server",
     "KVStore": "rdmakv.node.store",
 }

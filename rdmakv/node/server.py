@@ -30,7 +30,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rdmakv.defaults import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK
+from rdmakv.defaults import (
+    DEFAULT_HOST,
+    DEFAULT_LEASE_TIMEOUT,
+    DEFAULT_MAX_LEASES_PER_BLOCK,
+    DEFAULT_PORT,
+)
 from rdmakv.errors import (
     ConfigError,
     ConnectionLost,
@@ -88,8 +93,6 @@ from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.node")
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7480
 POLL_INTERVAL = 0.2
 """How often idle sessions and the accept loop look at the stop flag (seconds)."""
 IO_TIMEOUT = 30.0

@@ -49,7 +49,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from rdmakv.client import DEFAULT_TIMEOUT, check_get, check_put
+from rdmakv.client import check_get, check_put
+from rdmakv.defaults import DEFAULT_TIMEOUT
 from rdmakv.errors import (
     ConfigError,
     ConnectionLost,

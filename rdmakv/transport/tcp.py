@@ -40,8 +40,9 @@ each block from memory once between them: the writer's checksums for COMMIT
 and the reader's verification come from that pass instead of one more read
 of every block. A receive hashes each call's bytes right after the copy wrote
 them. A send moves 128 KiB or 512 KiB per call and hashes each right before
-or right after it, whichever plan the process measured to cost its thread
-less on this CPU (:func:`hashed_send_plan`; rk_tcp.h says why).
+or right after it, as the process's plan says (:data:`SEND_PLANS`: a default,
+or the configuration's ``tcp.send_plan``, set once at start-up; which costs
+the sending thread least depends on the CPU, rk_tcp.h says why).
 A receive that runs out of bytes mid-list polls for the rest without sleeping
 for up to 100 us before it sleeps, while its process has fewer receives in
 flight than CPUs: the sender then need not wake it for every segment
@@ -70,6 +71,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv import native_core
+from rdmakv.defaults import DEFAULT_TCP_SEND_PLAN
 from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
@@ -188,7 +190,7 @@ def native_checksums() -> bool:
 
 
 class HashedSendPlan(NamedTuple):
-    """How this process's hashed sends move a list (:func:`hashed_send_plan`)."""
+    """How this process's hashed sends move a list (:data:`SEND_PLANS`)."""
 
     window: int
     """Bytes per ``sendmsg``."""
@@ -196,38 +198,51 @@ class HashedSendPlan(NamedTuple):
     """Each window is hashed right before its ``sendmsg`` (True) or right after (False)."""
 
 
+SEND_PLANS: dict[str, HashedSendPlan] = {
+    "512k-ahead": HashedSendPlan(512 << 10, True),
+    "512k-after": HashedSendPlan(512 << 10, False),
+    "128k-ahead": HashedSendPlan(128 << 10, True),
+    "128k-after": HashedSendPlan(128 << 10, False),
+}
+"""The plans a send that hashes as it goes may follow, by the name the
+configuration's ``tcp.send_plan`` gives them (:data:`rdmakv.config.TcpSendPlan`
+lists the same names). Which costs the sending thread least depends on the CPU
+(native/rk_tcp.h); ``rdmakv doctor --tune`` times them on a host."""
+
+
 def hashed_send_plan() -> HashedSendPlan | None:
-    """The plan of a send that hashes as it goes: 128 KiB or 512 KiB per
-    system call, each hashed before or after it, whichever of the four this
-    process's hashed sends last measured to cost the sending thread the least
-    CPU per byte (rk_tcp.h says why it depends on the CPU, and how often it
-    is measured again); None before the first choice, or without the native
-    loop."""
-    if _lib is None:
+    """The plan this process's hashed sends follow (:func:`set_send_plan`);
+    None where sends do not hash as they go (:func:`native_checksums`)."""
+    if not native_checksums():
         return None
     window = _ffi.new("uint64_t *")
     ahead = _ffi.new("int *")
-    if _lib.rk_tcp_hashed_send_plan(window, ahead) != 0:
-        return None
+    _lib.rk_tcp_hashed_send_plan(window, ahead)
     return HashedSendPlan(int(window[0]), bool(ahead[0]))
 
 
-def set_hashed_send_plan(window: int, *, ahead: bool = False) -> None:
-    """Fix the hashed-send plan: ``window`` bytes per system call (1 to
-    ``RK_TCP_WINDOW``), each hashed before (``ahead``) or after it, never
-    measured again; ``window`` 0 forgets it, so the next hashed sends
-    measure anew."""
-    if _lib is None:
-        raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
-    if (
-        isinstance(window, bool) or not isinstance(window, int) or not isinstance(ahead, bool)
-        or not 0 <= window <= _lib.RK_TCP_WINDOW
-    ):
+def send_plan_name() -> str | None:
+    """:func:`hashed_send_plan`'s name in :data:`SEND_PLANS`; None where sends
+    do not hash as they go."""
+    plan = hashed_send_plan()
+    return next((name for name, p in SEND_PLANS.items() if p == plan), None)
+
+
+def set_send_plan(name: str) -> None:
+    """Make ``name`` (a key of :data:`SEND_PLANS`) the plan of every hashed send
+    this process starts from now on: once, at start-up (the commands and the
+    connectors apply the configuration's ``tcp.send_plan``). Without the native
+    loop there is no plan to set, and nothing happens."""
+    plan = SEND_PLANS.get(name)
+    if plan is None:
         raise ConfigError(
-            f"hashed send plan: the window must be 0 to {_lib.RK_TCP_WINDOW} bytes and "
-            f"ahead a bool, got {window!r}, {ahead!r}"
+            f"tcp.send_plan: {name!r} is not one of {', '.join(SEND_PLANS)}"
         )
-    _lib.rk_tcp_set_hashed_send_plan(window, int(ahead))
+    if _lib is not None:
+        _lib.rk_tcp_set_hashed_send_plan(plan.window, int(plan.ahead))
+
+
+set_send_plan(DEFAULT_TCP_SEND_PLAN)  # until the configuration's is applied
 
 
 class RecvWaitCounts(NamedTuple):
