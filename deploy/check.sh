@@ -181,7 +181,7 @@ debootstrap_base() {
 }
 
 image_check() {
-  local -a bflags=() rflags=() mounts=() torch_args=()
+  local -a bflags=() rflags=() mounts=()
   if [[ $builder == podman ]]; then
     read -r -a bflags <<< "$(podman_flags | tr '\n' ' ')"
     rflags=("${bflags[@]}" --no-healthcheck)  # no systemd here to run its timers; run by hand below
@@ -190,15 +190,13 @@ image_check() {
       src=${m%%:*}
       [[ $src == /* ]] || src=$PWD/$src
       mounts+=(-v "$src:${m#*:}:ro")
-      # A local CPU torch wheel: let the host's pip config supply torch (not the index).
-      compgen -G "$src/torch-2.13.0+cpu-*.whl" >/dev/null && torch_args=(--build-arg "TORCH_PIP_ARGS=")
     done < <(pip_mounts)
     bflags+=(--pull=never --format docker "${mounts[@]}")  # docker format keeps HEALTHCHECK
   fi
   local previous
   previous=$("$builder" image inspect "$IMAGE" --format '{{.Id}}' 2>/dev/null)
   say "$builder build -f deploy/Dockerfile -t $IMAGE . (log: $OUT/image-build.log)"
-  if ! timeout -s KILL 1800 "$builder" build "${bflags[@]}" "${torch_args[@]}" \
+  if ! timeout -s KILL 1800 "$builder" build "${bflags[@]}" \
       -f deploy/Dockerfile -t "$IMAGE" . > "$OUT/image-build.log" 2>&1; then
     tail -20 "$OUT/image-build.log" >&2
     fail "deploy/Dockerfile: $builder build failed (tail above, full log $OUT/image-build.log)"
@@ -218,7 +216,8 @@ image_check() {
     set -e
     [ "$(id -u)" != 0 ] || { echo "runs as root"; exit 1; }
     ! command -v gcc cc >/dev/null || { echo "a compiler is in the runtime image"; exit 1; }
-    python3 -c "import rdmakv._native_verbs, rdmakv._native_tcp, rdmakv._native_index, rdmakv._native_call"' 2>&1 \
+    python3 -c "import rdmakv._native_verbs, rdmakv._native_tcp, rdmakv._native_index, rdmakv._native_call"
+    ! python3 -c "import torch" 2>/dev/null || { echo "torch is in the image"; exit 1; }' 2>&1 \
     || fail "image $IMAGE: runtime stage checks"
   # The real CMD on the ConfigMap's config (a small unlocked pool: no memlock here).
   say "image: serve --config (the ConfigMap's rdmakv.yaml), /readyz, HEALTHCHECK, SIGTERM"

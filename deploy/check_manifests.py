@@ -384,9 +384,14 @@ def dockerfile_problems(path: Path) -> Problems:
     if "COPY --from=" not in " ".join(f"COPY {r}" for w, r in final if w == "COPY"):
         problems.append(f"{path}: the runtime stage copies nothing from the build stage")
     build_runs = " ".join(r for st in stages[:-1] for w, r in st if w == "RUN")
-    for need in ("libibverbs-dev", "gcc", "torch==2.13.0+cpu", "rdmakv._native_verbs"):
+    for need in ("libibverbs-dev", "gcc", "rdmakv._native_verbs"):
         if need not in build_runs:
             problems.append(f"{path}: the build stage does not mention {need}")
+    if re.search(r"\btorch\b", " ".join(r for w, r in ins if w == "RUN")):
+        problems.append(
+            f"{path}: the image installs torch, which the node and the client do not need "
+            "(it is the extra rdmakv[torch], for engine images)"
+        )
     for w, r in ins:
         if w == "RUN" and "apt-get install" in r:
             if "--no-install-recommends" not in r:
