@@ -289,7 +289,9 @@ SECTIONS: dict[str, type[_Section]] = {
 CONFIG_ENV = "RDMAKV_CONFIG"
 """Names the YAML file when no path is given."""
 ENV_PREFIX = "RDMAKV_"
-NOT_CONFIG_ENV = frozenset({"RDMAKV_TCP_NATIVE", "RDMAKV_TCP_RECV_SPIN_US"})
+NOT_CONFIG_ENV = frozenset(
+    {"RDMAKV_TCP_NATIVE", "RDMAKV_TCP_RECV_SPIN_US", "RDMAKV_TCP_CONGESTION"}
+)
 """Variables that look like ``RDMAKV_TCP_<KEY>`` but are not configuration
 (docs/operations.md): left alone, not refused as unknown ``tcp`` keys."""
 
@@ -626,7 +628,8 @@ log:
   `16k`, `2MB` (decimal).
 * `tcp` is read by every command (`serve` as much as `demo`) and connector, and
   set once as the process starts; an unknown `RDMAKV_TCP_*` variable is an
-  error too, but for `RDMAKV_TCP_NATIVE` and `RDMAKV_TCP_RECV_SPIN_US`.
+  error too, but for `RDMAKV_TCP_NATIVE`, `RDMAKV_TCP_RECV_SPIN_US` and
+  `RDMAKV_TCP_CONGESTION`.
 * `client` keys left unset keep each tool's own default: the defaults below are
   the connectors'; `rdmakv demo` starts with a 32 MiB L1 and local nodes.
 * `python -m rdmakv.config --check FILE` validates a file (with the

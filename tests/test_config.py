@@ -3,12 +3,14 @@ messages, the generated docs, and the connectors' ``rdmakv_config`` option."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, get_args
 
 import pytest
 
 from rdmakv.config import (
+    NOT_CONFIG_ENV,
     SECTIONS,
     OffloadMode,
     RdmakvConfig,
@@ -166,8 +168,14 @@ def test_tcp_send_plan_from_the_file_or_the_environment(tmp_path: Path) -> None:
 
 def test_tcp_variables_that_are_not_configuration_are_left_alone() -> None:
     # the native-loop switch and the receive spin are read where the native core loads
-    env = {"RDMAKV_TCP_NATIVE": "0", "RDMAKV_TCP_RECV_SPIN_US": "50"}
+    env = {"RDMAKV_TCP_NATIVE": "0", "RDMAKV_TCP_RECV_SPIN_US": "50",
+           "RDMAKV_TCP_CONGESTION": "reno"}
     assert load_config(None, env).tcp.send_plan == DEFAULT_TCP_SEND_PLAN
+    # every other RDMAKV_TCP_* variable the package reads is one of them
+    package = Path(__file__).resolve().parent.parent / "rdmakv"
+    read = {m for f in package.rglob("*.py")
+            for m in re.findall(r'"(RDMAKV_TCP_[A-Z_]+)"', f.read_text())}
+    assert read - {env_var("tcp", key) for key in SECTIONS["tcp"].model_fields} == NOT_CONFIG_ENV
     msg = _error(env={"RDMAKV_TCP_SEND_PLANS": "512k-ahead"})
     assert msg.startswith("environment variable RDMAKV_TCP_SEND_PLANS: no such setting")
     assert "allowed: RDMAKV_TCP_SEND_PLAN" in msg

@@ -4,9 +4,8 @@ The protocol's value checksum is XXH3-64 of a value's bytes
 (:func:`~rdmakv.protocol.value_checksum`). The writer computes it, the node
 stores it, and the reader checks the bytes it got against it: never wrong KV.
 Per value in Python that is a call, a slice and a list entry each, with the
-GIL held: 1000 values of 16 KiB took 1.03 ms that way on the bench host (data
-in cache; 2.5 ms in a run from memory) against 0.32 ms in one native call,
-where a 100 Gb/s NIC moves those 16 MiB in about 1.3 ms.
+GIL held: several times one native call's cost for a batch, and of the order
+of the time a 100 Gb/s NIC takes to move it.
 
 So the native core hashes instead, with the xxhash module's own C functions
 (the code :func:`value_checksum` runs):
@@ -22,12 +21,11 @@ missing, and the caller then hashes each value in Python.
 
 How fast XXH3 runs is the xxhash build's: from xxhash 4.1 its x86 wheels
 pick SSE2, AVX2 or AVX-512 at run time (``XXH3_64bits_dispatch``); earlier
-wheels are built for baseline x86-64 (SSE2). On a 16-core Intel Xeon host
-(2026-11-27) xxhash 4.0.1 hashed 16 KiB-1 MiB in cache at 17 GB/s and 4.1.0 at
-31-49 GB/s, and the native loop's hashed send of 1000 x 64 KiB took 14.0 / 16.6
-ms (median, two rounds) with 4.1.0 against 19.3 / 21.1 with 4.0.1, the two
-alternating (bench/README.md). Hence the ``xxhash>=4.1`` requirement, and
-:func:`describe`, which ``rdmakv doctor`` prints.
+wheels are built for baseline x86-64 (SSE2), which hashed at a third to a half
+of that speed and slowed the native loop's hashed sends with it. Hence the
+``xxhash>=4.1`` requirement, and :func:`describe`, which ``rdmakv doctor``
+prints. The figures behind both paragraphs: bench/README.md, section
+"Measurements moved from code comments (issue 58)".
 """
 
 from __future__ import annotations

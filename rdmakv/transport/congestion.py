@@ -2,16 +2,10 @@
 
 rdmakv's TCP connections carry bulk values in bursts, and the receiver stops
 reading between requests while its Python runs. Under BBR (the kernel default
-on some images, this project's build machines among them) transfers ran at
-about half the rate and varied from run to run. Measured over loopback on
-2026-11-25 with the same code, asking for CUBIC or leaving BBR in place:
-
-* 1,000 16 KiB blocks put through a real node, node and client each on its
-  own core: 2.9-3.0 GB/s median under BBR, 5.4-5.5 under CUBIC, 5.0 under Reno;
-* ``rdmakv bench`` (medians of 5): rdmakv 1.8-4.5 GB/s under BBR and 2.6-6.2
-  under CUBIC; the socket loop 3.0-5.5 and 4.7-5.9.
-
-So each connection asks for :data:`DEFAULT_CONGESTION` unless
+on some images, this project's build machines among them) transfers over
+loopback ran at about half the rate they ran at under CUBIC, and varied from
+run to run (the figures: bench/README.md, section "Measurements moved from
+code comments (issue 58)"). So each connection asks for :data:`DEFAULT_CONGESTION` unless
 ``RDMAKV_TCP_CONGESTION`` names another algorithm (``system``: leave the
 kernel's default alone).
 

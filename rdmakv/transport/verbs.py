@@ -134,8 +134,8 @@ as stalled (plus the time the outstanding bytes take at 8 MB/s,
 given up (``ST_STALLED``, retryable on a reset QP) instead of waiting out the
 caller's whole timeout. A device that keeps its retry contract completes or
 fails a WR within (QP_RETRY_CNT + 1) transport timeouts, ~0.55 s here;
-soft-RoCE was seen to leave a READ batch without either for the bench's whole
-120 s (2 of 2 full RDMA bench runs at 64 KiB with two streams, 2026-11-25)."""
+soft-RoCE was seen to leave a READ batch without either for a bench's whole
+120 s (bench/README.md, section "Measurements moved from code comments (issue 58)")."""
 QP_RNR_RETRY = 7  # 7 = retry forever; one-sided traffic never sees RNR NAKs
 DEFAULT_MAX_WR = 1024  # send queue depth per QP (capped by the device's max_qp_wr)
 ENV_INFLIGHT = "RDMAKV_RDMA_INFLIGHT_BYTES"
@@ -143,7 +143,8 @@ ENV_INFLIGHT = "RDMAKV_RDMA_INFLIGHT_BYTES"
 # of a 200 Gb/s link (~125 KB at 5 us), so hardware stays busy, while the loop
 # keeps posting as completions return. On soft-RoCE this matters a lot: each
 # post drives rxe's requester from the posting thread; one huge chain leaves
-# it to kernel tasklets and ran at ~0.4x perftest (bench/rdma.py, in the VM).
+# it to kernel tasklets, far slower (bench/README.md, "Measurements moved from
+# code comments (issue 58)").
 DEFAULT_INFLIGHT_BYTES = 1 << 20
 
 

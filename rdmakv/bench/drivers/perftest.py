@@ -46,10 +46,10 @@ RETRY_S = 0.5
 ZERO_READING_TRIES = 3
 """Runs of one measurement before a 0.00 Gb/sec reading is an error. Under the
 soft-RoCE VM's emulated CPU perftest now and then reports 0.00 Gb/sec for a
-whole run (CI, 2026-11-28: ``ib_write_bw`` over 2 QPs, 64 x 64 KiB; the same
-test passed in the CI run before, on the same commit's code; and once at 16
-KiB in a full bench run, commit 5b7be2b). A reading of 0 measures nothing, so
-the pair is run again; a third 0 in a row is reported as the error it is."""
+whole run, on code that passed the run before (seen in CI and in a full bench
+run: bench/README.md, section "Measurements moved from code comments (issue
+58)"). A reading of 0 measures nothing, so the pair is run again; a third 0 in
+a row is reported as the error it is."""
 NOT_LISTENING = ("Couldn't connect", "Unable to open file descriptor for socket connection")
 
 

@@ -14,14 +14,13 @@ the best of at least :attr:`SocketLoopDriver.min_repeats` runs.
 Puts and gets go over two connections, one each, and the peer serves each
 from its own thread: rdmakv's driver puts through one client and gets through
 another, and its node serves each session from its own thread. On the 2-core
-VMs a peer thread that served both directions moved gets at 0.34-0.56x the
-rate of one that only sent (medians of 12-14 rounds alternating put and get,
-16 KiB-1 MiB, 2026-11-27: 1.1-2.2 GB/s against 2.3-5.1), whether over one
-connection or two; a thread per connection matched a separate peer process
-per direction. Runs before 2026-11-27 18:20 UTC measured that weaker loop,
-one connection and one thread for both directions. (rdmakv itself showed no
-such effect: one client putting and getting over one connection moved as
-much as a put client and a get client, 1000 x 16 KiB and 256 KiB.)
+VMs a peer thread that served both directions moved gets at about half the
+rate of one that only sent, whether over one connection or two; a thread per
+connection matched a separate peer process per direction. (rdmakv itself
+showed no such effect: one client putting and getting over one connection
+moved as much as a put client and a get client.) The figures, and which
+results measured the older loop: bench/README.md, section "Measurements moved
+from code comments (issue 58)".
 
 There is no lookup: ``exists`` raises PeerUnavailable. :class:`EchoPeer` is
 the one-byte round trip the latency section compares lookups with.
@@ -49,13 +48,13 @@ from rdmakv.transport.congestion import apply_congestion
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 WINDOW_BYTES = 512 * 1024
 """Bytes one sendmsg / recvmsg_into call moves at most. The fewest system calls
-is not the fastest loop: over loopback on these 2-core VMs, windows of 512 KiB
-moved 1.5-1.8x more per second (best of 9: 6.8-7.0 GB/s at 16 KiB to 256 KiB
-blocks) than windows of 1024 whole blocks (16-256 MiB per call: 3.7-3.9 GB/s),
-and more than 128 KiB, 256 KiB or 1 MiB windows; the send side's cap mattered
-most. Each call's bytes are still in the CPU cache when the kernel copies them
-on. It is also the window of every call of rdmakv's native loop (``RK_TCP_WINDOW``).
-Runs before 2026-11-25 10:05 UTC had no byte cap, a weaker ceiling."""
+is not the fastest loop: over loopback, windows of 512 KiB moved more per
+second than windows of 1024 whole blocks, and more than 128 KiB, 256 KiB or
+1 MiB windows; the send side's cap mattered most (each call's bytes are still
+in the CPU cache when the kernel copies them on). It is also the window of
+every call of rdmakv's native loop (``RK_TCP_WINDOW``). The figures, and which
+results had no cap: bench/README.md, section "Measurements moved from code
+comments (issue 58)"."""
 ACCEPT_TIMEOUT_S = 60.0
 REAP_TIMEOUT_S = 10.0
 """How long a child told to leave may take before it is killed."""
