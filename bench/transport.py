@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.drivers.socket_loop import recv_views, send_views
 from rdmakv.client import KVClient
+from rdmakv.perf.drivers.socket_loop import recv_views, send_views
 from rdmakv.slab import Slab
 from rdmakv.transport import tcp
 

@@ -110,7 +110,7 @@ def run_published(
     script: str, *args: str, out: Path, name: str
 ) -> tuple[dict[str, Any], str]:
     """Run ``bench/<script> ARGS --out OUT`` and check the output every such
-    script gives (``rdmakv.bench.provenance.publish``): exit 0, one JSON object
+    script gives (``rdmakv.perf.provenance.publish``): exit 0, one JSON object
     on stdout, the same object in ``OUT/<name>.json``, a plot in
     ``OUT/<name>.png``. Returns the object and the script's stderr."""
     r = subprocess.run(

@@ -26,7 +26,7 @@ much as a put client and a get client, 1000 x 16 KiB and 256 KiB.)
 There is no lookup: ``exists`` raises PeerUnavailable. :class:`EchoPeer` is
 the one-byte round trip the latency section compares lookups with.
 
-``python -m rdmakv.bench.drivers.socket_loop --peer PORT BLOCK COUNT`` and
+``python -m rdmakv.perf.drivers.socket_loop --peer PORT BLOCK COUNT`` and
 ``--echo PORT`` are the child processes.
 """
 
@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
+from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
 from rdmakv.transport.congestion import apply_congestion
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
@@ -185,7 +185,7 @@ def _spawn(
     ls.settimeout(ACCEPT_TIMEOUT_S)
     port = ls.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rdmakv.bench.drivers.socket_loop", *args[:1], str(port), *args[1:]]
+        [sys.executable, "-m", "rdmakv.perf.drivers.socket_loop", *args[:1], str(port), *args[1:]]
     )
     conns: list[socket.socket] = []
     try:
