@@ -26,7 +26,7 @@ This module imports nothing else of rdmakv but :mod:`rdmakv.errors` and
 :mod:`rdmakv.defaults` (the defaults it shares with the node and the client,
 which import them from there too): the CLI and the connectors import it, never
 the reverse. :func:`load_config` alone also loads :mod:`rdmakv.native_core`
-(standard library only), to check the receive-spin variable.
+(the native core, whose bound it needs), to check the receive-spin variable.
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ def load_config(
     """Validate the YAML file (``path``, else ``$RDMAKV_CONFIG``, else none) with the
     ``RDMAKV_<SECTION>_<KEY>`` variables of ``env`` (default: ``os.environ``) applied.
 
-    Variables outside the three sections (``RDMAKV_TCP_NATIVE``, ...) are not
+    Variables outside the three sections (``RDMAKV_TCP_RECV_SPIN_US``, ...) are not
     configuration and are ignored; an unknown ``RDMAKV_NODE_*`` /
     ``RDMAKV_CLIENT_*`` / ``RDMAKV_LOG_*`` variable is an error naming it.
     Raises one :class:`ConfigError` listing every problem.
@@ -583,9 +583,8 @@ log:
   `null`); an empty variable counts as unset.
 * Unknown keys and unknown `RDMAKV_NODE_*` / `RDMAKV_CLIENT_*` /
   `RDMAKV_LOG_*` variables are errors that name the key and the allowed ones.
-  Other `RDMAKV_*` variables (`RDMAKV_TCP_NATIVE`, `RDMAKV_INDEX_NATIVE`,
-  `RDMAKV_LOOP_NATIVE`, `RDMAKV_CALL_NATIVE`, `RDMAKV_TCP_RECV_SPIN_US`,
-  `RDMAKV_REQUIRE_RDMA`, ...) are not configuration (docs/operations.md).
+  Other `RDMAKV_*` variables (`RDMAKV_TCP_RECV_SPIN_US`, `RDMAKV_REQUIRE_RDMA`,
+  ...) are not configuration (docs/operations.md).
 * Sizes are bytes: an int, or a string with a unit: `256KiB`, `8GiB` (binary),
   `16k`, `2MB` (decimal).
 * `client` keys left unset keep each tool's own default: the defaults below are

@@ -103,6 +103,13 @@ def client_slab() -> Iterator[Slab]:
     slab.close()
 
 
+def declined_call(*args: object) -> None:
+    """A stand-in for a native client call (``protocol._native_get_call``)
+    that takes nothing: it answers None, as the real one does for arguments
+    it does not take, so the client serves the call in Python."""
+    return None
+
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 

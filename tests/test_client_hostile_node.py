@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from conftest import declined_call
 
 from rdmakv import protocol
 from rdmakv.client import MIN_SUB_BATCH, KVClient
@@ -169,15 +170,14 @@ def test_oversized_lookup_extent_is_a_miss_and_lying_reads_are_errors(
 
 GET_PATHS = ["native_call", "python"]
 """How a client reads a get of one request: in one native call
-(``Channel.call_get``), or answer by answer in Python (the call switched off)."""
+(``Channel.call_get``), or answer by answer in Python (the call declining)."""
 
 
 def _get_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if path == "native_call" and (protocol._native_get_call is None
-                                  or not tcp.native_checksums()):
-        pytest.skip("the native get call is not built, switched off, or has no XXH3 C API")
+    if path == "native_call" and not tcp.native_checksums():
+        pytest.skip("the xxhash module has no XXH3 C API for the native get call")
     if path == "python":
-        monkeypatch.setattr(protocol, "_native_get_call", None)
+        monkeypatch.setattr(protocol, "_native_get_call", declined_call)
 
 
 @pytest.mark.parametrize("path", GET_PATHS)
@@ -310,8 +310,8 @@ def test_bytes_read_past_a_short_error_answer_are_the_next_answers(
     it: here the error's bulk, then the next answer's head and value, sent
     together. Each lands where it belongs (a request of one key after one of
     many, as the client's own sub-batches never are, reaches the value)."""
-    if protocol._native_get_call is None or not tcp.native_checksums():
-        pytest.skip("the native get call is not built, switched off, or has no XXH3 C API")
+    if not tcp.native_checksums():
+        pytest.skip("the xxhash module has no XXH3 C API for the native get call")
     first: list[int] = []
 
     def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
@@ -464,7 +464,7 @@ def test_a_signal_handler_raising_mid_value_leaves_no_half_read_stream(
         gate.set()
 
 
-@pytest.mark.parametrize("path", ["native_call", "native", "native_loop_python_hash", "python"])
+@pytest.mark.parametrize("path", ["native_call", "native", "native_loop_python_hash"])
 def test_a_get_answer_value_whose_bytes_fail_their_checksum_is_a_miss(
     fake_node: Callable[[NodeInfo, Script], tuple[str, int]],
     path: str,
@@ -474,18 +474,15 @@ def test_a_get_answer_value_whose_bytes_fail_their_checksum_is_a_miss(
     ``miss`` key as a miss and every ``bad`` key with bytes that are not the
     ones its checksum names. Each way the client may read an answer (the
     whole get in one native call; answer by answer, the native core laying
-    it out and checking it; the native loop with Python hashing; Python
-    throughout) returns the good values and misses for the rest, and
-    deletes the bad ones on the node."""
+    it out and checking it; the native loop with Python hashing, as where
+    the xxhash module has no C API) returns the good values and misses for
+    the rest, and deletes the bad ones on the node."""
     if path == "native_call":
         _get_path(path, monkeypatch)
     else:
-        monkeypatch.setattr(protocol, "_native_get_call", None)
+        monkeypatch.setattr(protocol, "_native_get_call", declined_call)
     if path == "native" and not tcp.native_checksums():
-        pytest.skip(f"native checksums unavailable: {tcp.NATIVE_ERROR or 'no XXH3 C API'}")
-    if path == "native_loop_python_hash" and not tcp.native_available():
-        pytest.skip(f"native TCP loop unavailable: {tcp.NATIVE_ERROR}")
-    monkeypatch.setattr(tcp, "use_native", path != "python")
+        pytest.skip("native checksums unavailable: the xxhash module has no XXH3 C API")
     if path == "native_loop_python_hash":
         monkeypatch.setattr(tcp, "HASHER", None)
     deleted: list[bytes] = []

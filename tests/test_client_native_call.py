@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import NodeProcess
+from conftest import NodeProcess, declined_call
 
 from rdmakv import protocol
 from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient
@@ -36,11 +36,7 @@ from rdmakv.slab import Slab
 from rdmakv.transport import tcp
 from rdmakv.transport.base import REQUEST_BYTES_AHEAD
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.skipif(protocol._native_flags_call is None,
-                       reason="rdmakv._native_call not built, or RDMAKV_CALL_NATIVE=0"),
-]
+pytestmark = pytest.mark.timeout(60)
 
 BLOCK = 64 * 1024
 DIGEST = b"d" * 16
@@ -143,7 +139,7 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
 ) -> None:
     """Hits of whole and partial blocks and misses (an absent key, a digest
     of other tokens), in one native call; the per-answer Python path
-    (the native call switched off) gets the same sizes and bytes. A get of
+    (the native call declining) gets the same sizes and bytes. A get of
     several requests is one call too; one whose answers are too big for the
     call is answered in Python."""
     keys = [b"get-%02d" % i for i in range(3)]
@@ -161,7 +157,7 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
                 client_slab.numpy(h)[:] = 0xEE
             with monkeypatch.context() as mp:
                 if not native:
-                    mp.setattr(protocol, "_native_get_call", None)
+                    mp.setattr(protocol, "_native_get_call", declined_call)
                 assert c.get_sizes(asked, dst, digests) == want
             assert bytes(client_slab.view(dst[0])[:1000]) == bytes(client_slab.view(src[2])[:1000])
             assert (client_slab.numpy(dst[0])[1000:] == 0xEE).all()  # nothing past the value
@@ -236,13 +232,12 @@ def test_a_get_of_requests_over_the_flow_control_window_is_one_native_call(
 def test_the_native_get_receives_with_the_process_receive_spin_setting(
     node: NodeProcess, client_slab: Slab, got_back: list[Any]
 ) -> None:
-    """rk_tcp.c is compiled into rdmakv._native_call too, with statics of its
-    own; native_core points them at _native_tcp's, so the get call's receive
-    waits obey tcp.set_recv_spin_us and count in tcp.recv_wait_counts."""
+    """rk_call.c and rk_tcp.c are one shared object (rdmakv._native), so the
+    get call's receive waits obey tcp.set_recv_spin_us and count in
+    tcp.recv_wait_counts."""
     n = client_slab.num_blocks // 2
     keys = [b"spin-%03d" % i for i in range(n)]
     before_us = tcp.recv_spin_us()
-    assert before_us is not None
     with KVClient(*node.address, client_slab) as c:
         src = client_slab.alloc_many(n)
         _filled(client_slab, src, 3)

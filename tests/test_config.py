@@ -110,7 +110,7 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
         "RDMAKV_LOG_FORMAT": "json",
         "RDMAKV_LOG_LEVEL": "",  # empty: unset
         # Not configuration: ignored.
-        "RDMAKV_TCP_NATIVE": "0",
+        "RDMAKV_TCP_OTHER": "0",
         "RDMAKV_REQUIRE_RDMA": "1",
         "RDMAKV_NODE": "x",
     }
