@@ -12,11 +12,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import declined_call
+from conftest import Script, declined_call
 
 from rdmakv import protocol
 from rdmakv.client import MIN_SUB_BATCH, KVClient
@@ -39,7 +39,6 @@ from rdmakv.protocol import (
     encode_get,
     encode_get_answer,
     encode_lookup_results,
-    encode_node_info,
     value_checksum,
 )
 from rdmakv.slab import Slab
@@ -64,46 +63,6 @@ GOOD_INFO = NodeInfo(
     1 << 24,
     ("tcp",),
 )
-
-Script = Callable[[Channel, Header, bytearray], bool]  # False = stop serving
-
-
-@pytest.fixture
-def fake_node() -> Iterator[Callable[[NodeInfo, Script], tuple[str, int]]]:
-    servers: list[socket.socket] = []
-
-    def start(info: NodeInfo, script: Script) -> tuple[str, int]:
-        ls = socket.create_server(("127.0.0.1", 0))
-        servers.append(ls)
-
-        def serve() -> None:
-            while True:
-                try:
-                    conn, _ = ls.accept()
-                except OSError:
-                    return
-                ch = Channel(conn)
-                try:
-                    hdr = ch.recv_header()
-                    ch.recv_payload(hdr)
-                    ch.send(Op.HELLO | RESPONSE_BIT, encode_node_info(info), req_id=hdr.req_id)
-                    while True:
-                        hdr = ch.recv_header()
-                        if not script(ch, hdr, ch.recv_payload(hdr)):
-                            break
-                except (OSError, RdmakvError):
-                    pass
-                finally:
-                    conn.close()
-
-        threading.Thread(target=serve, daemon=True).start()
-        host, port = ls.getsockname()[:2]
-        return host, port
-
-    yield start
-    for ls in servers:
-        ls.close()
-
 
 def never(ch: Channel, hdr: Header, payload: bytearray) -> bool:
     return False
