@@ -5,7 +5,7 @@ carries the checksums, so a get can tell a corrupted value from a good one.
 The socket loop (``rdmakv bench``'s ceiling) checks nothing. This measures how
 much of the gap between the two is that hash pass:
 
-* ``socket_loop``: the ceiling's put (``rdmakv.bench.drivers.socket_loop``);
+* ``socket_loop``: the ceiling's put (``rdmakv.perf.drivers.socket_loop``);
 * ``rdmakv``: a put through a real ``rdmakv serve``, as shipped;
 * ``rdmakv_unchecked``: the same client, node and connection, with the native
   send told to hash nothing (the COMMIT then carries zeros). This is NOT a mode
@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.driver import Driver, Workload
-from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
-from rdmakv.bench.drivers.socket_loop import SocketLoopDriver
-from rdmakv.bench.provenance import provenance, publish
-from rdmakv.bench.runner import arena, fill_random, wrong_bytes
+from rdmakv.perf.driver import Driver, Workload
+from rdmakv.perf.drivers.rdmakv_node import RdmakvDriver
+from rdmakv.perf.drivers.socket_loop import SocketLoopDriver
+from rdmakv.perf.measure import arena, fill_random, wrong_bytes
+from rdmakv.perf.provenance import provenance, publish
 from rdmakv.transport import tcp
 
 BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.rounds <= WARM_UP_ROUNDS:
         ap.error(f"--rounds must be more than the {WARM_UP_ROUNDS} warm-up rounds")
     if not tcp.native_checksums():
-        raise SystemExit("the native TCP loop with checksums is not built here "
-                         "(rdmakv._native_tcp): nothing to measure")
+        raise SystemExit("the native TCP loop has no checksums here (the xxhash module "
+                         "exports no XXH3 C API): nothing to measure")
     result: dict[str, Any] = {"meta": {**provenance(), "rounds": args.rounds,
                                        "warm_up_rounds": WARM_UP_ROUNDS}, "sizes": {}}
     for size in (int(s) for s in args.sizes.split(",")):

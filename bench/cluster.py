@@ -59,12 +59,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from rdmakv.bench.provenance import provenance
 from rdmakv.client import KVClient
 from rdmakv.cluster import ClusterClient
 from rdmakv.cluster.rendezvous import Rendezvous, fold_key, mix64, node_seed
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.perf.provenance import provenance
 from rdmakv.slab import Slab
 
 ROOT = Path(__file__).resolve().parent.parent

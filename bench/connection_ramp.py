@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.driver import Driver, Workload
-from rdmakv.bench.drivers import make_driver
-from rdmakv.bench.provenance import provenance, publish
-from rdmakv.bench.runner import arena, fill_random, wrong_bytes
+from rdmakv.perf.driver import Driver, Workload
+from rdmakv.perf.drivers import make_driver
+from rdmakv.perf.measure import arena, fill_random, wrong_bytes
+from rdmakv.perf.provenance import provenance, publish
 
 DEFAULT_SYSTEMS = ("rdmakv", "socket_loop")
 NEVER_SKIP = frozenset(DEFAULT_SYSTEMS)

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.provenance import provenance
 from rdmakv.client import KVClient
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.perf.provenance import provenance
 from rdmakv.protocol import Channel, Op, encode_hello
 from rdmakv.slab import Slab
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.drivers.perftest import run_perftest
 from rdmakv.client import KVClient
+from rdmakv.perf.drivers.perftest import run_perftest
 from rdmakv.slab import Slab
 from rdmakv.transport import verbs
 from rdmakv.transport.rdma import DataPathTotals, RdmaTransport

@@ -106,9 +106,9 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from rdmakv.bench.provenance import provenance, publish
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.perf.provenance import provenance, publish
 from rdmakv.replay.trace import Trace, TraceRequest, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent

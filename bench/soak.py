@@ -54,11 +54,11 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.provenance import provenance
 from rdmakv.client import KVClient
 from rdmakv.config import parse_size
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.perf.provenance import provenance
 from rdmakv.slab import Slab
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -63,8 +63,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rdmakv.bench.provenance import provenance
 from rdmakv.errors import RdmakvError
+from rdmakv.perf.provenance import provenance
 from rdmakv.replay import ReplayResult, ReplaySetup, TraceKeys, load_trace, replay_model
 from rdmakv.replay.stack import DEFAULT_STACK_BLOCK_BYTES, replay_stack
 

@@ -45,10 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.drivers.socket_loop import recv_views, send_views
 from rdmakv.client import KVClient
+from rdmakv.perf.drivers.socket_loop import recv_views, send_views
 from rdmakv.slab import Slab
-from rdmakv.transport import tcp
 
 BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
 DEFAULT_BLOCKS = 1000
@@ -367,7 +366,6 @@ def bench_size(block: int, count: int, repeats: int, tmp: Path) -> dict[str, Any
         "ceiling_loops": {
             name: {d: round(v, 3) for d, v in best.items()} for name, best in loop.best.items()
         },
-        "tcp_loop": "native" if tcp.use_native else "python",
         "bytes_verified": verified,
     }
 

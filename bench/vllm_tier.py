@@ -28,7 +28,7 @@ over RDMA, in the soft-RoCE VM; chunks go one-sided into vLLM's CPU tier):
 Chunk size defaults to vLLM's for Llama-3-8B in bf16 with 16-token blocks and
 TP 1: ``32 layers x 16 tokens x 8 KV heads x (128 + 128) x 2 bytes`` = 2 MiB.
 GB/s are 1e9 bytes/s, best of ``--repeats``. Prints one JSON object
-(``rdmakv.bench.provenance.publish``); ``--out DIR`` also writes
+(``rdmakv.perf.provenance.publish``); ``--out DIR`` also writes
 ``vllm_tier.json`` and ``vllm_tier.png`` (``vllm_tier_rdma.*`` over RDMA).
 """
 
@@ -66,9 +66,9 @@ from vllm.v1.kv_offload.tiering.spec import (  # type: ignore[import-not-found]
     TieringOffloadingSpec,
 )
 
-from rdmakv.bench.provenance import provenance, publish
 from rdmakv.client import KVClient
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.perf.provenance import provenance, publish
 from rdmakv.slab import Slab
 
 LLAMA_8B_CHUNK = 32 * 16 * 8 * (128 + 128) * 2

@@ -71,7 +71,7 @@ Run in the engine venv::
     PYTHONPATH=. VLLM_TARGET_DEVICE=cpu .venv-engines/bin/python bench/vllm_tier_trace.py \\
         --out bench/results
 
-Prints one JSON object (``rdmakv.bench.provenance.publish``); ``--out DIR``
+Prints one JSON object (``rdmakv.perf.provenance.publish``); ``--out DIR``
 also writes ``vllm_tier_trace.json`` and ``vllm_tier_trace.png``
 (``vllm_tier_trace_full.*`` with ``--full``); progress goes to stderr. The
 default slice (the trace's first 2,000 requests, every configuration) takes a
@@ -113,8 +113,8 @@ from vllm.v1.kv_offload.tiering.spec import (  # type: ignore[import-not-found]
     TieringOffloadingSpec,
 )
 
-from rdmakv.bench.provenance import provenance, publish
 from rdmakv.node.process import LocalNodeProcess
+from rdmakv.perf.provenance import provenance, publish
 from rdmakv.replay import ReplaySetup, TraceKeys, replay_model
 from rdmakv.replay.trace import TRACE_BLOCK_TOKENS, Trace, load_trace
 

@@ -216,7 +216,7 @@ image_check() {
     set -e
     [ "$(id -u)" != 0 ] || { echo "runs as root"; exit 1; }
     ! command -v gcc cc >/dev/null || { echo "a compiler is in the runtime image"; exit 1; }
-    python3 -c "import rdmakv._native_verbs, rdmakv._native_tcp, rdmakv._native_index, rdmakv._native_call"
+    python3 -c "import rdmakv._native_verbs, rdmakv.native_core"
     ! python3 -c "import torch" 2>/dev/null || { echo "torch is in the image"; exit 1; }' 2>&1 \
     || fail "image $IMAGE: runtime stage checks"
   # The real CMD on the ConfigMap's config (a small unlocked pool: no memlock here).

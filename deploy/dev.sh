@@ -23,7 +23,7 @@ ensure_venv() {
   # Reinstall only when the project metadata or the native sources changed, or the
   # dev extras are wanted where only rdmakv went in; a dev install serves the demo too.
   local stamp=$VENV/.rdmakv-installed sig have spec=.
-  sig=$({ cat pyproject.toml; cat native/* 2>/dev/null || true; } | sha256sum | cut -c1-16)
+  sig=$({ cat pyproject.toml setup.py; cat native/* 2>/dev/null || true; } | sha256sum | cut -c1-16)
   have=$(cat "$stamp" 2>/dev/null || true)
   if [[ $have == "$sig dev" || $have == "$sig $want" ]]; then
     return

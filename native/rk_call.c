@@ -1,4 +1,5 @@
-/* rdmakv native client calls (rdmakv._native_call, a CPython extension), on
+/* rdmakv native client calls (the CPython module rdmakv._native_call, part of
+ * the core's shared object rdmakv._native; see below), on
  * a client connection with nothing else in flight: a keys request answered
  * by one flag per key (EXISTS, DELETE), and a get's GET requests with their
  * answers, each in one call from Python.
@@ -44,7 +45,7 @@
  * read in order, each hit's value received straight into its slab block
  * (key j's at base + slots[j] * block, uint64 slots the caller has checked)
  * and hashed as it lands with the rk_hasher at address hasher
- * (native/rk_tcp.c's receive, compiled into this module). It returns
+ * (native/rk_tcp.c's receive, in the same shared object). It returns
  *   - (sizes, corrupt, refusal): every answer consumed. sizes: per key its
  *     value's length, None for a miss; corrupt: the indices of the keys
  *     whose bytes failed their checksum (misses too); refusal: the bytes
@@ -722,14 +723,6 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *share_recv_spin(PyObject *self, PyObject *args) {
-    unsigned long long state;
-    if (!PyArg_ParseTuple(args, "K", &state))
-        return NULL;
-    rk_tcp_share_recv_spin((uint64_t)state);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"flags_call", flags_call, METH_VARARGS,
      "flags_call(fd, opcode, req_id, keys, scratch, ahead, timeout_ms): see native/rk_call.c"},
@@ -740,8 +733,6 @@ static PyMethodDef methods[] = {
      "join_uniform(items, min_len, max_len): (n, joined) or None: see native/rk_call.c"},
     {"live_handles", live_handles, METH_VARARGS,
      "live_handles(handles, refs): whether every handle is a live block: see native/rk_call.c"},
-    {"share_recv_spin", share_recv_spin, METH_VARARGS,
-     "share_recv_spin(address): receive with the spin state at address (rk_tcp.h)"},
     {"configure", configure, METH_VARARGS,
      "configure(response_bit, max_key_len, max_bulk): the protocol's numbers, before any call"},
     {NULL, NULL, 0, NULL},
@@ -755,4 +746,9 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+/* This file is compiled into the cffi module rdmakv._native (native/build.py),
+ * whose shared object thus holds two modules: cffi's, under the file's own name,
+ * and this one, which rdmakv/native_core.py makes from the same file through
+ * this second init function (PEP 489, "multiple modules in one library").
+ * One shared object: one copy of rk_tcp.c's statics for both. */
 PyMODINIT_FUNC PyInit__native_call(void) { return PyModule_Create(&module); }

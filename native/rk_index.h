@@ -23,7 +23,7 @@
  * refcounts for that and never changes them (the evicted block's one
  * reference passes to the new pending key). The caller (the store)
  * serialises calls with its lock; the functions run with the GIL released.
- * Plain libc only: built on every host, as rdmakv._native_index.
+ * Plain libc only: built on every host, in rdmakv._native.
  *
  * A batch of n keys comes as their bytes back to back (keys) and per key its
  * length (lens); a length outside 1..RK_INDEX_MAX_KEY names no key (never

@@ -39,7 +39,7 @@
  * index's. Dropping a pin that is its block's last (the key was deleted or
  * evicted meanwhile) frees the block, which is the pool's free list's, in
  * Python: such blocks are handed to the caller (rk_serve_tally).
- * Plain libc and pthreads only; part of rdmakv._native_index (with
+ * Plain libc and pthreads only; part of rdmakv._native (with
  * rk_tcp.c's send). */
 #ifndef RK_SERVE_H
 #define RK_SERVE_H

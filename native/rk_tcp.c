@@ -47,39 +47,28 @@ static int64_t now_us(void) {
 
 /* Receive spinning (see rk_tcp.h): the budget, the receives in flight, and
  * how the waits ended. Shared by every thread; relaxed atomics, since each
- * is a counter or a setting read on its own. This file is compiled into
- * several extension modules, each with statics of its own, so the state is
- * reached through `spin`: the process's is one module's, and the others are
- * pointed at it when they load (rk_tcp_share_recv_spin). */
-struct recv_spin {
+ * is a counter or a setting read on its own. */
+static struct recv_spin {
     int64_t budget_us;
     int64_t receiving;
     uint64_t spun, slept;
-};
-static struct recv_spin own_spin = {RK_TCP_RECV_SPIN_US, 0, 0, 0};
-static struct recv_spin *spin = &own_spin;
-
-uint64_t rk_tcp_recv_spin_state(void) { return (uint64_t)(uintptr_t)spin; }
-
-void rk_tcp_share_recv_spin(uint64_t state) {
-    spin = state ? (struct recv_spin *)(uintptr_t)state : &own_spin;
-}
+} spin = {RK_TCP_RECV_SPIN_US, 0, 0, 0};
 
 int rk_tcp_set_recv_spin_us(int64_t us) {
     if (us < 0 || us > RK_TCP_RECV_SPIN_MAX_US) return -1;
-    __atomic_store_n(&spin->budget_us, us, __ATOMIC_RELAXED);
+    __atomic_store_n(&spin.budget_us, us, __ATOMIC_RELAXED);
     return 0;
 }
 
-int64_t rk_tcp_recv_spin_us(void) { return __atomic_load_n(&spin->budget_us, __ATOMIC_RELAXED); }
+int64_t rk_tcp_recv_spin_us(void) { return __atomic_load_n(&spin.budget_us, __ATOMIC_RELAXED); }
 
 void rk_tcp_recv_wait_counts(uint64_t *spun, uint64_t *slept) {
-    *spun = __atomic_load_n(&spin->spun, __ATOMIC_RELAXED);
-    *slept = __atomic_load_n(&spin->slept, __ATOMIC_RELAXED);
+    *spun = __atomic_load_n(&spin.spun, __ATOMIC_RELAXED);
+    *slept = __atomic_load_n(&spin.slept, __ATOMIC_RELAXED);
 }
 
 int64_t rk_tcp_receives_in_flight(void) {
-    return __atomic_load_n(&spin->receiving, __ATOMIC_RELAXED);
+    return __atomic_load_n(&spin.receiving, __ATOMIC_RELAXED);
 }
 
 /* Whether a receive may spin now: fewer receives in flight (this one among
@@ -87,7 +76,7 @@ int64_t rk_tcp_receives_in_flight(void) {
 static int may_spin(void) {
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
-    return __atomic_load_n(&spin->receiving, __ATOMIC_RELAXED) < CPU_COUNT(&set);
+    return __atomic_load_n(&spin.receiving, __ATOMIC_RELAXED) < CPU_COUNT(&set);
 }
 
 /* A receive's wait for more bytes: spin first when allowed (rk_tcp.h), then
@@ -101,13 +90,13 @@ static int recv_wait(int fd, int timeout_ms, int64_t deadline, int *err) {
             struct pollfd p = {.fd = fd, .events = POLLIN, .revents = 0};
             int r = poll(&p, 1, 0);
             if (r > 0) {
-                __atomic_fetch_add(&spin->spun, 1, __ATOMIC_RELAXED);
+                __atomic_fetch_add(&spin.spun, 1, __ATOMIC_RELAXED);
                 return RK_TCP_OK;
             }
             if (r < 0) break; /* the sleeping wait reports it */
         } while (now_us() < stop);
     }
-    __atomic_fetch_add(&spin->slept, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&spin.slept, 1, __ATOMIC_RELAXED);
     return wait_fd(fd, POLLIN, timeout_ms, deadline, err);
 }
 
@@ -324,9 +313,9 @@ nomem:
 static int run(int fd, int sending, const uint64_t *iov, size_t n, uint64_t skip,
                int timeout_ms, struct hashing *h, uint64_t *done, int *err) {
     if (sending) return run_loop(fd, 1, iov, n, skip, timeout_ms, h, done, err);
-    __atomic_fetch_add(&spin->receiving, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&spin.receiving, 1, __ATOMIC_RELAXED);
     int rc = run_loop(fd, 0, iov, n, skip, timeout_ms, h, done, err);
-    __atomic_fetch_sub(&spin->receiving, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&spin.receiving, 1, __ATOMIC_RELAXED);
     return rc;
 }
 

@@ -3,7 +3,7 @@
  * Moves a scatter-gather list of (address, length) ranges through a stream
  * socket (sendmsg / readv of up to RK_TCP_IOV_MAX ranges and RK_TCP_WINDOW
  * bytes each), resuming after partial transfers. Plain libc
- * only (no libibverbs): it is built on every host, as rdmakv._native_tcp.
+ * only (no libibverbs): it is built on every host, in rdmakv._native.
  *
  * Waits are bounded the way a Python socket timeout bounds them: every wait
  * for the socket (poll after EAGAIN on a non-blocking fd) lasts at most
@@ -71,14 +71,6 @@ int64_t rk_tcp_recv_spin_us(void);
 void rk_tcp_recv_wait_counts(uint64_t *spun, uint64_t *slept);
 /* Receives (rk_tcp_recvv, rk_tcp_recvv_hashed) running in this process now. */
 int64_t rk_tcp_receives_in_flight(void);
-/* This file is compiled into each extension module that moves bytes, and
- * each copy has its own statics: rk_tcp_recv_spin_state() is the address of
- * the state above as this copy sees it, and rk_tcp_share_recv_spin(address)
- * makes this copy use another copy's, so that the setting, the counts and the
- * receives in flight are the process's (rdmakv/native_core.py points every
- * module at _native_tcp's as it loads them; 0 goes back to this copy's own). */
-uint64_t rk_tcp_recv_spin_state(void);
-void rk_tcp_share_recv_spin(uint64_t state);
 
 /* iov: n pairs of uint64 (address, length). skip: bytes of the list already
  * moved (resume point). *done: bytes of the list moved on return (>= skip).

@@ -656,13 +656,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from rdmakv.bench import runner
+    from rdmakv.perf import command
+    from rdmakv.perf.settings import BenchConfig
 
     def _list(text: str | None) -> list[str] | None:
         return [t.strip() for t in text.split(",") if t.strip()] if text else None
 
     sizes = _list(args.sizes)
-    cfg = runner.BenchConfig(
+    cfg = BenchConfig(
         transport=args.transport,
         quick=args.quick,
         systems=_list(args.systems),
@@ -676,7 +677,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         concurrency=not args.no_concurrency,
         warm_up=not args.no_warm_up,
     )
-    return runner.main(cfg, as_json=args.json)
+    return command.main(cfg, as_json=args.json)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

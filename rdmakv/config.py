@@ -26,7 +26,7 @@ This module imports nothing else of rdmakv but :mod:`rdmakv.errors` and
 :mod:`rdmakv.defaults` (the defaults it shares with the node and the client,
 which import them from there too): the CLI and the connectors import it, never
 the reverse. :func:`load_config` alone also loads :mod:`rdmakv.native_core`
-(standard library only), to check the receive-spin variable.
+(the native core, whose bound it needs), to check the receive-spin variable.
 """
 
 from __future__ import annotations
@@ -289,9 +289,7 @@ SECTIONS: dict[str, type[_Section]] = {
 CONFIG_ENV = "RDMAKV_CONFIG"
 """Names the YAML file when no path is given."""
 ENV_PREFIX = "RDMAKV_"
-NOT_CONFIG_ENV = frozenset(
-    {"RDMAKV_TCP_NATIVE", "RDMAKV_TCP_RECV_SPIN_US", "RDMAKV_TCP_CONGESTION"}
-)
+NOT_CONFIG_ENV = frozenset({"RDMAKV_TCP_RECV_SPIN_US", "RDMAKV_TCP_CONGESTION"})
 """Variables that look like ``RDMAKV_TCP_<KEY>`` but are not configuration
 (docs/operations.md): left alone, not refused as unknown ``tcp`` keys."""
 
@@ -428,7 +426,7 @@ def load_config(
     """Validate the YAML file (``path``, else ``$RDMAKV_CONFIG``, else none) with the
     ``RDMAKV_<SECTION>_<KEY>`` variables of ``env`` (default: ``os.environ``) applied.
 
-    Variables outside the sections (``RDMAKV_TCP_NATIVE``, ...; see
+    Variables outside the sections (``RDMAKV_TCP_RECV_SPIN_US``, ...; see
     :data:`NOT_CONFIG_ENV`) are not configuration and are ignored; an unknown
     ``RDMAKV_NODE_*`` / ``RDMAKV_CLIENT_*`` / ``RDMAKV_TCP_*`` / ``RDMAKV_LOG_*``
     variable is an error naming it.
@@ -621,15 +619,13 @@ log:
   `null`); an empty variable counts as unset.
 * Unknown keys and unknown `RDMAKV_NODE_*` / `RDMAKV_CLIENT_*` /
   `RDMAKV_LOG_*` variables are errors that name the key and the allowed ones.
-  Other `RDMAKV_*` variables (`RDMAKV_TCP_NATIVE`, `RDMAKV_INDEX_NATIVE`,
-  `RDMAKV_LOOP_NATIVE`, `RDMAKV_CALL_NATIVE`, `RDMAKV_TCP_RECV_SPIN_US`,
-  `RDMAKV_REQUIRE_RDMA`, ...) are not configuration (docs/operations.md).
+  Other `RDMAKV_*` variables (`RDMAKV_TCP_RECV_SPIN_US`, `RDMAKV_REQUIRE_RDMA`,
+  ...) are not configuration (docs/operations.md).
 * Sizes are bytes: an int, or a string with a unit: `256KiB`, `8GiB` (binary),
   `16k`, `2MB` (decimal).
 * `tcp` is read by every command (`serve` as much as `demo`) and connector, and
   set once as the process starts; an unknown `RDMAKV_TCP_*` variable is an
-  error too, but for `RDMAKV_TCP_NATIVE`, `RDMAKV_TCP_RECV_SPIN_US` and
-  `RDMAKV_TCP_CONGESTION`.
+  error too, but for `RDMAKV_TCP_RECV_SPIN_US` and `RDMAKV_TCP_CONGESTION`.
 * `client` keys left unset keep each tool's own default: the defaults below are
   the connectors'; `rdmakv demo` starts with a 32 MiB L1 and local nodes.
 * `python -m rdmakv.config --check FILE` validates a file (with the

@@ -1,7 +1,8 @@
 """``rdmakv doctor``: what RDMA this machine has, and what is wrong with it.
 
-Reads sysfs (works without opening a device) and, when the native core is
-built, queries each port through libibverbs for the active MTU and limits.
+Reads sysfs (works without opening a device) and, when the native RDMA
+module is built, queries each port through libibverbs for the active MTU and
+limits.
 Every problem found is stated plainly with the command that fixes it; the
 exit status is 0 when rdmakv can use RDMA here, 1 otherwise.
 
@@ -25,10 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv import native_call, native_core
+from rdmakv import native_core
 from rdmakv.config import env_var
 from rdmakv.errors import RdmakvError
-from rdmakv.node import native_index, native_loop
 from rdmakv.streams import default_streams, usable_cpus
 from rdmakv.transport import checksum, tcp, verbs
 from rdmakv.transport.congestion import apply_congestion, probe_congestion
@@ -95,9 +95,9 @@ class Report:
     (:func:`recv_spin`). Speed only."""
     tcp_send_plan: str = ""
     """The plan of this process's hashed TCP sends (:func:`send_plan`). Speed only."""
-    native_core: dict[str, str] = field(default_factory=dict)
-    """Each plain-libc piece of the native core for a new process here: "on",
-    "off (ENV=0)" or "not built (why)" (:func:`native_pieces`). Speed only."""
+    native_core: str = ""
+    """The native core's pieces and the file they were loaded from
+    (:func:`native_core_line`): which build a process here runs."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -111,7 +111,7 @@ class Report:
 
 
 def _mtu(device: str, port: int) -> int | None:
-    """Active MTU in bytes via libibverbs, None when the native core is missing."""
+    """Active MTU in bytes via libibverbs, None when the native RDMA module is missing."""
     if not verbs.native_available():
         return None
     try:
@@ -148,29 +148,21 @@ def _netdev_hint(info: verbs.PortInfo) -> str:
     return next(iter(ndevs)) if len(ndevs) == 1 else "<netdev>"
 
 
-def native_pieces() -> dict[str, str]:
-    """The TCP loop, the node's index and request loop (EXISTS, GET), and the
-    client's calls (a lookup, a whole get, a batch's checks; docs/operations.md,
-    "The native core"):
-    each falls back to Python when it is off or not built, correct but slower."""
-    index = native_core.state(native_index.NATIVE_ERROR, native_index.ENV_NATIVE)
-    loop = native_core.state(native_loop.NATIVE_ERROR, native_loop.ENV_NATIVE_LOOP)
-    if loop == "on" and index != "on":
-        loop = "off (it needs the native index)"
-    return {
-        "tcp loop": native_core.state(tcp.NATIVE_ERROR, tcp.ENV_NATIVE),
-        "node index": index,
-        "node request loop": loop,
-        "client call": native_core.state(native_call.ERROR, native_call.ENV),
-    }
+NATIVE_PIECES = ("tcp loop", "node index", "node request loop", "client calls")
+"""What the native core holds (docs/operations.md, "The native core")."""
+
+
+def native_core_line() -> str:
+    """The native core's pieces, and the file they were loaded from. The core
+    is required (rdmakv does not import without it); the optional RDMA module
+    has its own line, ``native RDMA core``."""
+    return f"{', '.join(NATIVE_PIECES)} ({native_core.FILE})"
 
 
 def recv_spin() -> str:
     """The receive spin of a process here (this one read the same environment;
     native/rk_tcp.h, docs/operations.md)."""
     us = tcp.recv_spin_us()
-    if us is None:
-        return "none (no native tcp loop)"
     if us == 0:
         return f"off ({tcp.ENV_RECV_SPIN}=0)"
     return (f"up to {us} us per wait, while a CPU is spare "
@@ -182,7 +174,7 @@ def send_plan() -> str:
     which the command applied before this ran (native/rk_tcp.h)."""
     name = tcp.send_plan_name()
     if name is None:
-        return "none (sends do not hash as they go: no native tcp loop or hasher)"
+        return "none (sends do not hash as they go: no native hasher)"
     return f"{name} (tcp.send_plan sets it; `rdmakv doctor --tune` times the plans here)"
 
 
@@ -197,7 +189,7 @@ def time_send_plans(
     :class:`RdmakvError` where the loop does not hash as it sends."""
     if not tcp.native_checksums():
         raise RdmakvError(
-            f"no hashed sends to tune here: {tcp.NATIVE_ERROR or 'the native hasher is missing'}"
+            "no hashed sends to tune here: the xxhash module exports no XXH3_64bits to call"
         )
     before = tcp.send_plan_name()
     count = send_bytes // TUNE_VALUE_BYTES
@@ -365,7 +357,7 @@ def diagnose(root: Path = verbs.SYSFS_IB) -> Report:
     report.tcp_congestion = (running or "unknown (no TCP_CONGESTION here)") + (
         f"; {refused}" if refused else "")
     report.value_checksums = checksum.describe()
-    report.native_core = native_pieces()
+    report.native_core = native_core_line()
     report.tcp_recv_spin = recv_spin()
     report.tcp_send_plan = send_plan()
     cpus = usable_cpus()
@@ -407,7 +399,7 @@ def render(report: Report) -> str:
     lines.append(f"tcp congestion control: {report.tcp_congestion}")
     lines.append(f"value checksums: {report.value_checksums}")
     lines.append(f"tcp connections per node, streams unset: {report.tcp_streams}")
-    lines.append("native core: " + ", ".join(f"{k} {v}" for k, v in report.native_core.items()))
+    lines.append(f"native core: {report.native_core}")
     lines.append(f"tcp receive spin: {report.tcp_recv_spin}")
     lines.append(f"tcp send plan: {report.tcp_send_plan}")
     if report.ok:

@@ -1,80 +1,99 @@
-"""The optional native core: the cffi modules ``native/build.py`` builds.
+"""The native core (native/build.py), loaded once for every module that uses it.
 
-Each one is optional. A host without a C compiler (or, for the verbs core,
-without libibverbs-dev) still installs rdmakv, and the module that uses a
-missing one falls back to Python or says why it cannot run. So every one is
-loaded the same way, and where a user of one can be told to run without it
-(for comparison, and to test the fallback), the switch is an environment
-variable set to ``0``.
+``rdmakv._native`` is required: the tcp transport's per-block loop
+(native/rk_tcp.c), the node's index and request loop (rk_index.c,
+rk_serve.c), and the client's calls (rk_call.c), each compiled once into one
+shared object, so the receive-spin setting and counts are the process's. It
+holds two modules: cffi's (:data:`ffi`, :data:`lib`) and rk_call.c's CPython
+one (:data:`CALL`), made here from the same file. Installing rdmakv builds
+it, or fails saying what is missing (setup.py).
 
-native/rk_tcp.c is compiled into several of them (the TCP loop, the node's
-index and request loop, the client's call), each with statics of its own; its
-receive-spin setting and counts are the process's because every module is
-pointed at :data:`TCP_CORE`'s as it loads here.
+``rdmakv._native_verbs``, the RDMA hot loop, is optional: it is built only
+where libibverbs-dev is, and :func:`load_optional` says why it is missing.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
-TCP_CORE = "_native_tcp"
-"""The module whose copy of native/rk_tcp.c holds the process's receive-spin
-state; the other modules compiled with rk_tcp.c are pointed at it as they load."""
+from rdmakv.errors import RdmakvError
+
+CORE = "rdmakv._native"
+CALL_MODULE = "rdmakv._native_call"
+"""rk_call.c's module, in :data:`CORE`'s shared object (native/rk_call.c's init)."""
 ENV_RECV_SPIN = "RDMAKV_TCP_RECV_SPIN_US"
 """Microseconds a native TCP receive polls for more bytes before it sleeps
-(rk_tcp.h; 0 never spins), applied when :data:`TCP_CORE` first loads."""
+(rk_tcp.h; 0 never spins), applied when the core loads."""
+
+
+class NativeCoreMissing(RdmakvError, ImportError):
+    """``rdmakv._native`` cannot be imported: rdmakv was not installed (built)."""
+
+
+def _import_core() -> ModuleType:
+    try:
+        return importlib.import_module(CORE)
+    except ImportError as exc:
+        raise NativeCoreMissing(
+            f"rdmakv's native core {CORE} is not built ({exc}): install rdmakv with pip, "
+            "or run `python setup.py build_ext --inplace` in a source checkout"
+        ) from exc
+
+
+def _load_call(core: ModuleType) -> ModuleType:
+    """rk_call.c's module, created from the core's shared object by its own
+    init function (PEP 489, "multiple modules in one library")."""
+    path = core.__file__
+    assert path is not None
+    loader = importlib.machinery.ExtensionFileLoader(CALL_MODULE, path)
+    spec = importlib.util.spec_from_file_location(CALL_MODULE, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+_core = _import_core()
+FILE: str = _core.__file__ or CORE
+"""Where the core was loaded from (``rdmakv doctor`` names it)."""
+ffi: Any = _core.ffi
+"""The core's cffi ``ffi``."""
+lib: Any = _core.lib
+"""The core's cffi ``lib``: rk_tcp.h, rk_index.h and rk_serve.h (native/build.py)."""
+CALL: Any = _load_call(_core)
+"""rk_call.c's functions (``flags_call``, ``get_call``, ``join_uniform``,
+``live_handles``, ``configure``): :mod:`rdmakv.protocol` configures it."""
 
 
 class NativeModule(NamedTuple):
-    """One native module's cffi ``ffi`` and ``lib``, or (both None) why it is missing."""
+    """An optional native module's cffi ``ffi`` and ``lib``, or (both None) why it is missing."""
 
     ffi: Any
     lib: Any
     error: str | None
 
 
-def load(name: str, what: str, hint: str = "") -> NativeModule:
+def load_optional(name: str, what: str, hint: str = "") -> NativeModule:
     """``rdmakv.<name>``, described as ``what`` (and ``hint`` appended) when it is not built."""
     try:
         module = importlib.import_module(f"rdmakv.{name}")
     except ImportError as exc:
         return NativeModule(None, None, f"the {what} rdmakv.{name} is not built ({exc}){hint}")
-    if name == TCP_CORE:
-        _apply_recv_spin_env(module.lib)
-    elif hasattr(module.lib, "rk_tcp_share_recv_spin"):
-        _share_recv_spin(module.lib.rk_tcp_share_recv_spin)
     return NativeModule(module.ffi, module.lib, None)
-
-
-def load_extension(name: str, what: str) -> tuple[ModuleType | None, str | None]:
-    """``rdmakv.<name>``, a CPython extension (no cffi ``ffi`` / ``lib``), or
-    (None, why) when it is not built."""
-    try:
-        module = importlib.import_module(f"rdmakv.{name}")
-    except ImportError as exc:
-        return None, f"the {what} rdmakv.{name} is not built ({exc})"
-    if hasattr(module, "share_recv_spin"):
-        _share_recv_spin(module.share_recv_spin)
-    return module, None
-
-
-_recv_spin_env_applied = False
 
 
 def recv_spin_env_problem(env: Mapping[str, str] | None = None) -> str | None:
     """What is wrong with :data:`ENV_RECV_SPIN` in ``env`` (default:
-    ``os.environ``), or None (unset, valid, or no native TCP core to apply it
-    to). :func:`rdmakv.config.load_config` raises it, so every command and
-    connector refuses to start on it."""
-    tcp = load(TCP_CORE, "native TCP core")
-    if tcp.lib is None:
-        return None
-    return _recv_spin_problem(_recv_spin_raw(env), int(tcp.lib.RK_TCP_RECV_SPIN_MAX_US))
+    ``os.environ``), or None (unset or valid). :func:`rdmakv.config.load_config`
+    raises it, so every command and connector refuses to start on it."""
+    return _recv_spin_problem(_recv_spin_raw(env), int(lib.RK_TCP_RECV_SPIN_MAX_US))
 
 
 def _recv_spin_raw(env: Mapping[str, str] | None = None) -> str:
@@ -95,41 +114,19 @@ def _recv_spin_problem(raw: str, most: int) -> str | None:
     return f"{raw!r} is not an integer of 0 to {most} microseconds"
 
 
-def _apply_recv_spin_env(tcp_lib: Any) -> None:
-    """:data:`ENV_RECV_SPIN`, when set and valid, into :data:`TCP_CORE`'s
-    state, once per process. A bad value is not applied (the default stays)
-    and is logged here, where importing must not fail; the configuration's
-    loading refuses it (:func:`recv_spin_env_problem`)."""
-    global _recv_spin_env_applied
-    if _recv_spin_env_applied:
-        return
-    _recv_spin_env_applied = True
+def _apply_recv_spin_env() -> None:
+    """:data:`ENV_RECV_SPIN`, when set and valid, into the core's state, as
+    the core loads (once per process). A bad value is not applied (the
+    default stays) and is logged here, where importing must not fail; the
+    configuration's loading refuses it (:func:`recv_spin_env_problem`)."""
     raw = _recv_spin_raw()
-    problem = _recv_spin_problem(raw, int(tcp_lib.RK_TCP_RECV_SPIN_MAX_US))
+    problem = _recv_spin_problem(raw, int(lib.RK_TCP_RECV_SPIN_MAX_US))
     if problem:
         logging.getLogger("rdmakv.native_core").warning(
             "%s: %s: ignored, receives spin up to %d us", ENV_RECV_SPIN, problem,
-            tcp_lib.rk_tcp_recv_spin_us())
+            lib.rk_tcp_recv_spin_us())
     elif raw:
-        tcp_lib.rk_tcp_set_recv_spin_us(int(raw))
+        lib.rk_tcp_set_recv_spin_us(int(raw))
 
 
-def _share_recv_spin(share: Callable[[int], None]) -> None:
-    """Point a module's copy of rk_tcp.c at :data:`TCP_CORE`'s receive-spin
-    state (where that is not built, the copy keeps its own, at the default)."""
-    tcp = load(TCP_CORE, "native TCP core")
-    if tcp.lib is not None:
-        share(int(tcp.lib.rk_tcp_recv_spin_state()))
-
-
-def state(error: str | None, env: str) -> str:
-    """One piece of the native core as ``rdmakv doctor`` reports it for a new
-    process: "on", "off (ENV=0)", or "not built (why)"."""
-    if error is not None:
-        return f"not built ({error})"
-    return f"off ({env}=0)" if switched_off(env) else "on"
-
-
-def switched_off(env: str) -> bool:
-    """Whether the environment variable ``env`` asks to run without a native module."""
-    return os.environ.get(env, "1") == "0"
+_apply_recv_spin_env()

@@ -112,7 +112,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from rdmakv import native_call
+from rdmakv import native_core
 from rdmakv.errors import (
     AuthError,
     ConfigError,
@@ -818,9 +818,9 @@ class BatchEncoder:
 def _join_uniform(items: Sequence[bytes], lo: int, hi: int) -> tuple[int, bytes] | None:
     """``(n, b"".join(items))`` when there are some items and every one is
     ``bytes`` of one length ``n``, ``lo <= n <= hi``; else None. One native
-    pass for a list or tuple (rk_call.c's ``join_uniform``), else C-level
-    passes of Python's."""
-    if _native_join_uniform is not None and type(items) in (list, tuple):
+    pass for a list or tuple (rk_call.c's ``join_uniform``), else (another
+    sequence) C-level passes of Python's."""
+    if type(items) in (list, tuple):
         return _native_join_uniform(items, lo, hi)  # type: ignore[no-any-return]
     n = _uniform_len(items, lo, hi)
     return None if n is None else (n, b"".join(items))
@@ -1475,18 +1475,17 @@ class Reply:
 
 
 def _configured_native_call() -> Any:
-    """The native call module (:mod:`rdmakv.native_call`), configured with
-    this module's numbers, or None where it is not built or switched off."""
-    module = native_call.MODULE
-    if module is not None:
-        module.configure(RESPONSE_BIT, MAX_KEY_LEN, MAX_BULK_BYTES)
+    """The native call module (:data:`rdmakv.native_core.CALL`), configured
+    with this module's numbers."""
+    module = native_core.CALL
+    module.configure(RESPONSE_BIT, MAX_KEY_LEN, MAX_BULK_BYTES)
     return module
 
 
 _native_call = _configured_native_call()
-_native_flags_call: Callable[..., Any] | None = getattr(_native_call, "flags_call", None)
-_native_get_call: Callable[..., Any] | None = getattr(_native_call, "get_call", None)
-_native_join_uniform: Callable[..., Any] | None = getattr(_native_call, "join_uniform", None)
+_native_flags_call: Callable[..., Any] = _native_call.flags_call
+_native_get_call: Callable[..., Any] = _native_call.get_call
+_native_join_uniform: Callable[..., Any] = _native_call.join_uniform
 
 
 class _HasHave(Protocol):
@@ -1836,12 +1835,12 @@ class Channel:
         DELETE), in one native call on an idle channel: the keys checked and
         framed, the request sent and its answer read, with the GIL released
         while it waits up to ``timeout`` per wait (native/rk_call.c). None,
-        with nothing sent, where that call does not take it: not built or
-        switched off, the channel busy, keys that are not all ``bytes`` of
-        one valid length, or a request over :data:`NATIVE_CALL_FRAME_BYTES`.
+        with nothing sent, where that call does not take it: the channel
+        busy, keys that are not all ``bytes`` of one valid length, or a
+        request over :data:`NATIVE_CALL_FRAME_BYTES`.
         An answer other than the plain one gets :meth:`call`'s checks."""
         call = _native_flags_call
-        if call is None or not self._idle:
+        if not self._idle:
             return None
         if self._frame is None:
             self._frame = bytearray(NATIVE_CALL_FRAME_BYTES)
@@ -1884,14 +1883,14 @@ class Channel:
         the keys whose bytes failed their checksum (misses too); and the
         node's error for the first request it refused (its keys are misses),
         or None. None, with nothing sent, where the call does not take it:
-        not built or switched off, the channel busy, a request over
+        the channel busy, a request over
         :data:`NATIVE_CALL_FRAME_BYTES` or an answer's entries over the
         read-ahead buffer. An answer out of step or malformed is a
         :class:`ProtocolError` naming what is wrong; the rest of the stream
         is not read then, nor after a timeout or a signal handler that
         raised: the connection is the caller's to drop."""
         call = _native_get_call
-        if call is None or not self._idle:
+        if not self._idle:
             return None
         if self._frame is None:
             self._frame = bytearray(NATIVE_CALL_FRAME_BYTES)

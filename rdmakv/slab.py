@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rdmakv import native_call
+from rdmakv import native_core
 from rdmakv.errors import (
     ConfigError,
     InvalidHandle,
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 PAGE_SIZE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_native_live_handles: Callable[[Sequence[int], list[int] | array[int]], bool] | None = getattr(
-    native_call.MODULE, "live_handles", None
+_native_live_handles: Callable[[Sequence[int], list[int] | array[int]], bool] = (
+    native_core.CALL.live_handles
 )
 
 
@@ -313,9 +313,10 @@ class Slab:
     def check_handles(self, handles: Sequence[int]) -> None:
         """Raise :class:`InvalidHandle` for the first handle that is out of
         range or not allocated. One native pass (rk_call.c's
-        ``live_handles``), else two C-level ones, in the common (valid) case:
+        ``live_handles``: a list or tuple of ints, on a slab whose refcounts
+        are a list), else two C-level ones, in the common (valid) case:
         batches check thousands of handles before anything is sent."""
-        if _native_live_handles is not None and _native_live_handles(handles, self._refs):
+        if _native_live_handles(handles, self._refs):
             return
         try:
             if len(handles) == 0 or (

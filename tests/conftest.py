@@ -6,6 +6,9 @@ race for ports) and returns a :class:`NodeProcess`; every node a test started
 is killed at teardown. ``node`` is one default node. Options map to CLI flags:
 ``pool_size="64MiB"`` -> ``--pool-size 64MiB``; ``token=b"..."`` writes a token
 file and passes ``--token-file``.
+
+``fake_node(info, script)`` is a fake node instead: a socket server speaking
+the protocol as a test's script says (a lying node, a stalling one).
 """
 
 from __future__ import annotations
@@ -14,22 +17,26 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.protocol import (
     HEADER,
     RESPONSE_BIT,
     Channel,
     Header,
+    NodeInfo,
     Op,
     Status,
     decode_node_info,
     encode_hello,
+    encode_node_info,
 )
 from rdmakv.slab import Slab
 
@@ -103,6 +110,58 @@ def client_slab() -> Iterator[Slab]:
     slab.close()
 
 
+def declined_call(*args: object) -> None:
+    """A stand-in for a native client call (``protocol._native_get_call``)
+    that takes nothing: it answers None, as the real one does for arguments
+    it does not take, so the client serves the call in Python."""
+    return None
+
+
+Script = Callable[[Channel, Header, bytearray], bool]
+"""How a fake node answers one request after the handshake (False: close the connection)."""
+
+
+@pytest.fixture
+def fake_node() -> Iterator[Callable[[NodeInfo, Script], tuple[str, int]]]:
+    """``fake_node(info, script)`` starts a real socket server on 127.0.0.1
+    that answers HELLO with ``info`` and every request after it by
+    ``script``, one connection at a time, and returns its address; its
+    listening sockets are closed at teardown."""
+    servers: list[socket.socket] = []
+
+    def start(info: NodeInfo, script: Script) -> tuple[str, int]:
+        ls = socket.create_server(("127.0.0.1", 0))
+        servers.append(ls)
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = ls.accept()
+                except OSError:
+                    return
+                ch = Channel(conn)
+                try:
+                    hdr = ch.recv_header()
+                    ch.recv_payload(hdr)
+                    ch.send(Op.HELLO | RESPONSE_BIT, encode_node_info(info), req_id=hdr.req_id)
+                    while True:
+                        hdr = ch.recv_header()
+                        if not script(ch, hdr, ch.recv_payload(hdr)):
+                            break
+                except (OSError, RdmakvError):
+                    pass
+                finally:
+                    conn.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+        host, port = ls.getsockname()[:2]
+        return host, port
+
+    yield start
+    for ls in servers:
+        ls.close()
+
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -110,7 +169,7 @@ def run_published(
     script: str, *args: str, out: Path, name: str
 ) -> tuple[dict[str, Any], str]:
     """Run ``bench/<script> ARGS --out OUT`` and check the output every such
-    script gives (``rdmakv.bench.provenance.publish``): exit 0, one JSON object
+    script gives (``rdmakv.perf.provenance.publish``): exit 0, one JSON object
     on stdout, the same object in ``OUT/<name>.json``, a plot in
     ``OUT/<name>.png``. Returns the object and the script's stderr."""
     r = subprocess.run(

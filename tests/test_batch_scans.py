@@ -1,27 +1,28 @@
 """The batch argument scans of the native client call (native/rk_call.c's
 ``join_uniform`` and ``live_handles``): a client checks a batch's keys,
 digests and block handles with them before anything is sent. Each must take
-exactly the batches the Python checks call plain, and leave every other one
-to Python, which names the bad item: on any batch, a client with the scans
-and one without encode the same bytes and raise the same errors."""
+exactly the batches the Python checks call plain (their Python twins,
+tests/oracles/scans.py, say which), and leave every other one to Python,
+which names the bad item: on any batch, a client with the scans and one with
+their twins (or, for handles, one whose scan takes nothing) encode the same
+bytes and raise the same errors."""
 
 from __future__ import annotations
 
+from collections import UserList
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import scans
 
-from rdmakv import native_call, protocol
+from rdmakv import native_core, protocol
 from rdmakv import slab as slab_module
 from rdmakv.errors import InvalidHandle
 from rdmakv.protocol import DIGEST_LEN, MAX_KEY_LEN, BatchEncoder
 from rdmakv.slab import Slab
-
-native = pytest.mark.skipif(native_call.MODULE is None,
-                            reason="rdmakv._native_call not built, or RDMAKV_CALL_NATIVE=0")
 
 
 class _Bytes(bytes):
@@ -46,35 +47,25 @@ def _items(draw: st.DrawFn) -> Any:
     return draw(st.sampled_from((list, tuple, iter)))(items)
 
 
-def _oracle(items: list[Any], lo: int, hi: int) -> tuple[int, bytes] | None:
-    if not items or any(type(x) is not bytes for x in items):
-        return None
-    if len({len(x) for x in items}) != 1 or not lo <= len(items[0]) <= hi:
-        return None
-    return len(items[0]), b"".join(items)
-
-
-@native
 @given(_items(), st.integers(0, 70), st.integers(0, 70))
 def test_join_uniform_takes_only_a_list_or_tuple_of_bytes_of_one_length_in_range(
     items: Any, lo: int, hi: int,
 ) -> None:
-    assert native_call.MODULE is not None
     if not isinstance(items, list | tuple):  # anything else: not taken at all
-        assert native_call.MODULE.join_uniform(items, lo, hi) is None
+        assert native_core.CALL.join_uniform(items, lo, hi) is None
         return
-    assert native_call.MODULE.join_uniform(items, lo, hi) == _oracle(list(items), lo, hi)
+    assert native_core.CALL.join_uniform(items, lo, hi) == scans.join_uniform(items, lo, hi)
 
 
 @given(_items(), st.integers(0, 70), st.integers(0, 70))
-def test_join_uniform_answers_the_same_with_and_without_the_native_scan(
+def test_join_uniform_answers_the_same_for_a_list_and_for_another_sequence(
     items: Any, lo: int, hi: int,
 ) -> None:
+    """A list or tuple is the native scan's; another sequence takes Python's
+    C-level passes: the same answer."""
     items = list(items) if not isinstance(items, list | tuple) else items
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(protocol, "_native_join_uniform", None)
-        python = protocol._join_uniform(items, lo, hi)
-    assert python == _oracle(list(items), lo, hi)
+    python = protocol._join_uniform(UserList(items), lo, hi)
+    assert python == scans.join_uniform(list(items), lo, hi)
     assert protocol._join_uniform(items, lo, hi) == python
 
 
@@ -113,14 +104,13 @@ def _encoded(keys: list[Any], digests: list[Any], sizes: list[int]) -> tuple[Any
     return tuple(out)
 
 
-@native
 @settings(max_examples=200)
 @given(_encoder_args())
-def test_an_encoder_with_the_native_scans_encodes_and_refuses_as_one_without(
+def test_an_encoder_with_the_native_scans_encodes_and_refuses_as_one_with_their_twins(
     args: tuple[list[Any], list[Any], list[int]],
 ) -> None:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(protocol, "_native_join_uniform", None)
+        mp.setattr(protocol, "_native_join_uniform", scans.join_uniform)
         python = _encoded(*args)
     assert _encoded(*args) == python
 
@@ -151,23 +141,24 @@ def _checked(slab: Slab, handles: Any) -> tuple[type[Exception], str] | None:
     return None
 
 
-@native
 @settings(max_examples=300)
 @given(_handles())
 def test_check_handles_refuses_the_same_handles_with_and_without_the_native_scan(
     handles: Any,
 ) -> None:
+    """Without: a scan that takes no batch, so Python's checks decide each."""
     with Slab(BLOCKS * 4096, 4096) as slab:
         for h in slab.alloc_many(BLOCKS)[BLOCKS // 2 :]:
             slab.free(h)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(slab_module, "_native_live_handles", None)
+            mp.setattr(slab_module, "_native_live_handles", lambda handles, refs: False)
             python = _checked(slab, handles)
         assert _checked(slab, handles) == python
-        assert native_call.MODULE is not None
+        live = native_core.CALL.live_handles(handles, slab._refs)
+        assert live == scans.live_handles(handles, slab._refs)
         plain = isinstance(handles, list | tuple) and all(type(h) is int for h in handles)
         if plain:  # the scan takes exactly the lists of live ints
-            assert native_call.MODULE.live_handles(handles, slab._refs) == (python is None)
+            assert live == (python is None)
 
 
 @settings(max_examples=300)

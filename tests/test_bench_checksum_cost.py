@@ -18,7 +18,7 @@ ROUNDS = 4
 pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(not tcp.native_checksums(),
-                       reason="needs the native TCP loop with checksums (rdmakv._native_tcp)"),
+                       reason="needs the native TCP loop with checksums (the XXH3 C API)"),
 ]
 
 

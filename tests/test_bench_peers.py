@@ -11,9 +11,9 @@ import mmap
 import numpy as np
 import pytest
 
-from rdmakv.bench.driver import Arena, Driver, PeerUnavailable, Workload
-from rdmakv.bench.drivers import perftest
-from rdmakv.bench.drivers.perftest import ZERO_READING_TRIES, PerftestZeroReading
+from rdmakv.perf.driver import Arena, Driver, PeerUnavailable, Workload
+from rdmakv.perf.drivers import perftest
+from rdmakv.perf.drivers.perftest import ZERO_READING_TRIES, PerftestZeroReading
 
 WORK = Workload(block_bytes=16 << 10, blocks=8, batch=3)
 """8 blocks of 16 KiB in batches of 3 (so the last batch is partial)."""
@@ -49,7 +49,7 @@ def _round_trip(driver: Driver, src: Arena, dst: Arena) -> list[bytes]:
 @pytest.mark.timeout(60)
 def test_redis_driver_round_trip() -> None:
     try:
-        from rdmakv.bench.drivers.redis import RedisDriver
+        from rdmakv.perf.drivers.redis import RedisDriver
     except ImportError as e:  # pragma: no cover - the module itself imports nothing optional
         pytest.skip(f"redis driver cannot import: {e}")
     src, dst = _arenas()
@@ -73,7 +73,7 @@ def test_redis_driver_round_trip() -> None:
 
 @pytest.mark.timeout(60)
 def test_mooncake_te_driver_round_trip() -> None:
-    from rdmakv.bench.drivers.mooncake import NO_EXISTS, MooncakeTEDriver
+    from rdmakv.perf.drivers.mooncake import NO_EXISTS, MooncakeTEDriver
 
     src, dst = _arenas()
     driver = MooncakeTEDriver(protocol="tcp")
@@ -90,7 +90,7 @@ def test_mooncake_te_driver_round_trip() -> None:
 def test_perftest_result_line_is_parsed_and_a_zero_rate_is_named() -> None:
     """perftest's own report (what ib_write_bw prints); a 0.00 Gb/sec line is an
     error naming it, not a division by zero deep in the bench."""
-    from rdmakv.bench.drivers.perftest import parse_gbps
+    from rdmakv.perf.drivers.perftest import parse_gbps
 
     head = " #bytes  #iterations  BW peak[Gb/sec]  BW average[Gb/sec]  MsgRate[Mpps]\n"
     line = " {}  128  {}  {}  0.000458\n"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rdmakv.bench.placement import Placement, descendants, placements
+from rdmakv.perf.placement import Placement, descendants, placements
 
 CPUS = sorted(os.sched_getaffinity(0))
 TWO_CPUS = pytest.mark.skipif(len(CPUS) < 2, reason="needs two usable CPUs to place apart")

@@ -16,9 +16,10 @@ from typing import ClassVar
 
 import pytest
 
-from rdmakv.bench import runner
-from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
-from rdmakv.bench.drivers import (
+from rdmakv.errors import RdmakvError
+from rdmakv.perf import command, latency, measure, settings
+from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
+from rdmakv.perf.drivers import (
     OURS_VARIANTS,
     default_systems,
     make_driver,
@@ -26,10 +27,9 @@ from rdmakv.bench.drivers import (
     socket_loop,
     unregister,
 )
-from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
-from rdmakv.bench.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
-from rdmakv.bench.placement import placements
-from rdmakv.errors import RdmakvError
+from rdmakv.perf.drivers.rdmakv_node import RdmakvDriver
+from rdmakv.perf.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
+from rdmakv.perf.placement import placements
 from rdmakv.streams import default_streams
 from rdmakv.transport import tcp
 
@@ -39,8 +39,8 @@ QUICK_SIZES = ("16384", "262144")
 def _arenas(work: Workload, seed: int) -> tuple[Arena, Arena]:
     """A source arena of ``work`` filled with random bytes, and a destination one."""
     n = work.block_bytes * work.blocks
-    src, dst = runner.arena(n), runner.arena(n)
-    runner.fill_random(src, seed)
+    src, dst = measure.arena(n), measure.arena(n)
+    measure.fill_random(src, seed)
     return src, dst
 
 
@@ -66,7 +66,7 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
             assert fig["fresh_connections"] is True  # both reconnect between repeats
             assert fig["warm_up"] is True  # the default: timed transfers on warm connections
             assert fig["warm_up_rounds"] == 1  # quick: one round, the drivers checked
-            assert fig["bytes_verified"] == runner.QUICK_BLOCKS * int(size)
+            assert fig["bytes_verified"] == settings.QUICK_BLOCKS * int(size)
             assert fig["put_gbps"] > 0 and fig["get_gbps"] > 0
             # best of the repeats, the median beside it
             assert 0 < fig["put_gbps_median"] <= fig["put_gbps"]
@@ -111,7 +111,7 @@ def test_cli_quick_rdmakv_and_socket_loop(tmp_path: Path) -> None:
     for n in ("1", "2"):
         assert conc["rdmakv"][n]["aggregate_gbps"] > 0
         assert conc["rdmakv"][n]["bytes_verified"] == (
-            int(n) * runner.QUICK_CONC_ROUNDS * runner.CONC_BATCH * runner.CONC_BLOCK
+            int(n) * settings.QUICK_CONC_ROUNDS * settings.CONC_BATCH * settings.CONC_BLOCK
         )
     meta = res["meta"]
     assert meta["quick"] is True and meta["date"] and meta["machine"] and meta["commit"]
@@ -171,15 +171,15 @@ def test_rdmakv_with_two_streams_moves_every_byte_split() -> None:
     """The ``rdmakv_streams2`` variant: a 16 MiB batch of 256 KiB blocks goes over two
     connections (MultiStreamClient splits it), every byte read back verified; its
     ratios nest under rdmakv's and it is never taken for a peer; no latency rows."""
-    cfg = runner.BenchConfig(
+    cfg = settings.BenchConfig(
         quick=True, systems=["rdmakv", "rdmakv_streams2", "socket_loop"], sizes=[262144],
         progress=False, concurrency=False,
     )
-    res, rc = runner.run(cfg)
+    res, rc = command.run(cfg)
     assert rc == 0, res["meta"].get("failures")
     per = res["tcp"]["262144"]
     for name in ("rdmakv", "rdmakv_streams2"):
-        assert per[name]["bytes_verified"] == runner.QUICK_BLOCKS * 262144, name
+        assert per[name]["bytes_verified"] == settings.QUICK_BLOCKS * 262144, name
     r = res["ratios"]["262144"]
     assert r["put_vs_best_peer"] is None  # the variant is rdmakv, not a peer of it
     assert r["rdmakv_streams2"]["put_vs_socket_loop"] > 0
@@ -218,7 +218,7 @@ def test_rdmakv_driver_passes_digest_sized_keys_as_their_digests_and_pads_others
         assert seen[1] is odd
         assert seen[2] == [b"ab".ljust(16, b"\0"), b"x" * 16, b"y" * 16, b"zzz".ljust(16, b"\0")]
         drv.get(odd)
-        assert runner.wrong_bytes(src, dst) == 0
+        assert measure.wrong_bytes(src, dst) == 0
     finally:
         drv.close()
 
@@ -245,7 +245,7 @@ def test_rdmakv_driver_reconnects_to_the_same_node_and_moves_every_byte() -> Non
         keys = work.keys("r")
         drv.put(keys)
         drv.get(keys)
-        assert runner.wrong_bytes(src, dst) == 0
+        assert measure.wrong_bytes(src, dst) == 0
     finally:
         drv.close()
 
@@ -283,7 +283,7 @@ def test_socket_loop_reconnects_through_a_new_peer_and_moves_every_byte() -> Non
         keys = work.keys("b")
         drv.put(keys)
         drv.get(keys)
-        assert runner.wrong_bytes(src, dst) == 0
+        assert measure.wrong_bytes(src, dst) == 0
     finally:
         drv.close()
 
@@ -310,11 +310,11 @@ def test_each_timed_repeat_follows_a_warm_up_of_the_whole_batch_under_other_keys
     register("recording_loop", lambda transport, server=None: _RecordingSocketLoop(transport))
     _RecordingSocketLoop.calls = []
     try:
-        cfg = runner.BenchConfig(
+        cfg = settings.BenchConfig(
             systems=["recording_loop"], sizes=[16384], blocks=8, repeats=2,
             progress=False, latency=False, concurrency=False, warm_up=warm_up,
         )
-        res, rc = runner.run(cfg)
+        res, rc = command.run(cfg)
     finally:
         unregister("recording_loop")
     assert rc == 0, res["meta"].get("failures")
@@ -325,8 +325,8 @@ def test_each_timed_repeat_follows_a_warm_up_of_the_whole_batch_under_other_keys
     repeats = fig["repeats"]  # the loop's minimum applies
     assert all(n == 8 for _, _, n in calls)  # every transfer moves the whole batch
     ops = [op for op, _, _ in calls]
-    rounds = runner.warm_up_rounds(8 * 16384, quick=False) if warm_up else 0
-    assert fig["warm_up_rounds"] == rounds == (runner.WARM_UP_MAX_ROUNDS if warm_up else 0)
+    rounds = measure.warm_up_rounds(8 * 16384, quick=False) if warm_up else 0
+    assert fig["warm_up_rounds"] == rounds == (measure.WARM_UP_MAX_ROUNDS if warm_up else 0)
     assert ops == ["put", "get"] * (rounds + 1) * repeats
     step = len(calls) // repeats
     per_repeat = [calls[i : i + step] for i in range(0, len(calls), step)]
@@ -341,22 +341,22 @@ def test_each_timed_repeat_follows_a_warm_up_of_the_whole_batch_under_other_keys
 
 def test_tcp_warm_up_rounds_move_a_gibibyte_each_way_in_one_to_sixteen_rounds() -> None:
     mib = 1 << 20
-    assert runner.warm_up_rounds(16 * mib, quick=False) == 16  # 64 rounds of 16 MiB: capped
-    assert runner.warm_up_rounds(256 * mib, quick=False) == 4
-    assert runner.warm_up_rounds(300 * mib, quick=False) == 4  # rounded up: 1.17 GiB
-    assert runner.warm_up_rounds(2048 * mib, quick=False) == 1
-    assert runner.warm_up_rounds(256 * mib, quick=True) == 1  # a quick run checks drivers
-    assert runner.warm_up_rounds(16 * mib, quick=False, transport="rdma") == 1  # no window
+    assert measure.warm_up_rounds(16 * mib, quick=False) == 16  # 64 rounds of 16 MiB: capped
+    assert measure.warm_up_rounds(256 * mib, quick=False) == 4
+    assert measure.warm_up_rounds(300 * mib, quick=False) == 4  # rounded up: 1.17 GiB
+    assert measure.warm_up_rounds(2048 * mib, quick=False) == 1
+    assert measure.warm_up_rounds(256 * mib, quick=True) == 1  # a quick run checks drivers
+    assert measure.warm_up_rounds(16 * mib, quick=False, transport="rdma") == 1  # no window
 
 
 def test_unavailable_peer_is_recorded_not_fatal() -> None:
     register("unavailable_peer", _Unavailable)
     try:
-        cfg = runner.BenchConfig(
+        cfg = settings.BenchConfig(
             quick=True, systems=["socket_loop", "unavailable_peer"], sizes=[16384],
             blocks=8, progress=False, concurrency=False,
         )
-        res, rc = runner.run(cfg)
+        res, rc = command.run(cfg)
     finally:
         unregister("unavailable_peer")
     assert rc == 0, res["meta"].get("failures")
@@ -375,22 +375,34 @@ def test_fatal_system_failure_fails_the_run() -> None:
 
     if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
         pytest.skip("this machine has an RDMA device: rdmakv over rdma would run")
-    cfg = runner.BenchConfig(
+    cfg = settings.BenchConfig(
         transport="rdma", quick=True, systems=["rdmakv", "socket_loop"], sizes=[16384],
         blocks=4, progress=False, latency=False, concurrency=False,
     )
-    res, rc = runner.run(cfg)
+    res, rc = command.run(cfg)
     assert rc == 1
     assert "no RDMA device" in res["rdma"]["16384"]["rdmakv"]["error"]
     assert "TCP only" in res["rdma"]["16384"]["socket_loop"]["error"]
     assert len(res["meta"]["failures"]) == 1 and "rdmakv" in res["meta"]["failures"][0]
 
 
-def test_registry_is_lazy_and_names_what_is_missing() -> None:
-    # Importing the runner (what `rdmakv bench` does first) imports no peer module.
+def test_cli_and_measuring_code_import_no_matplotlib() -> None:
+    """matplotlib is loaded by the plot module only, when it writes plots: the CLI
+    and every measuring module start without it."""
     code = (
-        "import sys, rdmakv.bench.runner; "
-        "print([m for m in sys.modules if m.startswith('rdmakv.bench.drivers.')])"
+        "import sys, rdmakv.cli, rdmakv.perf.command, rdmakv.perf.measure, "
+        "rdmakv.perf.latency, rdmakv.perf.concurrency, rdmakv.perf.report, rdmakv.perf.plot; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_registry_is_lazy_and_names_what_is_missing() -> None:
+    # Importing the command (what `rdmakv bench` does first) imports no peer module.
+    code = (
+        "import sys, rdmakv.perf.command; "
+        "print([m for m in sys.modules if m.startswith('rdmakv.perf.drivers.')])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -415,7 +427,7 @@ def test_socket_loop_moves_bytes_out_and_back(block: int, blocks: int, first: in
         drv.get(keys[first : first + 2])  # a short, non-zero-offset run lands in dst 0..1
         assert bytes(dst[: 2 * block]) == bytes(src[first * block : (first + 2) * block])
         drv.get(keys)
-        assert runner.wrong_bytes(src, dst) == 0
+        assert measure.wrong_bytes(src, dst) == 0
     finally:
         drv.close()
 
@@ -437,7 +449,7 @@ def test_socket_loop_answers_a_get_while_a_put_waits_for_its_bytes() -> None:
         put_sock.sendall(socket_loop._HDR.pack(b"P", 0, blocks))  # its blocks follow later
         get_sock.settimeout(30)
         drv.get(keys)
-        assert runner.wrong_bytes(src, dst) == 0
+        assert measure.wrong_bytes(src, dst) == 0
         socket_loop.send_views(put_sock, socket_loop._blocks(src.data.cast("B"), block, blocks))
         assert socket_loop._recv_exact(put_sock, 1) == socket_loop.ACK  # the put completes
     finally:
@@ -462,9 +474,9 @@ def test_socket_loop_windows_are_capped_in_bytes_and_cover_every_byte() -> None:
 
 
 def test_round_trip_names_its_transport() -> None:
-    tcp = runner.round_trip(runner.BenchConfig(transport="tcp"), samples=5)
+    tcp = latency.round_trip(settings.BenchConfig(transport="tcp"), samples=5)
     assert tcp["kind"].startswith("tcp") and 0 < tcp["p50_ms"] <= tcp["p99_ms"]
-    rdma = runner.round_trip(runner.BenchConfig(transport="rdma"), samples=5)
+    rdma = latency.round_trip(settings.BenchConfig(transport="rdma"), samples=5)
     if "tcp" in rdma:  # a device here: ib_read_lat ran, the TCP one rides along
         assert rdma["kind"].startswith("rdma") and rdma["p50_ms"] > 0
     else:  # no device: the TCP round trip, saying why there is no RDMA one
@@ -472,7 +484,7 @@ def test_round_trip_names_its_transport() -> None:
 
 
 def test_echo_peer_times_round_trips_until_closed() -> None:
-    from rdmakv.bench.drivers.socket_loop import EchoPeer
+    from rdmakv.perf.drivers.socket_loop import EchoPeer
 
     with EchoPeer() as echo:
         trips = [echo.ping_ms() for _ in range(5)]
@@ -492,4 +504,4 @@ def test_default_systems_hold_rdmakv_and_its_other_stream_count(transport: str) 
     assert "mooncake_te" in systems
     assert ("socket_loop" in systems) == (transport == "tcp")
     assert ("perftest" in systems) == (transport == "rdma")
-    assert runner.BenchConfig(transport=transport).resolved_systems() == list(systems)
+    assert settings.BenchConfig(transport=transport).resolved_systems() == list(systems)

@@ -505,10 +505,8 @@ def test_auto_transport_falls_back_to_tcp_without_rdma(
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["get", "lookup_read"])
-@pytest.mark.parametrize("native", [True, False])
 def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
-    node_factory: Callable[..., NodeProcess], native: bool, keyed: bool,
-    monkeypatch: pytest.MonkeyPatch,
+    node_factory: Callable[..., NodeProcess], keyed: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """12,000 small values. ``lookup_read`` takes rdma's paths (ALLOC then
     write, LOOKUP then read) over tcp: the ramp's sub-batches are small enough
@@ -516,7 +514,6 @@ def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
     prepared), the middle ones are not. Their LOOKUPs, and the GETs of
     ``get`` (even sub-batches, no ramp), are larger than a caller may send
     behind unread answers. Every value must land in its own block."""
-    monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
     monkeypatch.setattr(tcp.TcpTransport, "fetches_by_key", keyed)
     monkeypatch.setattr(tcp.TcpTransport, "stores_by_key", keyed)
     n, block = 12_000, 512
@@ -541,16 +538,14 @@ def test_a_get_mixing_small_and_large_sub_batches_reads_every_byte_in_place(
             assert slab.view(s_) == slab.view(d)
 
 
-@pytest.mark.parametrize("native", [True, False])
 def test_a_put_whose_answers_outgrow_what_may_stay_unread_stores_every_value(
-    node_factory: Callable[..., NodeProcess], native: bool, monkeypatch: pytest.MonkeyPatch,
+    node_factory: Callable[..., NodeProcess], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """40,000 small values: the PUT and COMMIT answers of the put's first
     sub-batches are more than may stay unread, so the native path sends its
     frames in several calls and reads the oldest answers in between (a
     COMMIT's checksums go out in the same call as its values). Every value
     must be stored with the right checksum: the get verifies each one."""
-    monkeypatch.setattr(tcp, "use_native", native and tcp.native_available())
     sends: list[int] = []
     real_send = tcp._PutFrames.send
 

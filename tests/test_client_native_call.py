@@ -6,6 +6,9 @@
 * The get call (``Channel.call_get``): a get of one request on an open
   connection goes out, lands in the slab and is checked in one call, with
   the same sizes and bytes as the per-answer Python path.
+* Its value receive is rk_tcp.c's: it waits as the process's receive spin
+  says and counts in its wait counts (against a fake node, conftest's
+  ``fake_node``, that sends a value in two parts).
 
 Answers that do not fit their request are covered against a lying node in
 test_client_hostile_node.py. Which path answered is read from what the real
@@ -15,13 +18,14 @@ recorded by a wrapper around it.
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import NodeProcess
+from conftest import NodeProcess, Script, declined_call
+from test_client_hostile_node import GOOD_INFO
 
 from rdmakv import protocol
 from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient
@@ -31,22 +35,29 @@ from rdmakv.protocol import (
     MAX_KEY_LEN,
     NATIVE_CALL_FRAME_BYTES,
     RECV_AHEAD_BYTES,
+    RESPONSE_BIT,
+    Channel,
+    Header,
+    NodeInfo,
+    Op,
+    decode_get,
+    encode_flags,
+    encode_get_answer,
+    value_checksum,
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import tcp
 from rdmakv.transport.base import REQUEST_BYTES_AHEAD
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.skipif(protocol._native_flags_call is None,
-                       reason="rdmakv._native_call not built, or RDMAKV_CALL_NATIVE=0"),
-]
+pytestmark = pytest.mark.timeout(60)
 
 BLOCK = 64 * 1024
 DIGEST = b"d" * 16
 
-STALL_S = 0.3
-"""How long the node stays stopped (SIGSTOP) while a get waits for its answer."""
+REST_WITHHELD_S = 2.0
+"""The longest a fake node withholds the rest of a value for a receive to wait
+(under the client's timeout, so that a receive that never waits fails on its
+counts, not on a timeout)."""
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
@@ -143,7 +154,7 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
 ) -> None:
     """Hits of whole and partial blocks and misses (an absent key, a digest
     of other tokens), in one native call; the per-answer Python path
-    (the native call switched off) gets the same sizes and bytes. A get of
+    (the native call declining) gets the same sizes and bytes. A get of
     several requests is one call too; one whose answers are too big for the
     call is answered in Python."""
     keys = [b"get-%02d" % i for i in range(3)]
@@ -161,7 +172,7 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
                 client_slab.numpy(h)[:] = 0xEE
             with monkeypatch.context() as mp:
                 if not native:
-                    mp.setattr(protocol, "_native_get_call", None)
+                    mp.setattr(protocol, "_native_get_call", declined_call)
                 assert c.get_sizes(asked, dst, digests) == want
             assert bytes(client_slab.view(dst[0])[:1000]) == bytes(client_slab.view(src[2])[:1000])
             assert (client_slab.numpy(dst[0])[1000:] == 0xEE).all()  # nothing past the value
@@ -234,37 +245,48 @@ def test_a_get_of_requests_over_the_flow_control_window_is_one_native_call(
 
 
 def test_the_native_get_receives_with_the_process_receive_spin_setting(
-    node: NodeProcess, client_slab: Slab, got_back: list[Any]
+    fake_node: Callable[[NodeInfo, Script], tuple[str, int]], got_back: list[Any]
 ) -> None:
-    """rk_tcp.c is compiled into rdmakv._native_call too, with statics of its
-    own; native_core points them at _native_tcp's, so the get call's receive
-    waits obey tcp.set_recv_spin_us and count in tcp.recv_wait_counts."""
-    n = client_slab.num_blocks // 2
-    keys = [b"spin-%03d" % i for i in range(n)]
+    """rk_call.c and rk_tcp.c are one shared object (rdmakv._native), so the
+    get call's value receive obeys tcp.set_recv_spin_us and counts in
+    tcp.recv_wait_counts. The node sends the answer's head and half the
+    value, and the rest only once a receive of this process has slept for
+    it: however loaded the host, the value's receive has to wait (the head's
+    own wait, in rk_call.c, is not counted)."""
+    value = np.random.default_rng(3).integers(0, 256, GOOD_INFO.block_size, np.uint8).tobytes()
+    half = len(value) // 2
+
+    def script(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        if hdr.opcode == Op.EXISTS:
+            ch.send(hdr.opcode | RESPONSE_BIT, encode_flags([True]), req_id=hdr.req_id)
+            return True
+        assert decode_get(payload)[0] == [b"spin"]
+        slept = tcp.recv_wait_counts().slept  # the client waits for the head: not counted
+        ch.send(hdr.opcode | RESPONSE_BIT,
+                encode_get_answer([len(value)], [value_checksum(value)]), req_id=hdr.req_id,
+                bulk=[memoryview(value[:half])], bulk_len=len(value))
+        # a receive that never counts its wait gets the rest all the same, late
+        # (and the assertions below fail, not the get)
+        given_up = time.monotonic() + REST_WITHHELD_S
+        while tcp.recv_wait_counts().slept == slept and time.monotonic() < given_up:
+            time.sleep(0.001)
+        ch.sock.sendall(value[half:])
+        return True
+
     before_us = tcp.recv_spin_us()
-    assert before_us is not None
-    with KVClient(*node.address, client_slab) as c:
-        src = client_slab.alloc_many(n)
-        _filled(client_slab, src, 3)
-        assert c.put(keys, src, BLOCK, [DIGEST] * n) == [True] * n
-        dst = client_slab.alloc_many(n)
+    with Slab(2 * GOOD_INFO.block_size, GOOD_INFO.block_size, lock=False) as slab, \
+            KVClient(*fake_node(GOOD_INFO, script), slab) as c:
+        assert c.exists([b"spin"]) == [True]  # the get goes out on an open connection
+        h = slab.alloc()
         tcp.set_recv_spin_us(0)
-        # The node is stopped while the get starts, so its first answer cannot be
-        # there yet: the get's receive has to wait, however loaded this host is.
-        wake = threading.Timer(STALL_S, node.resume)
         try:
             before = tcp.recv_wait_counts()
-            node.pause()
-            wake.start()
-            assert c.get(keys, dst, [DIGEST] * n) == [True] * n
+            assert c.get([b"spin"], [h], [DIGEST]) == [True]
             after = tcp.recv_wait_counts()
         finally:
-            wake.cancel()
-            node.resume()
             tcp.set_recv_spin_us(before_us)
-    assert len(got_back) == 1 and got_back[0] is not None  # the native call answered
-    for s, d in zip(src, dst, strict=True):
-        assert bytes(client_slab.view(d)) == bytes(client_slab.view(s))
+        assert len(got_back) == 1 and got_back[0] is not None  # the native call answered
+        assert bytes(slab.view(h)) == value
     assert after.slept > before.slept  # its waits are the process's ...
     assert after.spun == before.spun  # ... and none spun with spinning off
     assert tcp.receives_in_flight() == 0

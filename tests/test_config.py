@@ -115,7 +115,7 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
         "RDMAKV_LOG_FORMAT": "json",
         "RDMAKV_LOG_LEVEL": "",  # empty: unset
         # Not configuration: ignored.
-        "RDMAKV_TCP_NATIVE": "0",
+        "RDMAKV_TCP_RECV_SPIN_US": "100",
         "RDMAKV_REQUIRE_RDMA": "1",
         "RDMAKV_NODE": "x",
     }
@@ -167,9 +167,9 @@ def test_tcp_send_plan_from_the_file_or_the_environment(tmp_path: Path) -> None:
 
 
 def test_tcp_variables_that_are_not_configuration_are_left_alone() -> None:
-    # the native-loop switch and the receive spin are read where the native core loads
-    env = {"RDMAKV_TCP_NATIVE": "0", "RDMAKV_TCP_RECV_SPIN_US": "50",
-           "RDMAKV_TCP_CONGESTION": "reno"}
+    # the receive spin is read where the native core loads, the congestion control
+    # where a connection opens
+    env = {"RDMAKV_TCP_RECV_SPIN_US": "50", "RDMAKV_TCP_CONGESTION": "reno"}
     assert load_config(None, env).tcp.send_plan == DEFAULT_TCP_SEND_PLAN
     # every other RDMAKV_TCP_* variable the package reads is one of them
     package = Path(__file__).resolve().parent.parent / "rdmakv"

@@ -65,7 +65,7 @@ def test_the_schema_defaults_are_the_node_and_client_defaults() -> None:
         "max_unauthenticated_per_source",
     ):
         assert getattr(node, name) == getattr(limits, name), name
-    with Slab(4096, 4096, lock=False) as pool:
+    with Slab(4096, 4096, lock=False, shared_refcounts=True) as pool:
         store = KVStore(pool)
         assert node.lease_timeout_s == store.lease_timeout
         assert node.max_leases_per_block == store.max_leases_per_block

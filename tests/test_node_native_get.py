@@ -4,9 +4,9 @@ the Python handler, in order with every other frame on the connection, the
 same counts in the node's stats and metrics, and the pins it takes hold a
 value whose key is deleted while the value goes out, and are given back.
 
-Which path answered is read from the node's ``get_native`` stat.
-``RDMAKV_LOOP_NATIVE=0`` nodes (and ``RDMAKV_TCP_NATIVE=0`` ones) serve every
-GET in Python, and each test that compares runs against both.
+Which path answered is read from the node's ``get_native`` stat. A GET whose
+keys have several lengths is the Python handler's, on every node: each test
+that compares the paths runs its GETs both ways (``path``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from conftest import NodeProcess, Raw
 from test_metrics import scrape
 
 from rdmakv.client import KVClient
-from rdmakv.node import native_loop
 from rdmakv.node.admission import MIN_IDLE_TO_SHED_S
 from rdmakv.protocol import (
     DIGEST_LEN,
@@ -38,25 +37,21 @@ from rdmakv.protocol import (
     encode_keys,
 )
 from rdmakv.slab import Slab
-from rdmakv.transport import tcp
 
 pytestmark = pytest.mark.timeout(90)
 
-native_only = pytest.mark.skipif(
-    not native_loop.enabled() or not tcp.use_native,
-    reason=native_loop.NATIVE_ERROR or "RDMAKV_LOOP_NATIVE=0 or RDMAKV_TCP_NATIVE=0",
-)
 BLOCK = 64 * 1024
 DIGEST = b"g" * DIGEST_LEN
 PATHS = ["native", "python"]
+"""Who answers a test's GETs: the native loop (keys of one length, an
+engine's), or the Python handler (keys of two lengths, which the loop hands
+to it)."""
 
 
-def _node(node_factory: Callable[..., NodeProcess], monkeypatch: pytest.MonkeyPatch,
-          path: str, **options: str) -> NodeProcess:
-    if path == "native" and (not native_loop.enabled() or not tcp.use_native):
-        pytest.skip(native_loop.NATIVE_ERROR or "RDMAKV_LOOP_NATIVE=0 or RDMAKV_TCP_NATIVE=0")
-    monkeypatch.setenv(native_loop.ENV_NATIVE_LOOP, "1" if path == "native" else "0")
-    return node_factory(**options)
+def _keys(prefix: bytes, n: int, path: str) -> list[bytes]:
+    """``n`` keys; for ``python``, every other one a byte longer."""
+    return [b"%s-%03d" % (prefix, i) + (b"x" if path == "python" and i % 2 else b"")
+            for i in range(n)]
 
 
 def _stats(r: Raw) -> dict[str, int]:
@@ -93,15 +88,14 @@ def _answer(payload: bytes, bulk: bytes, n: int) -> list[bytes | None]:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_get_is_answered_with_the_stored_values_and_counted(
-    node_factory: Callable[..., NodeProcess], client_slab: Slab,
-    monkeypatch: pytest.MonkeyPatch, path: str,
+    node_factory: Callable[..., NodeProcess], client_slab: Slab, path: str,
 ) -> None:
     """Whole and partial values, absent keys and a key asked with another
     digest (a miss), through a client and over a raw connection: the values
     as stored, and lookups, hits, misses and bytes counted as the Python
     handler counts them."""
-    node = _node(node_factory, monkeypatch, path)
-    keys = [b"get-%03d" % i for i in range(40)]
+    node = node_factory()
+    keys = _keys(b"get", 40, path)
     sizes = [BLOCK if i % 3 else 1 + i * 997 for i in range(len(keys))]
     with KVClient(*node.address, client_slab) as c:
         values = _values(c, client_slab, keys, sizes)
@@ -110,7 +104,7 @@ def test_a_get_is_answered_with_the_stored_values_and_counted(
         digests[5] = b"x" * DIGEST_LEN  # stored under another digest: a miss
         dst = client_slab.alloc_many(len(asked))
         got = c.get_sizes(asked, dst, digests)
-        want = [None if i == 5 or k == b"get-999" else len(values[k])
+        want = [None if i == 5 or k not in values else len(values[k])
                 for i, k in enumerate(asked)]
         assert got == want
         for k, h, n in zip(asked, dst, got, strict=True):
@@ -135,7 +129,6 @@ def test_a_get_is_answered_with_the_stored_values_and_counted(
     r.close()
 
 
-@native_only
 def test_frames_pipelined_around_native_gets_are_answered_in_order(
     node: NodeProcess, client_slab: Slab
 ) -> None:
@@ -186,8 +179,7 @@ def test_frames_pipelined_around_native_gets_are_answered_in_order(
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_value_deleted_while_it_goes_out_arrives_whole_and_its_block_is_freed_after(
-    node_factory: Callable[..., NodeProcess], client_slab: Slab,
-    monkeypatch: pytest.MonkeyPatch, path: str,
+    node_factory: Callable[..., NodeProcess], client_slab: Slab, path: str,
 ) -> None:
     """A GET of 8 MiB to a reader with a small receive buffer that reads only
     the answer's head: the node is held up mid-send with the values pinned.
@@ -195,9 +187,9 @@ def test_a_value_deleted_while_it_goes_out_arrives_whole_and_its_block_is_freed_
     reader then gets every value as it was (no pinned block was reused), and
     once the send is done the pins, the blocks' last references, are given
     back: the pool holds the new keys' blocks and no others."""
-    node = _node(node_factory, monkeypatch, path, pool_size=str(512 * BLOCK))
+    node = node_factory(pool_size=str(512 * BLOCK))
     n = 128
-    keys = [b"held-%03d" % i for i in range(n)]
+    keys = _keys(b"held", n, path)
     with KVClient(*node.address, client_slab) as c:
         values = _values(c, client_slab, keys, [BLOCK] * n)
         r = Raw(node, rcvbuf=64 * 1024)
@@ -226,8 +218,7 @@ def test_a_value_deleted_while_it_goes_out_arrives_whole_and_its_block_is_freed_
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_session_sending_an_answer_is_not_shed_as_idle_from_a_full_node(
-    node_factory: Callable[..., NodeProcess], client_slab: Slab,
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: str,
+    node_factory: Callable[..., NodeProcess], client_slab: Slab, tmp_path: Path, path: str,
 ) -> None:
     """A node of two connection slots. A's 8 MiB GET is held mid-send by a
     reader that does not drain; B has asked one request and gone idle. Past
@@ -237,10 +228,9 @@ def test_a_session_sending_an_answer_is_not_shed_as_idle_from_a_full_node(
     limits = tmp_path / "limits.yaml"
     limits.write_text(yaml.safe_dump({"node": {"max_sessions": 2,
                                                "max_sessions_per_source": 2}}))
-    node = _node(node_factory, monkeypatch, path, pool_size=str(512 * BLOCK),
-                 config=str(limits))
+    node = node_factory(pool_size=str(512 * BLOCK), config=str(limits))
     n = 128
-    keys = [b"busy-%03d" % i for i in range(n)]
+    keys = _keys(b"busy", n, path)
     with KVClient(*node.address, client_slab) as c:
         values = _values(c, client_slab, keys, [BLOCK] * n)
     time.sleep(1.0)  # the client's session ends: its slot is free
@@ -263,7 +253,6 @@ def test_a_session_sending_an_answer_is_not_shed_as_idle_from_a_full_node(
         r.close()
 
 
-@native_only
 def test_a_get_too_big_for_the_read_ahead_is_answered_in_python(
     node: NodeProcess, client_slab: Slab
 ) -> None:
@@ -281,20 +270,6 @@ def test_a_get_too_big_for_the_read_ahead_is_answered_in_python(
     r.close()
 
 
-def test_tcp_native_off_keeps_every_get_in_python(
-    node_factory: Callable[..., NodeProcess], client_slab: Slab,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv(tcp.ENV_NATIVE, "0")
-    node = node_factory()
-    with KVClient(*node.address, client_slab) as c:
-        _values(c, client_slab, [b"off-1"], [BLOCK])
-        dst = client_slab.alloc_many(1)
-        assert c.get([b"off-1"], dst, [DIGEST]) == [True]
-        assert c.stats()["get_native"] == 0
-
-
-@native_only
 def test_natively_answered_gets_are_timed_in_the_metrics(
     node_factory: Callable[..., NodeProcess], client_slab: Slab
 ) -> None:

@@ -5,8 +5,9 @@ never held while nothing else is here (a client that waits for it gets it),
 never behind an answer the native loop sends, never lost when the client
 half-closes, and every answer stays in order with the right contents.
 
-Each test runs on the native request loop and on the Python path
-(``RDMAKV_LOOP_NATIVE=0``).
+Each test runs with its EXISTS and GET answered by the native request loop
+and by the Python handler (``path``: the keys of each such request then
+have two lengths, which the loop hands to Python).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Callable
 import pytest
 from conftest import NodeProcess, Raw
 
-from rdmakv.node import native_loop
 from rdmakv.protocol import (
     DIGEST_LEN,
     HEADER,
@@ -42,14 +42,18 @@ pytestmark = pytest.mark.timeout(60)
 
 DIGEST = b"p" * DIGEST_LEN
 PATHS = ["native", "python"]
+OTHER_LENGTH = b"absent-key-of-another-length"
 
 
 @pytest.fixture(params=PATHS)
-def node(request: pytest.FixtureRequest, node_factory: Callable[..., NodeProcess],
-         monkeypatch: pytest.MonkeyPatch) -> NodeProcess:
-    if request.param == "native" and not native_loop.enabled():
-        pytest.skip(native_loop.NATIVE_ERROR or "RDMAKV_LOOP_NATIVE=0")
-    monkeypatch.setenv(native_loop.ENV_NATIVE_LOOP, "1" if request.param == "native" else "0")
+def extra(request: pytest.FixtureRequest) -> list[bytes]:
+    """Keys added to each EXISTS and GET: none (the native loop answers),
+    or a miss of another length (the Python handler answers)."""
+    return [] if request.param == "native" else [OTHER_LENGTH]
+
+
+@pytest.fixture
+def node(node_factory: Callable[..., NodeProcess]) -> NodeProcess:
     return node_factory()
 
 
@@ -83,7 +87,9 @@ def _answers(
     return out
 
 
-def test_a_put_and_its_commit_are_answered_in_one_send(node: NodeProcess) -> None:
+def test_a_put_and_its_commit_are_answered_in_one_send(
+    node: NodeProcess, extra: list[bytes],
+) -> None:
     """PUT and COMMIT sent together: the first read that finds anything
     finds both answers (they left in one system call), and they say the
     value was stored and committed."""
@@ -103,12 +109,15 @@ def test_a_put_and_its_commit_are_answered_in_one_send(node: NodeProcess) -> Non
     hdr = HEADER.unpack_from(head, put_answer)
     assert (hdr[0], hdr[5]) == (Op.COMMIT | RESPONSE_BIT, first + 1)
     assert decode_flags(head[put_answer + HEADER.size :], 1, "COMMIT") == [True]
-    status, _, bulk = r.call(Op.GET, encode_get([b"one-send"], [DIGEST]))
+    status, _, bulk = r.call(Op.GET, encode_get([b"one-send", *extra],
+                                                [DIGEST] * (1 + len(extra))))
     assert status == Status.OK and bulk == value
     r.close()
 
 
-def test_a_put_alone_is_answered_before_its_commit_is_sent(node: NodeProcess) -> None:
+def test_a_put_alone_is_answered_before_its_commit_is_sent(
+    node: NodeProcess, extra: list[bytes],
+) -> None:
     """Nothing else here: the PUT's answer goes out at once (a client that
     waits for it before sending its COMMIT is not left hanging)."""
     r = Raw(node)
@@ -120,11 +129,13 @@ def test_a_put_alone_is_answered_before_its_commit_is_sent(node: NodeProcess) ->
     op, payload, _ = _commit(b"alone", value)
     status, answer, _ = r.call(op, payload)
     assert status == Status.OK and decode_flags(answer, 1, "COMMIT") == [True]
+    status, answer, _ = r.call(Op.EXISTS, encode_keys([b"alone", *extra]))
+    assert status == Status.OK and answer == U32.pack(1 + len(extra)) + b"\x01" + bytes(len(extra))
     r.close()
 
 
 def test_answers_around_held_ones_stay_in_order_to_a_client_that_half_closes(
-    node: NodeProcess,
+    node: NodeProcess, extra: list[bytes],
 ) -> None:
     """Puts pipelined with what the native loop answers (EXISTS, GET), other
     control requests and a last PUT with nothing behind it, then the client
@@ -135,11 +146,12 @@ def test_answers_around_held_ones_stay_in_order_to_a_client_that_half_closes(
     v = {k: os.urandom(n) for k, n in [(b"k1", 700), (b"k2", 20_000), (b"k3", 64), (b"k4", 9)]}
     frames = [
         _put(b"k1", v[b"k1"]), _commit(b"k1", v[b"k1"]),
-        (Op.EXISTS, encode_keys([b"k1", b"k2"]), b""),
+        (Op.EXISTS, encode_keys([b"k1", b"k2", *extra]), b""),
         _put(b"k2", v[b"k2"]),
-        (Op.GET, encode_get([b"k1"], [DIGEST]), b""),  # after a PUT: not held for it
+        # after a PUT: not held for it
+        (Op.GET, encode_get([b"k1", *extra], [DIGEST] * (1 + len(extra))), b""),
         _commit(b"k2", v[b"k2"]),
-        (Op.GET, encode_get([b"k2", b"k1"], [DIGEST] * 2), b""),
+        (Op.GET, encode_get([b"k2", b"k1", *extra], [DIGEST] * (2 + len(extra))), b""),
         _put(b"k3", v[b"k3"]), (Op.ABORT, encode_keys([b"k3"]), b""),
         (Op.STATS, b"", b""),
         _put(b"k4", v[b"k4"]),  # the last frame: nothing to hold it for
@@ -150,9 +162,10 @@ def test_answers_around_held_ones_stay_in_order_to_a_client_that_half_closes(
     ok = [AllocStatus.OK]
     assert decode_put_answer(got[0][0], 1) == ok
     assert decode_flags(got[1][0], 1, "COMMIT") == [True]
-    assert got[2][0] == U32.pack(2) + b"\x01\x00"
+    assert got[2][0] == U32.pack(2 + len(extra)) + b"\x01\x00" + bytes(len(extra))
     assert decode_put_answer(got[3][0], 1) == ok
-    assert decode_get_answer(got[4][0], 1)[0] == [len(v[b"k1"])] and got[4][1] == v[b"k1"]
+    assert decode_get_answer(got[4][0], 1 + len(extra))[0] == [len(v[b"k1"])] + [0] * len(
+        extra) and got[4][1] == v[b"k1"]
     assert decode_flags(got[5][0], 1, "COMMIT") == [True]
     assert got[6][1] == v[b"k2"] + v[b"k1"]
     assert decode_put_answer(got[7][0], 1) == ok

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from array import array
 from collections.abc import Iterator, Sequence
 
@@ -10,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from oracles.index import Index
 
 from rdmakv.errors import ConfigError
 from rdmakv.node import native_index
-from rdmakv.node.index import NO_BLOCK, Index, IndexBase
+from rdmakv.node.index import NO_BLOCK, IndexBase
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
 from rdmakv.protocol import (
@@ -50,11 +50,11 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(params=[False, True], ids=["list-refs", "shared-refs"])
-def pool(request: pytest.FixtureRequest) -> Iterator[Slab]:
-    """The store's pool; with shared refcounts (the node's) a GET on the
-    native index is its one C call, else the Python path."""
-    slab = Slab(4 * BLOCK, BLOCK, lock=False, shared_refcounts=request.param)
+@pytest.fixture
+def pool() -> Iterator[Slab]:
+    """The store's pool, with shared refcounts (the node's): the native index
+    reads them, and a GET's one C call takes its pins in them."""
+    slab = Slab(4 * BLOCK, BLOCK, lock=False, shared_refcounts=True)
     yield slab
     slab.close()
 
@@ -66,11 +66,10 @@ def put(store: KVStore, session: int, key: bytes, size: int = BLOCK) -> bool:
     return store.commit(session, [key], [0]) == [True]
 
 
-needs_native = pytest.mark.skipif(
-    native_index.NATIVE_ERROR is not None, reason=str(native_index.NATIVE_ERROR)
-)
-INDEXES = [pytest.param(Index, id="python"), pytest.param(NativeIndex, id="native",
-                                                          marks=needs_native)]
+INDEXES = [pytest.param(Index, id="python"), pytest.param(NativeIndex, id="native")]
+"""The node's index and its Python oracle (tests/oracles/index.py): each
+contract test holds for both, so the oracle the native one is checked
+against is itself checked."""
 
 
 def _refs(blocks: int, pinned: Sequence[int] = ()) -> array[int]:
@@ -245,7 +244,6 @@ def test_touch_request_reads_a_get_payload_like_touch_matching(kind: type[IndexB
             idx.touch_request(short)
 
 
-@needs_native
 def test_the_native_index_and_the_wire_agree_on_sizes() -> None:
     lib = native_index._lib
     assert lib.RK_INDEX_DIGEST == DIGEST_LEN and lib.RK_INDEX_MAX_KEY == MAX_KEY_LEN
@@ -256,14 +254,6 @@ def test_the_native_index_and_the_wire_agree_on_sizes() -> None:
             lib.RK_INDEX_NO_SPACE, lib.RK_INDEX_TOO_LARGE] == [
         AllocStatus.OK, AllocStatus.EXISTS, AllocStatus.BUSY, AllocStatus.NO_SPACE,
         AllocStatus.TOO_LARGE]
-
-
-def test_the_python_index_keeps_no_object_per_committed_key_for_the_collector() -> None:
-    idx = _index_of(Index, *(bytes([i]) * 16 for i in range(8)))
-    gc.collect()
-    tracked = {id(o) for o in gc.get_objects()}
-    # keys and blocks are bytes and ints: nothing a full collection must walk
-    assert not any(id(k) in tracked or id(b) in tracked for k, b in idx.items())
 
 
 @pytest.mark.parametrize("kind", INDEXES)
@@ -280,7 +270,6 @@ def test_an_index_refuses_a_spare_block_its_invariants_forbid_and_changes_nothin
     assert idx.reserve(1, _wire([(b"new", 10, D)]), BLOCK, [], _refs(8)).blocks.tolist() == [0]
 
 
-@needs_native
 def test_the_native_index_refuses_what_its_invariants_forbid() -> None:
     idx = _index_of(NativeIndex, b"a", b"b")
     with pytest.raises(native_index.IndexCorrupt, match="holds no committed key"):
@@ -292,7 +281,6 @@ def test_the_native_index_refuses_what_its_invariants_forbid() -> None:
     assert _lru_keys(idx) == [b"a", b"b"] and idx.pending_count == 0
 
 
-@needs_native
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from("pcCawAtkxrbo"), st.integers(1, 3),
                               st.lists(st.integers(0, 20), max_size=8)), max_size=60))
@@ -387,18 +375,14 @@ def test_the_native_index_answers_like_the_python_one(
         assert held == list(range(blocks))
 
 
-def test_the_store_keeps_its_keys_in_the_native_index_on_a_shared_pool_unless_turned_off(
-    pool: Slab, monkeypatch: pytest.MonkeyPatch
+def test_the_store_keeps_its_keys_in_the_native_index_on_a_pool_that_shares_refcounts(
+    pool: Slab,
 ) -> None:
-    monkeypatch.setenv(native_index.ENV_NATIVE, "0")
-    assert type(KVStore(pool)._index) is Index
-    monkeypatch.delenv(native_index.ENV_NATIVE)
-    native = native_index.NATIVE_ERROR is None and pool.refcounts is not None
-    assert type(KVStore(pool)._index) is (NativeIndex if native else Index)
-    assert type(KVStore(pool, native_index=False)._index) is Index
-    if pool.refcounts is None:  # C reads the refcounts to pick eviction victims
-        with pytest.raises(ConfigError, match="shared_refcounts"):
-            KVStore(pool, native_index=True)
+    assert type(KVStore(pool)._index) is NativeIndex
+    # C reads the refcounts to pick eviction victims, and pins GETs in them
+    with Slab(4 * BLOCK, BLOCK, lock=False) as unshared, \
+            pytest.raises(ConfigError, match="shared_refcounts"):
+        KVStore(unshared)
 
 
 def test_alloc_statuses(pool: Slab) -> None:
@@ -501,12 +485,12 @@ def test_pin_values_finds_by_key_and_digest_and_pins_until_unpin(pool: Slab) -> 
     assert s.commit(1, [b"a"], [77]) == [True]
     assert s.alloc(1, [(b"p", 10, D)])[0].status == AllocStatus.OK  # uncommitted: invisible
     other = bytes(range(16))
-    # keys of several lengths: the Python path whatever the index (nothing stays pinned)
+    # keys of several lengths: the Python path (nothing stays pinned)
     mixed = s.pin_values(_get([b"a", b"zz"], [D, D]))
     assert decode_get_answer(mixed.answer, 2) == ([100, 0], [77, 0])
     assert mixed.iov.tolist() == [[0, 0], [res.extent.addr, 100]]  # row 0: the frame's head
     mixed.unpin()
-    # one key length (an engine's): on the native index, one C call
+    # one key length (an engine's): one C call
     found = s.pin_values(_get([b"a", b"a", b"p", b"z"], [D, other, D, D]))
     assert decode_get_answer(found.answer, 4) == ([100, 0, 0, 0], [77, 0, 0, 0])
     assert found.iov.tolist() == [[0, 0], [res.extent.addr, 100]]
@@ -613,16 +597,13 @@ def test_bad_lease_timeout() -> None:
 class StoreMachine(RuleBasedStateMachine):
     """Random interleavings of every store op; refcounts must match the model."""
 
-    native = False  # which index the store keeps its keys in
-
     def __init__(self) -> None:
         super().__init__()
-        # small: eviction is common; shared refcounts: the native index
-        # serves a GET in its one C call
-        self.pool = Slab(3 * BLOCK, BLOCK, lock=False, shared_refcounts=self.native)
+        # small: eviction is common; shared refcounts: the native index reads
+        # them, and serves a GET in its one C call
+        self.pool = Slab(3 * BLOCK, BLOCK, lock=False, shared_refcounts=True)
         self.clock = Clock()
-        self.store = KVStore(self.pool, lease_timeout=10.0, clock=self.clock,
-                             native_index=self.native)
+        self.store = KVStore(self.pool, lease_timeout=10.0, clock=self.clock)
         self.leases: dict[int, tuple[int, bytes, int]] = {}  # id -> (session, key, block)
         self.gets: list[tuple[PinnedValues, list[int]]] = []  # pinned, not yet sent: hits
 
@@ -731,14 +712,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.stats()["leases_active"] == len(self.leases)
 
 
-class NativeStoreMachine(StoreMachine):
-    native = True
-
-
-for _machine in (StoreMachine, NativeStoreMachine):
-    _machine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+StoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30,
+                                          deadline=None)
 test_store_state_machine = StoreMachine.TestCase
-test_store_state_machine_native_index = needs_native(NativeStoreMachine.TestCase)
 
 
 def test_one_lease_covers_all_hits_of_a_lookup(pool: Slab) -> None:

@@ -5,14 +5,12 @@ value's row.
 :class:`IndexBase` holds what every index keeps the same way: a value's
 length and writer's checksum in per-block columns (C arrays, indexed by
 block, that the native index reads and writes: the length at reserve, the
-checksum at commit). Where the keys live is the subclass's: :class:`Index`
-keeps the committed ones in an ``OrderedDict`` (key -> block) whose order is
-recency (oldest first), so eviction scans from the front, and the pending
-ones in a dict; :class:`~rdmakv.node.native_index.NativeIndex` keeps both in
-C (``rdmakv._native_index``), one call per batch, so a PUT's reserve and its
-COMMIT cost one crossing each, as a GET does. The store uses the native one
-when it is built. Both take and return the same things, so the store has one
-code path.
+checksum at commit), and the contract of the rest. Where the keys live is
+the subclass's: the node's is :class:`~rdmakv.node.native_index.NativeIndex`,
+which keeps them in C (native/rk_index.c), one call per batch, so a PUT's
+reserve and its COMMIT cost one crossing each, as a GET does. (The tests
+hold a plain-Python index of the same contract, ``tests/oracles/index.py``,
+which the native one is checked against.)
 
 A pending key belongs to the session (``owner``) that reserved it: only that
 one may commit or abort it or write into its block, and until it commits
@@ -23,13 +21,6 @@ references: the index reads the pool's refcounts for that and never changes
 them, so the evicted block's one reference passes to the new pending key.
 The index does not own pool memory: the store does the refcounting.
 
-Why no object per committed key: bytes and ints are not tracked by Python's
-cyclic garbage collector, an object per key is. With an ``Entry`` per key a
-full collection walked every entry while each session of the node waited:
-at 190k keys under churn, 4 full collections in 400k puts, the longest 40-50
-ms (70 ms at 500k keys). ``rdmakv serve`` freezes its start-up heap, this
-index's dict among it, so the collector does not walk the dict either.
-
 Each column has one row more than the pool has blocks, the last, all zeros:
 a miss is :data:`NO_BLOCK` (-1), so reading a batch's rows with one C-level
 ``map`` over its blocks reads a miss as length 0 and checksum 0.
@@ -39,19 +30,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from rdmakv.protocol import MAX_KEY_LEN, AllocRequest, AllocStatus, GetRequest, KeysRequest
+from rdmakv.protocol import AllocRequest, GetRequest, KeysRequest
 
 NO_BLOCK = -1
 """A miss, in the block lists lookups return: the columns' zero row."""
-_NO_DIGEST = b""
 
 AllocItem = tuple[bytes, int, bytes]
 """One item of a PUT or ALLOC: (key, size, digest)."""
@@ -280,178 +268,3 @@ class IndexBase(ABC):
     @abstractmethod
     def _remove_block(self, block: int) -> None:
         """Drop the committed key ``block`` holds."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    """One pending key of the Python index; its size is the length column's."""
-
-    key: bytes
-    block: int
-    owner: int
-    written: bool = False
-
-
-class Index(IndexBase):
-    """Committed keys in an ``OrderedDict`` (key -> block) in LRU order, oldest
-    first, pending ones in dicts by key and by block. The index of hosts
-    without ``rdmakv._native_index``."""
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
-        self._lru: OrderedDict[bytes, int] = OrderedDict()
-        self._keys = [b""] * (num_blocks + 1)  # per block: its key (remove_block)
-        self._digests = [_NO_DIGEST] * (num_blocks + 1)
-        self._pending: dict[bytes, _Pending] = {}
-        self._pending_at: dict[int, _Pending] = {}  # the same, by block
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    @property
-    def pending_count(self) -> int:
-        return len(self._pending)
-
-    def pending_blocks(self, owner: int | None = None) -> list[int]:
-        return [b for b, p in self._pending_at.items() if owner is None or p.owner == owner]
-
-    def _is_pending(self, owner: int, block: int) -> bool:
-        p = self._pending_at.get(block)
-        return p is not None and p.owner == owner
-
-    def _drop_pending(self, p: _Pending) -> int:
-        del self._pending[p.key], self._pending_at[p.block]
-        return p.block
-
-    def abort(self, owner: int, keys: Sequence[bytes]) -> list[int]:
-        out = []
-        for key in keys:
-            p = self._pending.get(key)
-            out.append(NO_BLOCK if p is None or p.owner != owner else self._drop_pending(p))
-        return out
-
-    def abandon(self, owner: int) -> list[int]:
-        mine = [p for p in self._pending_at.values() if p.owner == owner]
-        return [self._drop_pending(p) for p in mine]
-
-    def mark_written(self, owner: int, blocks: Sequence[int]) -> None:
-        at = self._pending_at
-        for block in blocks:
-            p = at.get(block)
-            if p is not None and p.owner == owner:
-                p.written = True
-
-    def digests(self, blocks: Sequence[int]) -> list[bytes]:
-        return [_NO_DIGEST if b == NO_BLOCK else self._digests[b] for b in blocks]
-
-    def _reserve(
-        self,
-        owner: int,
-        request: AllocRequest,
-        max_size: int,
-        spares: Sequence[int],
-        refcounts: Refcounts,
-    ) -> tuple[Reserved, int]:
-        items = request.items
-        for block in spares:
-            if not 0 <= block < self.num_blocks or block in self._pending_at or self._keys[block]:
-                raise ValueError(f"spare block {block} is out of range or holds a key")
-        statuses = bytearray(len(items))
-        blocks = array("q", [NO_BLOCK]) * len(items)
-        lru, pending, at = self._lru, self._pending, self._pending_at
-        used = evicted = evicted_bytes = 0
-        for i, (key, size, digest) in enumerate(items):
-            if not (0 < size <= max_size and 0 < len(key) <= MAX_KEY_LEN):
-                statuses[i] = AllocStatus.TOO_LARGE
-                continue
-            if key in lru or key in pending:
-                statuses[i] = AllocStatus.EXISTS if key in lru else AllocStatus.BUSY
-                continue
-            if used < len(spares):
-                block = spares[used]
-                used += 1
-            else:
-                victim = next((b for b in lru.values() if refcounts[b] == 1), None)
-                if victim is None:  # every committed block is leased or being read
-                    statuses[i] = AllocStatus.NO_SPACE
-                    continue
-                block = victim
-                evicted += 1
-                evicted_bytes += self._lengths[block]
-                self._remove_block(block)
-            blocks[i] = block
-            pending[key] = at[block] = _Pending(key, block, owner)
-            self._lengths[block] = size
-            self._digests[block] = digest
-        return Reserved(statuses, blocks, used, evicted), evicted_bytes
-
-    def _commit(
-        self,
-        owner: int,
-        keys: Sequence[bytes] | KeysRequest,
-        checksums: Sequence[int] | npt.NDArray[np.uint64],
-        require_written: bool,
-    ) -> tuple[list[int], int, int]:
-        if isinstance(keys, KeysRequest):
-            keys = keys.keys
-        if isinstance(checksums, np.ndarray):
-            checksums = checksums.tolist()
-        pending, lengths, sums, lru = self._pending, self._lengths, self._checksums, self._lru
-        out: list[int] = []
-        nbytes = one_sided = 0
-        for key, checksum in zip(keys, checksums, strict=True):
-            p = pending.get(key)
-            if p is None or p.owner != owner or (require_written and not p.written):
-                out.append(NO_BLOCK)
-                continue
-            block = self._drop_pending(p)  # a repeat of the key in this batch: a miss
-            sums[block] = checksum
-            nbytes += lengths[block]
-            if not p.written:
-                one_sided += lengths[block]
-            lru[key] = block
-            self._keys[block] = key
-            out.append(block)
-        return out, nbytes, one_sided
-
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
-        return list(map(self._lru.__contains__, keys))
-
-    def touch_all(self, keys: Sequence[bytes]) -> list[int]:
-        lru = self._lru
-        found = [lru.get(key, NO_BLOCK) for key in keys]
-        move = lru.move_to_end
-        for key, block in zip(keys, found, strict=True):
-            if block != NO_BLOCK:
-                move(key)
-        return found
-
-    def touch_matching(self, keys: Sequence[bytes], digests: Sequence[bytes]) -> list[int]:
-        get, move, stored = self._lru.get, self._lru.move_to_end, self._digests
-        found: list[int] = []
-        add = found.append
-        for key, digest in zip(keys, digests, strict=True):
-            block = get(key, NO_BLOCK)
-            if block == NO_BLOCK or stored[block] != digest:
-                add(NO_BLOCK)
-                continue
-            move(key)
-            add(block)
-        return found
-
-    def oldest_blocks(self) -> Iterator[int]:
-        return iter(self._lru.values())
-
-    def items(self) -> list[tuple[bytes, int]]:
-        return list(self._lru.items())
-
-    def _remove(self, keys: Sequence[bytes]) -> list[int]:
-        pop = self._lru.pop
-        blocks = [pop(key, NO_BLOCK) for key in keys]
-        for block in blocks:
-            self._keys[block] = b""  # NO_BLOCK: the spare row's
-        return blocks
-
-    def _remove_block(self, block: int) -> None:
-        del self._lru[self._keys[block]]
-        self._keys[block] = b""

@@ -1,13 +1,13 @@
-"""NativeIndex: the node's keys in C (``rdmakv._native_index``).
+"""NativeIndex: the node's keys in C (native/rk_index.c, in ``rdmakv._native``).
 
-The same index as :class:`~rdmakv.node.index.Index`, with the key -> block
-table, the LRU list and the pending keys in C (native/rk_index.h) instead of
-dicts. Each batch crosses into C once, its keys joined into one buffer with
-an array of their lengths, so a GET, a PUT's reserve or a COMMIT of a
-thousand keys is one call, not a thousand dict operations under the store
-lock. The C side hashes a batch ahead of its lookups and prefetches, so a
-cold batch (a node's usual: the values it just sent have flushed the caches)
-waits for its misses in parallel.
+The index of :class:`~rdmakv.node.index.IndexBase`, with the key -> block
+table, the LRU list and the pending keys in C (native/rk_index.h). Each
+batch crosses into C once, its keys joined into one buffer with an array of
+their lengths, so a GET, a PUT's reserve or a COMMIT of a thousand keys is
+one call, not a thousand dict operations under the store lock. The C side
+hashes a batch ahead of its lookups and prefetches, so a cold batch (a
+node's usual: the values it just sent have flushed the caches) waits for its
+misses in parallel.
 
 Only ``array`` and ``bytes.join`` build a call's arguments: numpy's per-call
 overhead, with its code cold as well, cost more than the lookups did. The one
@@ -16,8 +16,7 @@ native send takes as it is.
 
 Its C memory is freed when the index is collected (``ffi.gc``): a session
 thread that outlives a node's shutdown still holds the store, so no call can
-reach freed memory. ``RDMAKV_INDEX_NATIVE=0`` makes the store use the Python
-index even where this one is built (for comparison, and to test that one).
+reach freed memory.
 """
 
 from __future__ import annotations
@@ -47,11 +46,7 @@ from rdmakv.protocol import (
     KeysRequest,
 )
 
-ENV_NATIVE = "RDMAKV_INDEX_NATIVE"
-"""Set to 0 to keep the node's keys in the Python index even when this one is built."""
-
-# plain libc: built on every host, but the package must work without it
-_ffi, _lib, NATIVE_ERROR = native_core.load("_native_index", "native index")
+_ffi, _lib = native_core.ffi, native_core.lib
 
 OLDEST_PAGE = 16
 """Blocks fetched per call when walking the LRU list from the oldest: eviction
@@ -79,11 +74,6 @@ class PinnedRequest(NamedTuple):
 
 class IndexCorrupt(RdmakvError):
     """The store asked the index for something its invariants forbid (a bug)."""
-
-
-def enabled() -> bool:
-    """Whether the store should use :class:`NativeIndex`: built and not turned off."""
-    return _lib is not None and not native_core.switched_off(ENV_NATIVE)
 
 
 def _keys(keys: Sequence[bytes] | KeysRequest) -> tuple[Any, Any]:
@@ -127,8 +117,6 @@ class NativeIndex(IndexBase):
     thread-safe: the store calls it under its lock."""
 
     def __init__(self, num_blocks: int) -> None:
-        if _lib is None:
-            raise RdmakvError(NATIVE_ERROR or "the native index is not built")
         super().__init__(num_blocks)
         ix = _lib.rk_index_new(num_blocks, secrets.randbits(64))
         if ix == _ffi.NULL:

@@ -11,11 +11,10 @@ pool) and hands every other frame back to the session's Python code, which
 serves it as before.
 
 The C loop takes the store's lock, so the store's lock must be one C can
-take: :class:`StoreLock`. A :class:`~rdmakv.node.store.KVStore` with the
-native index uses one; ``RDMAKV_LOOP_NATIVE=0`` keeps every request in
-Python (for comparison, and to test that path). GET is answered here only
-where the store's pool keeps its refcounts where C can update them and the
-node's tcp data path sends natively (``RDMAKV_TCP_NATIVE``).
+take: :class:`StoreLock`, which every :class:`~rdmakv.node.store.KVStore`
+uses. GET is answered here only where the node's data path sends a GET's
+answer natively too (the tcp one: :attr:`NodeDataPath.native_get
+<rdmakv.transport.base.NodeDataPath.native_get>`).
 """
 
 from __future__ import annotations
@@ -39,11 +38,7 @@ from rdmakv.protocol import (
     Op,
 )
 
-ENV_NATIVE_LOOP = "RDMAKV_LOOP_NATIVE"
-"""Set to 0 to serve every request in Python even where the native loop is built."""
-
-# the native index's module: the loop is built with it (native/build.py)
-_ffi, _lib, NATIVE_ERROR = native_core.load("_native_index", "native index")
+_ffi, _lib = native_core.ffi, native_core.lib
 
 MAX_SERVED_PER_CALL = 4096
 """Answers one call sends at most before the session's Python marks it active
@@ -79,8 +74,6 @@ class GetCounts:
     __slots__ = ("_counts",)
 
     def __init__(self) -> None:
-        if _lib is None:
-            raise RdmakvError(NATIVE_ERROR or "the native index is not built")
         self._counts = _ffi.new("rk_serve_counts *")
 
     @property
@@ -108,11 +101,6 @@ class Served(NamedTuple):
     gets: GetTally
 
 
-def enabled() -> bool:
-    """Whether a node may serve requests natively: built and not turned off."""
-    return _lib is not None and not native_core.switched_off(ENV_NATIVE_LOOP)
-
-
 class StoreLock:
     """The store's lock as a C mutex, which the native loop takes too.
 
@@ -126,8 +114,6 @@ class StoreLock:
     __slots__ = ("_mutex",)
 
     def __init__(self) -> None:
-        if _lib is None:
-            raise RdmakvError(NATIVE_ERROR or "the native index is not built")
         mutex = _lib.rk_store_lock_new()
         if mutex == _ffi.NULL:
             raise MemoryError("could not create the store's lock")

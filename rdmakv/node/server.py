@@ -263,17 +263,15 @@ class Session:
                 get=self.node.native_get,
             )
             while True:
-                if self.channel.held:  # the next request is whole in the buffer:
-                    pass  # its answer takes the held one along
-                elif native is not None:
+                # with an answer held, the next request is whole in the buffer:
+                # its answer takes the held one along
+                if not self.channel.held:
                     if not self._serve_natively(native):
                         return
                     if not self.channel.buffered:  # its turn came with nothing for us
                         if self.node.stopping:
                             return
                         continue
-                elif not self._wait_readable(None):
-                    return
                 self._serving = True
                 if not self._serve_one():
                     return

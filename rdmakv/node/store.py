@@ -31,12 +31,10 @@ All methods are thread-safe.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +43,10 @@ import numpy.typing as npt
 
 from rdmakv.defaults import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK
 from rdmakv.errors import ConfigError
-from rdmakv.node.index import NO_BLOCK, Index, IndexBase, Refcounts, Reserved
+from rdmakv.node.index import NO_BLOCK, Reserved
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.node.native_index import NativeIndex
-from rdmakv.node.native_index import enabled as native_index_enabled
 from rdmakv.node.native_loop import GetCounts, GetSource, GetTally, RequestLoop, StoreLock
-from rdmakv.node.native_loop import enabled as native_loop_enabled
 from rdmakv.protocol import (
     EXTENT_DTYPE,
     MAX_BULK_BYTES,
@@ -74,17 +70,6 @@ DEFAULT_LEASE_QUOTA_SHARE = 2
 LEASE_QUOTA_FLOOR = MAX_BULK_BYTES
 """... but never below the bulk bytes of one READ (256 MiB), so one client's batched
 get always fits: on a pool under twice that, the default quota guards nothing."""
-
-
-class _RefcountsOf:
-    """A pool's refcounts read one block at a time, for a pool that does not
-    share them as an array (only the Python index reads them so)."""
-
-    def __init__(self, pool: Slab) -> None:
-        self._refcount = pool.refcount
-
-    def __getitem__(self, block: int, /) -> int:
-        return self._refcount(block)
 
 
 class LeaseQuotaExceeded(LimitExceeded):
@@ -118,11 +103,10 @@ class Counters:
 class KVStore:
     """Thread-safe node state. ``rkey`` is stamped into every extent handed out.
 
-    ``native_index``: keep the keys in C (:class:`NativeIndex`), or in Python
-    (:class:`Index`); None: in C where it is built and not turned off
-    (:func:`rdmakv.node.native_index.enabled`) and the pool shares its
-    refcounts (``Slab(shared_refcounts=True)``, as ``rdmakv serve``'s does),
-    which C reads to pick eviction victims."""
+    The keys live in C (:class:`NativeIndex`), which reads the pool's
+    refcounts to pick eviction victims and takes a GET's pins in them: the
+    pool must share them (``Slab(shared_refcounts=True)``, as ``rdmakv
+    serve``'s does)."""
 
     def __init__(
         self,
@@ -134,7 +118,6 @@ class KVStore:
         lease_quota_bytes: int | None = None,
         max_leases_per_block: int = DEFAULT_MAX_LEASES_PER_BLOCK,
         guard: ExtentGuard | None = None,
-        native_index: bool | None = None,
     ) -> None:
         if lease_timeout <= 0:
             raise ConfigError(f"lease timeout must be > 0 seconds, got {lease_timeout}")
@@ -156,27 +139,20 @@ class KVStore:
         self._guard = guard  # told of every extent handed to / taken from a session
         self._clock = clock
         refs = pool.refcounts
-        if native_index is None:
-            native_index = native_index_enabled() and refs is not None
-        if native_index and refs is None:
+        if refs is None:
             raise ConfigError(
-                "the native index needs a pool whose refcounts C can read "
-                "(Slab(..., shared_refcounts=True)), or native_index=False"
+                "the node's index needs a pool whose refcounts C can read and update "
+                "(Slab(..., shared_refcounts=True))"
             )
-        self._index: IndexBase = (NativeIndex if native_index else Index)(pool.num_blocks)
-        # With the native index, a lock C takes too: the native loop then
-        # answers EXISTS under it without Python (rdmakv.node.native_loop).
-        self._lock: AbstractContextManager[Any] = (
-            StoreLock() if native_index and native_loop_enabled() else threading.Lock()
-        )
-        self._refcounts: Refcounts = _RefcountsOf(pool) if refs is None else refs
-        # GET's one native call takes its pins in the pool's own refcounts
-        self._get_in_c: tuple[NativeIndex, array[int]] | None = None
-        if isinstance(self._index, NativeIndex) and refs is not None:
-            self._get_in_c = self._index, refs
+        self._index = NativeIndex(pool.num_blocks)
+        # A lock C takes too: the native loop answers EXISTS and GET under it
+        # without Python (rdmakv.node.native_loop).
+        self._lock = StoreLock()
+        # the index reads them to evict; GET's one native call takes its pins in them
+        self._refcounts: array[int] = refs
         self._leases = LeaseTable()
         self.counters = Counters()
-        self._native_gets = GetCounts() if isinstance(self._lock, StoreLock) else None
+        self._native_gets = GetCounts()
         """What native loops' GETs did; :meth:`stats` adds it to :attr:`counters`."""
 
     # -- helpers (lock held) ------------------------------------------------------
@@ -459,18 +435,14 @@ class KVStore:
         with self._lock:
             return self._index.touch_keys_flags(request)
 
-    def request_loop(self, ahead_bytes: int, timed: bool, get: bool) -> RequestLoop | None:
+    def request_loop(self, ahead_bytes: int, timed: bool, get: bool) -> RequestLoop:
         """A native loop answering EXISTS, and GET if ``get``, through a
         session's read-ahead buffer of ``ahead_bytes`` (``timed``: it reports
-        each answer's time), or None where this store's requests are all
-        served in Python. The caller gives each call's GET tally to
+        each answer's time). The caller gives each call's GET tally to
         :meth:`settle_native_gets`."""
-        if not isinstance(self._lock, StoreLock) or not isinstance(self._index, NativeIndex):
-            return None
         source = None
-        if get and self._get_in_c is not None and self._native_gets is not None:
-            source = GetSource(self._get_in_c[1], self._base, self.block_size,
-                               self._native_gets)
+        if get:
+            source = GetSource(self._refcounts, self._base, self.block_size, self._native_gets)
         return RequestLoop(self._index, self._lock, ahead_bytes, timed, source)
 
     def settle_native_gets(self, tally: GetTally) -> None:
@@ -589,12 +561,9 @@ class KVStore:
         never outlives the request.
         """
         # A GET's per-key work is in series with the send of its values, which
-        # it limits: on the native index and a pool whose refcounts C can
-        # update, one call does it all, answer and send table included.
+        # it limits: one native call does it all, answer and send table included.
         with self._lock:
-            found = None
-            if self._get_in_c is not None:
-                found = self._pin_in_c(request, *self._get_in_c)
+            found = self._pin_in_c(request)
             if found is None:
                 found = self._pin_in_python(request)
             hits = len(found.iov) - 1
@@ -605,12 +574,11 @@ class KVStore:
             c.bytes_read += found.nbytes
         return found
 
-    def _pin_in_c(
-        self, request: GetRequest, native: NativeIndex, refs: array[int]
-    ) -> PinnedValues | None:
+    def _pin_in_c(self, request: GetRequest) -> PinnedValues | None:
         """:meth:`pin_values` in one native call on the index and the pool's
         refcounts; None for a request it does not take (keys of several
         lengths). Lock held."""
+        native, refs = self._index, self._refcounts
         pinned = native.pin_request(request, refs, self._base, self.block_size)
         if pinned is None:
             return None
@@ -622,7 +590,7 @@ class KVStore:
         return PinnedValues(pinned.answer, pinned.iov, pinned.nbytes, unpin)
 
     def _pin_in_python(self, request: GetRequest) -> PinnedValues:
-        """:meth:`pin_values` on any index and pool. Lock held."""
+        """:meth:`pin_values` of a request :meth:`_pin_in_c` does not take. Lock held."""
         index, pool = self._index, self.pool
         blocks = index.touch_request(request)
         hits = list(filter(NO_BLOCK.__ne__, blocks))
@@ -646,14 +614,12 @@ class KVStore:
             c = self.counters
             out: dict[str, Any] = {k: v for k, v in vars(c).items() if k != "extra"}
             out.update(c.extra)
-            out["get_native"] = 0
-            if self._native_gets is not None:
-                native = self._native_gets.read()
-                out["lookups"] += native["lookups"]
-                out["hits"] += native["hits"]
-                out["misses"] += native["lookups"] - native["hits"]
-                out["bytes_read"] += native["bytes"]
-                out["get_native"] = native["gets"]
+            native = self._native_gets.read()
+            out["lookups"] += native["lookups"]
+            out["hits"] += native["hits"]
+            out["misses"] += native["lookups"] - native["hits"]
+            out["bytes_read"] += native["bytes"]
+            out["get_native"] = native["gets"]
             out.update(
                 entries=len(self._index),
                 pending=self._index.pending_count,

@@ -10,14 +10,14 @@ of the time a 100 Gb/s NIC takes to move it.
 So the native core hashes instead, with the xxhash module's own C functions
 (the code :func:`value_checksum` runs):
 
-* :data:`HASHER`, the ``rk_hasher`` the native TCP loop (``rdmakv._native_tcp``,
-  plain libc, built on every host) hashes ranges with as it moves them;
+* :data:`HASHER`, the ``rk_hasher`` the native TCP loop (native/rk_tcp.c, in
+  ``rdmakv._native``) hashes ranges with as it moves them;
 * :func:`checksum_ranges`, a whole batch of slab ranges hashed in one call
   with the GIL released, for bytes that loop does not move (an RDMA
   transport's writes and reads of the slab).
 
-Either is None / returns None where the native core or the xxhash C API is
-missing, and the caller then hashes each value in Python.
+Either is None / returns None where the xxhash C API is missing, and the
+caller then hashes each value in Python.
 
 How fast XXH3 runs is the xxhash build's: from xxhash 4.1 its x86 wheels
 pick SSE2, AVX2 or AVX-512 at run time (``XXH3_64bits_dispatch``); earlier
@@ -44,7 +44,7 @@ from rdmakv import native_core
 from rdmakv.protocol import value_checksum
 from rdmakv.transport.base import iov_at
 
-_ffi, _lib, _ = native_core.load("_native_tcp", "native TCP core")
+_ffi, _lib = native_core.ffi, native_core.lib
 
 X86 = frozenset({"x86_64", "amd64", "i386", "i686"})
 """Machines where an xxhash build without run-time dispatch hashes with SSE2
@@ -69,8 +69,6 @@ def _find_hasher() -> tuple[Any, bool]:
     both hash with the same code; one-shot and streamed hashes are checked
     against :func:`value_checksum` before they are trusted.
     """
-    if _lib is None:
-        return None, False
     try:
         so = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
         hasher = _ffi.new("rk_hasher *")
@@ -109,8 +107,8 @@ def describe() -> str:
     """How values are hashed here, and the fix where that is slow (speed only)."""
     version = getattr(xxhash, "VERSION", "?")
     if HASHER is None:
-        return (f"XXH3 (xxhash {version}) in Python, one call per value: the native core "
-                "is not built or the xxhash C API was not found")
+        return (f"XXH3 (xxhash {version}) in Python, one call per value: the xxhash C API "
+                "was not found")
     if DISPATCHED or platform.machine().lower() not in X86:
         return f"XXH3 (xxhash {version}), native, vector unit picked at run time"
     return (f"XXH3 (xxhash {version}), native, a baseline x86-64 build (SSE2 only: a third "

@@ -28,8 +28,8 @@ whole extent arrived; the client queues ``COMMIT`` (with
 ``COMMIT_FLAG_REQUIRE_WRITTEN``) right behind its WRITEs, and an extent whose
 write failed is never published.
 
-The per-block loop runs in the native core when it is built
-(``rdmakv._native_tcp``, plain libc, no libibverbs): one C call moves a whole
+The per-block loop runs in the native core (native/rk_tcp.c, in
+``rdmakv._native``: plain libc, no libibverbs): one C call moves a whole
 request's bulk -- ``sendmsg`` / ``readv`` of up to 1024 blocks and 512 KiB
 per system call (``RK_TCP_WINDOW``: fewer, bigger calls measured slower over
 loopback), resuming after short transfers, waiting with ``poll`` on EAGAIN -- with
@@ -51,9 +51,7 @@ The figures behind both: bench/README.md, section "Measurements moved from
 code comments (issue 58)".
 Waits keep the socket's timeout semantics (no progress for ``timeout`` seconds
 raises ``TimeoutError``, mapped to ``TransportTimeout``; a peer that closes
-mid-transfer raises ``ConnectionLost``). Without the native module, or with
-``RDMAKV_TCP_NATIVE=0``, the same bytes move through the pure-Python
-``sendmsg`` / ``recvmsg_into`` loop of :mod:`rdmakv.protocol`.
+mid-transfer raises ``ConnectionLost``).
 """
 
 from __future__ import annotations
@@ -99,7 +97,6 @@ from rdmakv.protocol import (
     decode_get_request,
     decode_put_answer,
     encode_commit,
-    encode_data_ops,
     encode_keys,
     encode_put_answer,
     get_answer_columns,
@@ -146,19 +143,11 @@ default): these requests plus the caller's (at most
 PUT_DRAIN_BYTES = 1024 * 1024
 """Scratch a PUT's refused values are received into (and dropped), at most."""
 
-ENV_NATIVE = "RDMAKV_TCP_NATIVE"
-"""Set to 0 to move bulk bytes with the pure-Python loop even when the native
-core is built (for comparison and for testing the fallback)."""
-
 ENV_RECV_SPIN = native_core.ENV_RECV_SPIN
 """Microseconds a native receive polls for more bytes before it sleeps
 (:func:`set_recv_spin_us`; 0 never spins), read when the native core loads."""
 
-# plain libc: built on every host, but the package must work without it
-_ffi, _lib, NATIVE_ERROR = native_core.load(native_core.TCP_CORE, "native TCP core")
-
-use_native: bool = _lib is not None and not native_core.switched_off(ENV_NATIVE)
-"""Whether bulk bytes move through the native loop (tests may flip it)."""
+_ffi, _lib = native_core.ffi, native_core.lib
 
 _HASHER_ADDRESS = 0 if HASHER is None else int(_ffi.cast("uintptr_t", HASHER))
 """The address of :data:`~rdmakv.transport.checksum.HASHER`, which
@@ -172,21 +161,17 @@ _RK_TCP_ERRNO = 3
 _RK_TCP_EINTR = 4
 _RK_TCP_MISSED = 0  # per key of a GET answer (rk_tcp_get_answer_check; the Python path's too)
 _RK_TCP_CORRUPT = -1
-assert _lib is None or (_lib.RK_TCP_MISSED, _lib.RK_TCP_CORRUPT) == (
-    _RK_TCP_MISSED, _RK_TCP_CORRUPT)
+assert (_lib.RK_TCP_MISSED, _lib.RK_TCP_CORRUPT) == (_RK_TCP_MISSED, _RK_TCP_CORRUPT)
 _WIRE_OP = np.dtype([("addr", "<u8"), ("len", "<u4")])  # DATA_OP as a numpy record
 assert _WIRE_OP.itemsize == DATA_OP.size
 
 
-def native_available() -> bool:
-    """True when the native TCP loop is built (see :data:`NATIVE_ERROR` otherwise)."""
-    return _lib is not None
-
-
 def native_checksums() -> bool:
     """True when the native loop also computes each block's value checksum as
-    it moves (see :func:`send_iov`); False: callers hash the slab themselves."""
-    return use_native and HASHER is not None
+    it moves (see :func:`send_iov`): it has the xxhash C API's hasher
+    (:data:`~rdmakv.transport.checksum.HASHER`); False: callers hash the slab
+    themselves."""
+    return HASHER is not None
 
 
 class HashedSendPlan(NamedTuple):
@@ -231,15 +216,13 @@ def send_plan_name() -> str | None:
 def set_send_plan(name: str) -> None:
     """Make ``name`` (a key of :data:`SEND_PLANS`) the plan of every hashed send
     this process starts from now on: once, at start-up (the commands and the
-    connectors apply the configuration's ``tcp.send_plan``). Without the native
-    loop there is no plan to set, and nothing happens."""
+    connectors apply the configuration's ``tcp.send_plan``)."""
     plan = SEND_PLANS.get(name)
     if plan is None:
         raise ConfigError(
             f"tcp.send_plan: {name!r} is not one of {', '.join(SEND_PLANS)}"
         )
-    if _lib is not None:
-        _lib.rk_tcp_set_hashed_send_plan(plan.window, int(plan.ahead))
+    _lib.rk_tcp_set_hashed_send_plan(plan.window, int(plan.ahead))
 
 
 set_send_plan(DEFAULT_TCP_SEND_PLAN)  # until the configuration's is applied
@@ -254,20 +237,16 @@ class RecvWaitCounts(NamedTuple):
     """It slept in ``poll``, after spinning or without."""
 
 
-def recv_spin_us() -> int | None:
+def recv_spin_us() -> int:
     """Microseconds a native receive that runs out of bytes mid-list polls
-    for more before it sleeps (rk_tcp.h); None without the native loop."""
-    if _lib is None:
-        return None
+    for more before it sleeps (rk_tcp.h)."""
     return int(_lib.rk_tcp_recv_spin_us())
 
 
 def set_recv_spin_us(us: int) -> None:
-    """Set :func:`recv_spin_us` for this process, every native module's
-    receives (:mod:`rdmakv.native_core` shares the state): 0 to
+    """Set :func:`recv_spin_us` for this process, every native receive's
+    (the tcp loop's and the client's get call's): 0 to
     ``RK_TCP_RECV_SPIN_MAX_US`` (0: always sleep at once)."""
-    if _lib is None:
-        raise RdmakvError(f"no native TCP loop: {NATIVE_ERROR}")
     most = int(_lib.RK_TCP_RECV_SPIN_MAX_US)
     if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= most:
         raise ConfigError(
@@ -277,17 +256,15 @@ def set_recv_spin_us(us: int) -> None:
 
 
 def recv_wait_counts() -> RecvWaitCounts:
-    """This process's native receive waits so far (zeros without the native loop)."""
-    if _lib is None:
-        return RecvWaitCounts(0, 0)
+    """This process's native receive waits so far."""
     spun, slept = _ffi.new("uint64_t *"), _ffi.new("uint64_t *")
     _lib.rk_tcp_recv_wait_counts(spun, slept)
     return RecvWaitCounts(int(spun[0]), int(slept[0]))
 
 
 def receives_in_flight() -> int:
-    """Native receives running in this process now (0 without the native loop)."""
-    return 0 if _lib is None else int(_lib.rk_tcp_receives_in_flight())
+    """Native receives running in this process now."""
+    return int(_lib.rk_tcp_receives_in_flight())
 
 
 def _timeout_ms(sock: socket.socket) -> int:
@@ -537,7 +514,6 @@ class TcpTransport(Transport):
         self._settle_lazy()
         chunks = self._chunks(ops)
         assert self._local is not None
-        local = self._local
         ch = self._ch
         replies = []
         sums = np.empty(len(ops), dtype=np.uint64) if native_checksums() else None
@@ -545,21 +521,12 @@ class TcpTransport(Transport):
             ch.set_timeout(timeout)
             for start, end in chunks:
                 batch = ops[start:end]
-                if use_native:
-                    assert self._slab is not None
-                    payload, iov, total = _client_batch(batch, self._slab.base_addr)
-                    # header + payload first, then the bulk straight from the slab
-                    replies.append(ch.submit(Op.WRITE, payload, "WRITE", bulk_len=total))
-                    # `local` keeps the slab mapped meanwhile
-                    send_iov(ch.sock, iov, None if sums is None else sums[start:end])
-                    continue
-                views = [local[op.local_offset : op.local_offset + op.length] for op in batch]
-                payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
-                replies.append(
-                    ch.submit(
-                        Op.WRITE, payload, "WRITE", bulk=views, bulk_len=sum(map(len, views))
-                    )
-                )
+                assert self._slab is not None
+                payload, iov, total = _client_batch(batch, self._slab.base_addr)
+                # header + payload first, then the bulk straight from the slab
+                replies.append(ch.submit(Op.WRITE, payload, "WRITE", bulk_len=total))
+                # `self._local` keeps the slab mapped meanwhile
+                send_iov(ch.sock, iov, None if sums is None else sums[start:end])
         except OSError as e:
             raise wrap_socket_errors("WRITE", e) from e
         fut = TcpBatchFuture(ch, replies, timeout, "WRITE")
@@ -570,7 +537,6 @@ class TcpTransport(Transport):
         ops = io_ops(ops)  # op by op: tcp's own gets go through fetch()
         chunks = self._chunks(ops)
         assert self._local is not None
-        local = self._local
         ch = self._ch
         replies: list[Reply] = []
         sums = np.empty(len(ops), dtype=np.uint64) if native_checksums() else None
@@ -583,20 +549,8 @@ class TcpTransport(Transport):
                     raise ProtocolError(
                         f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
                     )
-                # `local` keeps the slab mapped meanwhile
+                # `self._local` keeps the slab mapped meanwhile
                 recv_iov_from(ch, iov, want, chunk_sums)
-
-            return on_ok
-
-        def receiver(batch: Sequence[IoOp]) -> Callable[[Header], None]:
-            def on_ok(hdr: Header) -> None:
-                views = [local[op.local_offset : op.local_offset + op.length] for op in batch]
-                want = sum(map(len, views))
-                if hdr.bulk_len != want:
-                    raise ProtocolError(
-                        f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
-                    )
-                ch.recv_bulk(views)
 
             return on_ok
 
@@ -613,13 +567,9 @@ class TcpTransport(Transport):
             ch.set_timeout(timeout)
             for start, end in chunks:
                 batch = ops[start:end]
-                if use_native:
-                    assert self._slab is not None
-                    payload, iov, want = _client_batch(batch, self._slab.base_addr)
-                    on_ok = native_receiver(iov, want, None if sums is None else sums[start:end])
-                else:
-                    payload = encode_data_ops([(op.remote_addr, op.length) for op in batch])
-                    on_ok = receiver(batch)
+                assert self._slab is not None
+                payload, iov, want = _client_batch(batch, self._slab.base_addr)
+                on_ok = native_receiver(iov, want, None if sums is None else sums[start:end])
                 replies.append(ch.submit(Op.READ, payload, "READ", on_ok=on_ok))
                 if not lazy and len(replies) >= READ_PIPELINE_DEPTH:
                     _await_answer(ch, replies[-READ_PIPELINE_DEPTH])  # refusals: see below
@@ -826,7 +776,7 @@ class _PutFrames:
 
     @staticmethod
     def usable() -> bool:
-        return use_native and native_checksums() and sys.byteorder == "little"
+        return native_checksums() and sys.byteorder == "little"
 
     def add(self, put_head: bytes, start: int, end: int, commit_head: bytes) -> None:
         """Sub-batch ``[start, end)``: PUT header + items, the keys' values,
@@ -904,10 +854,10 @@ class _GetReceiver:
     written into ``out`` as their lengths; the keys of those that do not are
     added to ``corrupt`` (a miss, never wrong KV).
 
-    With the native core the entries are laid out and the checksums compared
+    With native checksums the entries are laid out and the checksums compared
     in C, one call each side of the receive: the Python left per answer is
     a few calls, and per hit none when every key of the answer matched (the
-    rule). Without it, numpy does the same per answer."""
+    rule). Without them, numpy does the same per answer."""
 
     def __init__(
         self,
@@ -969,20 +919,17 @@ class _GetReceiver:
 
     def _receive(self, hdr: Header, entries: bytes) -> tuple[list[int], int]:
         """:meth:`_receive_native` without the native checksums: numpy lays the
-        answer out, the bytes move through the native loop or Python's, and
-        Python hashes them."""
+        answer out, the bytes move through the native loop, and Python hashes
+        them."""
         bs = self.slab.block_size
         lengths, sums = get_answer_columns(entries)
         total = check_get_answer_layout(lengths, hdr.bulk_len, bs)
         hits = np.flatnonzero(lengths)
         sizes = lengths[hits]
         offsets = self.handles[self.start + hits] * np.uint64(bs)
-        if use_native:
-            recv_iov_from(self.ch, iov_at(self.slab.base_addr, offsets, sizes), total)
+        recv_iov_from(self.ch, iov_at(self.slab.base_addr, offsets, sizes), total)
         buf = self.slab.buffer
         pairs = list(zip(offsets.tolist(), sizes.tolist(), strict=True))
-        if not use_native:
-            self.ch.recv_bulk([buf[o : o + n] for o, n in pairs])
         got = np.array([value_checksum(buf[o : o + n]) for o, n in pairs], dtype=np.uint64)
         ok = got == sums[hits]
         out = lengths.astype(np.int64)
@@ -998,7 +945,7 @@ class TcpNodeDataPath(NodeDataPath):
 
     @property
     def native_get(self) -> bool:
-        return use_native  # RDMAKV_TCP_NATIVE=0 keeps every GET in Python too
+        return True
 
     def handlers(self) -> Mapping[int, NodeHandler]:
         return {Op.WRITE: self._write, Op.READ: self._read, Op.GET: self._get, Op.PUT: self._put}
@@ -1010,13 +957,9 @@ class TcpNodeDataPath(NodeDataPath):
             raise ProtocolError(
                 f"WRITE ops name {total} bytes but the frame carries {req.bulk_len}"
             )
-        views, written = session.open_write(ops)  # raises BadAddress; the bulk is then skipped
-        ch = session.channel
-        if use_native:
-            iov = _node_iov(payload, len(ops), self.pool)
-            recv_iov_from(ch, iov, total)  # `views` keep the pool mapped meanwhile
-        else:
-            ch.recv_bulk(views)
+        _views, written = session.open_write(ops)  # raises BadAddress; the bulk is then skipped
+        iov = _node_iov(payload, len(ops), self.pool)
+        recv_iov_from(session.channel, iov, total)  # `_views` keep the pool mapped meanwhile
         written()  # only now: every byte of the ops is in the pool
         session.reply(req)
 
@@ -1027,16 +970,13 @@ class TcpNodeDataPath(NodeDataPath):
             raise LimitExceeded(
                 f"READ ops name {total} bytes, more than {MAX_BULK_BYTES} in one answer"
             )
-        views, unpin = session.pin_readable(ops)
+        _views, unpin = session.pin_readable(ops)
         try:
-            if use_native:
-                # header and bytes in one system call: the client wakes once
-                head = HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, 0, total, req.req_id)
-                iov = _node_iov(payload, len(ops), self.pool, head)
-                session.channel.flush()  # answers held back go first (Channel.send)
-                send_iov(session.channel.sock, iov)  # `views` keep the pool mapped meanwhile
-            else:
-                session.reply(req, bulk=views)
+            # header and bytes in one system call: the client wakes once
+            head = HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, 0, total, req.req_id)
+            iov = _node_iov(payload, len(ops), self.pool, head)
+            session.channel.flush()  # answers held back go first (Channel.send)
+            send_iov(session.channel.sock, iov)  # `_views` keep the pool mapped meanwhile
         finally:
             unpin()
 
@@ -1050,12 +990,6 @@ class TcpNodeDataPath(NodeDataPath):
                     f"{MAX_BULK_BYTES} in one answer"
                 )
             answer = found.answer
-            if not use_native:
-                buf, base = self.pool.buffer, self.pool.base_addr
-                session.reply(req, bytes(answer), [  # row 0 is the head's
-                    buf[a - base : a - base + n] for a, n in found.iov[1:].tolist()
-                ])
-                return
             # header, answer and the values in one system call: the client wakes once
             head = HEADER.pack(
                 req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), found.nbytes, req.req_id
@@ -1097,7 +1031,7 @@ class TcpNodeDataPath(NodeDataPath):
         """A PUT's bulk: each reserved value into its extent (``values.iov``),
         the bytes of the values refused into a scratch buffer."""
         extents = values.iov
-        if use_native and len(extents) == request.count:  # the common case: nothing refused
+        if len(extents) == request.count:  # the common case: nothing refused
             recv_iov_from(ch, extents, total)  # the store's extents: inside the pool
             return
         refused = total - int(extents[:, 1].sum())
@@ -1112,10 +1046,4 @@ class TcpNodeDataPath(NodeDataPath):
                 continue
             for s in range(0, size, step):
                 rows += (where, min(step, size - s))
-        if use_native:
-            recv_iov_from(ch, _u64(rows).reshape(-1, 2), total)  # `scratch` lives meanwhile
-            return
-        pool, drain, base = self.pool.buffer, memoryview(scratch), self.pool.base_addr
-        pairs = zip(rows[::2], rows[1::2], strict=True)
-        ch.recv_bulk([drain[:n] if a == where else pool[a - base : a - base + n]
-                      for a, n in pairs])
+        recv_iov_from(ch, _u64(rows).reshape(-1, 2), total)  # `scratch` lives meanwhile

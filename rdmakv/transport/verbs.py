@@ -1,6 +1,6 @@
 """Verbs layer: device/port/GID selection and the objects of one RDMA device.
 
-The verbs objects live in the native core (``rdmakv._native_verbs``, built by
+The verbs objects live in the native RDMA module (``rdmakv._native_verbs``, built by
 cffi from ``native/``), not in pyverbs: pyverbs keeps its ``ibv_qp*`` /
 ``ibv_cq*`` in Cython-private fields, so a native hot loop cannot post on a
 pyverbs QP without poking at object layouts. Owning PD, MR, CQ and QP in one
@@ -43,8 +43,8 @@ import numpy as np
 from rdmakv import native_core
 from rdmakv.errors import ConfigError, RdmaError, RdmaUnavailable
 
-# the native core is optional: without libibverbs-dev rdmakv is TCP-only
-_ffi, _lib, NATIVE_ERROR = native_core.load(
+# the RDMA module is optional: without libibverbs-dev rdmakv is TCP-only
+_ffi, _lib, NATIVE_ERROR = native_core.load_optional(
     "_native_verbs", "native RDMA core",
     "; install libibverbs-dev and reinstall rdmakv (pip install -e .)",
 )

@@ -14,16 +14,16 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from rdmakv.bench.driver import Arena, Workload
-from rdmakv.bench.drivers.infinistore import (
+from rdmakv.perf.driver import Arena, Workload
+from rdmakv.perf.drivers.infinistore import (
     InfiniStoreDriver,
     InfiniStoreServer,
     alloc_kib,
     prealloc_gib,
     start_server,
 )
-from rdmakv.bench.drivers.perftest import PerftestDriver, perftest_gbps
-from rdmakv.bench.drivers.rdmakv_node import RdmakvDriver
+from rdmakv.perf.drivers.perftest import PerftestDriver, perftest_gbps
+from rdmakv.perf.drivers.rdmakv_node import RdmakvDriver
 
 BLOCK = 64 * 1024
 BLOCKS = 8

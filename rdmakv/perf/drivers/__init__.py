@@ -2,7 +2,7 @@
 
 :func:`make_driver` builds one; a peer's module (and the package it wraps) is
 imported only then, so a peer that is missing here becomes
-:class:`~rdmakv.bench.driver.PeerUnavailable` with the reason -- never an
+:class:`~rdmakv.perf.driver.PeerUnavailable` with the reason -- never an
 ImportError when ``rdmakv bench`` starts.
 
 Factories are called as ``factory(transport, server=None)``:
@@ -43,7 +43,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from rdmakv.bench.driver import Driver, PeerUnavailable
+from rdmakv.perf.driver import Driver, PeerUnavailable
 from rdmakv.streams import default_streams
 
 Factory = Callable[..., Driver]
@@ -51,15 +51,15 @@ Factory = Callable[..., Driver]
 
 # name -> (module, class, extra keyword arguments the class takes).
 _LAZY: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "rdmakv": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {}),
-    "rdmakv_streams1": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {"streams": 1}),
-    "rdmakv_streams2": ("rdmakv.bench.drivers.rdmakv_node", "RdmakvDriver", {"streams": 2}),
-    "socket_loop": ("rdmakv.bench.drivers.socket_loop", "SocketLoopDriver", {}),
-    "redis": ("rdmakv.bench.drivers.redis", "RedisDriver", {}),
-    "mooncake_te": ("rdmakv.bench.drivers.mooncake", "MooncakeTEDriver", {}),
-    "infinistore": ("rdmakv.bench.drivers.infinistore", "InfiniStoreDriver", {}),
-    "perftest": ("rdmakv.bench.drivers.perftest", "PerftestDriver", {}),
-    "perftest_q2": ("rdmakv.bench.drivers.perftest", "PerftestDriver", {"qps": 2}),
+    "rdmakv": ("rdmakv.perf.drivers.rdmakv_node", "RdmakvDriver", {}),
+    "rdmakv_streams1": ("rdmakv.perf.drivers.rdmakv_node", "RdmakvDriver", {"streams": 1}),
+    "rdmakv_streams2": ("rdmakv.perf.drivers.rdmakv_node", "RdmakvDriver", {"streams": 2}),
+    "socket_loop": ("rdmakv.perf.drivers.socket_loop", "SocketLoopDriver", {}),
+    "redis": ("rdmakv.perf.drivers.redis", "RedisDriver", {}),
+    "mooncake_te": ("rdmakv.perf.drivers.mooncake", "MooncakeTEDriver", {}),
+    "infinistore": ("rdmakv.perf.drivers.infinistore", "InfiniStoreDriver", {}),
+    "perftest": ("rdmakv.perf.drivers.perftest", "PerftestDriver", {}),
+    "perftest_q2": ("rdmakv.perf.drivers.perftest", "PerftestDriver", {"qps": 2}),
 }
 
 _EXTRA: dict[str, Factory] = {}

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
 from rdmakv.errors import TransportError
+from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
 
 MIB = 1 << 20
 MEMORY_FACTOR = 8

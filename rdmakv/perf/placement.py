@@ -1,12 +1,12 @@
 """Where the latency section's client and servers run: the same for every system.
 
 A round trip on one machine costs very different amounts depending on whether
-the two ends share a core. On the 2-core VMs here, a 1-byte TCP ping-pong
-between two processes on the same core takes ~12 us; with each on its own
-core, ~55 us, because every wake-up becomes an inter-processor interrupt. Left
-to the scheduler, the short-lived ping-pong child tends to land beside its
-parent while a node with several threads does not, so a lookup would be
-compared with a round trip made under other conditions. Each
+the two ends share a core: with each on its own core every wake-up becomes an
+inter-processor interrupt (figures: bench/README.md, "Measurements moved from
+code comments (issue 58)"). Left to the scheduler, the short-lived ping-pong
+child tends to land beside its parent while a node with several threads does
+not, so a lookup would be compared with a round trip made under other
+conditions. Each
 :class:`Placement` pins the bench (the client) and every process it started
 (the servers: the echo child, the node, redis-server, the Mooncake target, and
 all their threads) the same way for every system measured under it.

@@ -13,7 +13,7 @@ between this process's registered memory and a peer's registered memory:
   :class:`PeerUnavailable` (nothing to look up).
 * **Target process.** :meth:`MooncakeTEDriver.open` starts a target: a second
   ``TransferEngine`` in a child process (``python -m
-  rdmakv.bench.drivers.mooncake --target``), initialised in P2P handshake mode
+  rdmakv.perf.drivers.mooncake --target``), initialised in P2P handshake mode
   (``initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "")``: no metadata
   server; the session id is ``"127.0.0.1:<get_rpc_port()>"``). It prints
   ``MOONCAKE_TARGET <session> <control address>`` on stdout and then serves a
@@ -70,8 +70,8 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
 from rdmakv.errors import TransportError
+from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
 
 HOST = "127.0.0.1"
 METADATA = "P2PHANDSHAKE"

@@ -25,7 +25,7 @@ from code comments (issue 58)".
 There is no lookup: ``exists`` raises PeerUnavailable. :class:`EchoPeer` is
 the one-byte round trip the latency section compares lookups with.
 
-``python -m rdmakv.bench.drivers.socket_loop --peer PORT BLOCK COUNT`` and
+``python -m rdmakv.perf.drivers.socket_loop --peer PORT BLOCK COUNT`` and
 ``--echo PORT`` are the child processes.
 """
 
@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
+from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
 from rdmakv.transport.congestion import apply_congestion
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
@@ -184,7 +184,7 @@ def _spawn(
     ls.settimeout(ACCEPT_TIMEOUT_S)
     port = ls.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rdmakv.bench.drivers.socket_loop", *args[:1], str(port), *args[1:]]
+        [sys.executable, "-m", "rdmakv.perf.drivers.socket_loop", *args[:1], str(port), *args[1:]]
     )
     conns: list[socket.socket] = []
     try:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
-from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
+from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
 
 log = logging.getLogger("rdmakv.bench")
 

@@ -7,7 +7,8 @@ rdmakv's InfiniStore tier, so the figure is InfiniStore's own:
   server (the console script next to this Python) on the RDMA device, with a
   pool sized to the workload (``--prealloc-size`` is in GiB, at least 1), and
   waits until its manage port answers ``/kvmap_len`` (the data port accepts
-  connections earlier than the server serves; 20-40 s in the soft-RoCE VM).
+  connections earlier than the server serves; how long in the soft-RoCE VM:
+  bench/README.md).
   The server refuses to start without an RDMA device (even for TCP clients),
   so on a host without one this is :class:`PeerUnavailable` with its log.
   :func:`start_server` starts one for several drivers (the tests share one);
@@ -51,7 +52,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rdmakv.bench.driver import Arena, PeerUnavailable, Workload
+from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
 
 GIB = 1 << 30
 KIB = 1 << 10
