@@ -4,17 +4,18 @@ One thread per client connection (a *session*). The first frame must be
 HELLO (version + optional shared-secret token, compared in constant time);
 then requests are served in order through a dispatch table ``opcode ->
 handler``: the control ops below plus whatever the enabled transports'
-:class:`~rdmakv.transport.base.NodeDataPath` objects claim (WRITE/READ/GET/PUT
-for tcp, RDMA_CONNECT for rdma), so a transport adds opcodes without touching
+:class:`~rdmakv.transport.base.NodeDataPath` objects claim (GET/PUT for tcp,
+RDMA_CONNECT for rdma), so a transport adds opcodes without touching
 this module.
 
 A bad request gets an error response naming what was wrong and the session
 keeps serving; the connection closes after any error answer to the handshake,
 and after an answer whose status is in :data:`~rdmakv.protocol.FATAL_STATUSES`
 (a header announcing more than the protocol limits): :meth:`Session.fail`.
-Nothing a client sends can touch another client's data: addresses are
-checked by the store against the extents handed to that session. When a
-session ends, its uncommitted extents and leases are reclaimed.
+Nothing a client sends can touch another client's data: no request names a
+pool address (GET and PUT name keys), and one-sided access is confined by the
+data path to the extents handed to that session (rdma: memory windows). When
+a session ends, its uncommitted extents and leases are reclaimed.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from rdmakv.protocol import (
     MAX_BULK_BYTES,
     MAX_ERROR_MESSAGE,
     MAX_KEYS_PER_REQUEST,
-    MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
     MAX_REPORTED_NAMESPACES,
     PROTOCOL_VERSION,
@@ -80,6 +80,7 @@ from rdmakv.protocol import (
     encode_json,
     encode_lookup_results,
     encode_node_info,
+    version_mismatch,
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
@@ -172,16 +173,6 @@ class Session:
         return bool(poller.poll(0))
 
     # -- NodeSession -------------------------------------------------------------
-    def open_write(
-        self, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        return self.node.store.open_write(self.session_id, ops)
-
-    def pin_readable(
-        self, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        return self.node.store.pin_readable(self.session_id, ops)
-
     def pin_values(self, request: GetRequest) -> PinnedValues:
         return self.node.store.pin_values(request)
 
@@ -331,11 +322,7 @@ class Session:
             return self.fail(hdr, Status.BAD_REQUEST, str(e))
         if version != PROTOCOL_VERSION:
             self.node.refuse("bad_frame")
-            return self.fail(
-                hdr,
-                Status.BAD_VERSION,
-                f"client speaks protocol version {version}, this node speaks {PROTOCOL_VERSION}",
-            )
+            return self.fail(hdr, Status.BAD_VERSION, version_mismatch(PROTOCOL_VERSION, version))
         expected = self.node.token
         if expected is not None and not hmac.compare_digest(expected, token):
             log.warning("session %d (%s): wrong or missing token", self.session_id, self.peer)
@@ -589,7 +576,6 @@ class KVNode:
             session_id=session_id,
             max_payload=MAX_PAYLOAD,
             max_keys=MAX_KEYS_PER_REQUEST,
-            max_ops=MAX_OPS_PER_DATA_REQUEST,
             max_bulk=MAX_BULK_BYTES,
             transports=self.transports,
         )
