@@ -35,7 +35,7 @@ REQUEST_BUCKETS = (
 )
 """Seconds: a control request on loopback takes ~0.1 ms, a 256 MiB GET seconds."""
 
-REFUSAL_REASONS = ("bad_frame", "bad_token", "bad_address", "over_limit", "timeout")
+REFUSAL_REASONS = ("bad_frame", "bad_token", "over_limit", "timeout")
 """``refused_<reason>`` keys of ``KVNode.stats()``, one label value each: ``over_limit``
 counts requests over a protocol limit or lease quota and connections shed or refused
 by the connection limits; ``timeout`` connections closed at the handshake deadline or

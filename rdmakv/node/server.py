@@ -84,7 +84,7 @@ from rdmakv.protocol import (
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
-from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress, PinnedValues, ReceivingValues
+from rdmakv.transport.base import CONFINE_WINDOWS, PinnedValues, ReceivingValues
 from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.node")
@@ -221,7 +221,7 @@ class Session:
 
     def _refused(self, req: Header, status: Status, message: str) -> bool:
         """:meth:`fail` for a request past the handshake, counted in the metrics."""
-        self.node.count("refused_ops" if status == Status.BAD_ADDRESS else "protocol_errors")
+        self.node.count("protocol_errors")
         self.node.refuse(_REFUSAL_REASON.get(status, "bad_frame"))
         return self.fail(req, status, message)
 
@@ -375,14 +375,12 @@ class Session:
 
 
 _REFUSAL_REASON = {
-    Status.BAD_ADDRESS: "bad_address",
     Status.LIMIT_EXCEEDED: "over_limit",
 }
 """Refusal reason (a metrics label) per error status; every other status is a bad frame."""
 
 
 _STATUS_BY_ERROR: tuple[tuple[type[RdmakvError], Status], ...] = (
-    (BadAddress, Status.BAD_ADDRESS),
     (LimitExceeded, Status.LIMIT_EXCEEDED),
     (UnsupportedTransport, Status.UNSUPPORTED),
     (FrameTooLarge, Status.FRAME_TOO_LARGE),
@@ -453,7 +451,6 @@ class KVNode:
         self._counts: dict[str, int] = {
             "sessions_total": 0,
             "protocol_errors": 0,
-            "refused_ops": 0,
             "bytes_leased_one_sided": 0,
             "exists_native": 0,  # EXISTS answered by the native loop (node/native_loop.py)
             **{f"refused_{r}": 0 for r in REFUSAL_REASONS},

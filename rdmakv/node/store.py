@@ -110,7 +110,6 @@ class Counters:
     bytes_read: int = 0
     bytes_committed_one_sided: int = 0
     """Bytes of extents committed that never passed through the node (RDMA WRITE)."""
-    bad_addresses: int = 0
     lease_refusals: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 

@@ -38,7 +38,7 @@ from typing import ClassVar, NamedTuple, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
+from rdmakv.errors import ConfigError, RemoteError, TransportTimeout
 from rdmakv.protocol import AllocRequest, BatchEncoder, Channel, GetRequest, Header, NodeInfo
 from rdmakv.slab import Slab
 
@@ -453,7 +453,3 @@ class NodeDataPathFactory(Protocol):
     """Builds a node data path over the pool (a :class:`NodeDataPath` subclass)."""
 
     def __call__(self, pool: Slab, *, confinement: str = CONFINE_WINDOWS) -> NodeDataPath: ...
-
-
-class BadAddress(TransportError):
-    """A data op names memory outside the extents handed to this client."""
