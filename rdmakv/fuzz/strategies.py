@@ -616,7 +616,7 @@ def victim_get(draw: st.DrawFn, view: View) -> list[Req]:
 
 @st.composite
 def clean_put(draw: st.DrawFn, view: View) -> list[Req]:
-    """A correct client's put, pipelined as TcpTransport.store sends it: one PUT
+    """A correct client's put, pipelined as TcpTransport.put sends it: one PUT
     of 1-3 values under fresh keys, COMMIT (require_written) of those keys with
     their values' checksums right behind it, then a GET of them with their
     digests: bytes the node received through PUT come back through GET and are

@@ -637,7 +637,7 @@ class _PutStage:
 class _GetReceiver:
     """Reads one GET answer's values into the slab (a :class:`Reply`'s on_ok):
     hits of keys ``[start, end)`` go to their ``handles`` blocks (a uint64
-    array of the whole fetch), and those whose bytes match their checksum are
+    array of the whole get), and those whose bytes match their checksum are
     written into ``out`` as their lengths; the keys of those that do not are
     added to ``corrupt`` (a miss, never wrong KV).
 
