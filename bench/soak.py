@@ -78,8 +78,8 @@ MANAGER_SEQ_BLOCKS = (1, 8)  # blocks per token sequence, min and max
 MAX_WRONG_DETAILS = 5
 REPORT_S = 0.5
 """Clients report their counts this often, so each sample's rate covers its interval."""
-REFUSAL_KEYS = ("protocol_errors", "refused_ops", "refused_over_limit", "refused_timeout",
-                "refused_bad_token", "lease_refusals", "bad_addresses")
+REFUSAL_KEYS = ("protocol_errors", "refused_over_limit", "refused_timeout",
+                "refused_bad_token", "lease_refusals")
 
 
 class SoakFailure(Exception):

@@ -1,20 +1,14 @@
 """KVClient: batched put/get/exists/delete against one KV node.
 
-Put of a batch = ``ALLOC`` (node reserves extents) -> one-sided ``write`` of
-the slab blocks into them -> ``COMMIT`` with each value's checksum (values
-become visible); where the node moves the bytes itself (tcp), ALLOC and
-write are one ``PUT`` per sub-batch (:meth:`Transport.store`), its COMMIT
-right behind it. Get = ``LOOKUP`` with leases -> digest check -> one-sided
-``read`` into the caller's slab blocks -> checksum check -> ``RELEASE``; on
-a transport where the node moves the bytes itself (tcp) lookup and read are
-one ``GET`` per sub-batch (:meth:`Transport.fetch`), in one round trip. A
+The client keeps the connection (connect, handshake, retry, drop), checks a
+call's arguments before anything is sent, and hands a put or get to the
+connection's transport, which owns how the batch moves
+(:class:`~rdmakv.transport.base.Transport`): tcp by key, a PUT carrying the
+values and a GET answer bringing them back; rdma by extent, ALLOC or LOOKUP
+and then one-sided writes or reads (:mod:`rdmakv.transport.extents`). A
 value whose stored digest differs from the digest the caller expects, or
-whose bytes fail their checksum, is a miss: never wrong KV.
-
-A batch is split into up to ``PIPELINE_WINDOW`` sub-batches whose control
-requests go out ahead (the node answers in order), so the ALLOC/LOOKUP round
-trip of one sub-batch hides behind the data of the previous one; RELEASE is
-sent without waiting for its answer.
+whose bytes fail their checksum, is a miss: never wrong KV; the client
+DELETEs the latter on the node so the next put stores a good copy.
 
 Every wait is bounded by ``timeout`` (no progress for that long raises
 :class:`~rdmakv.errors.TransportTimeout`). A connection failure raises a
@@ -39,77 +33,56 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
-
-import numpy as np
-import numpy.typing as npt
 
 from rdmakv.defaults import DEFAULT_TIMEOUT
 from rdmakv.errors import (
     AuthError,
     ConfigError,
     ConnectionLost,
-    OpsFailed,
     ProtocolError,
     RdmaError,
     RdmakvError,
-    RemoteError,
     TransportError,
     TransportTimeout,
     UnknownOpcode,
+    VersionMismatch,
 )
 from rdmakv.protocol import (
-    COMMIT_FLAG_REQUIRE_WRITTEN,
-    LOOKUP_FLAG_LEASE,
     MAX_BULK_BYTES,
     MAX_KEYS_PER_REQUEST,
-    MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
     PROTOCOL_VERSION,
-    AllocStatus,
     BatchEncoder,
     Channel,
     NodeInfo,
     Op,
-    Reply,
     check_digests,
     check_keys,
-    decode_extent_table,
     decode_flags,
     decode_json,
-    decode_lookup_table,
     decode_node_info,
-    encode_commit,
     encode_hello,
     encode_keys,
     encode_report,
-    encode_u64_list,
     encode_uniform_keys,
-    value_checksum,
+    version_mismatch,
     wrap_socket_errors,
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import Transport, get_transport, resolve_transport
-from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, make_op_table
+
+# re-exported: how a transport splits a put/get
+from rdmakv.transport.base import MIN_SUB_BATCH as MIN_SUB_BATCH
+from rdmakv.transport.base import PIPELINE_WINDOW as PIPELINE_WINDOW
+from rdmakv.transport.base import sub_batch_sizes as sub_batch_sizes
 from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.client")
 _T = TypeVar("_T")
 
 DEFAULT_CONNECT_RETRIES = 3
-PIPELINE_WINDOW = 4
-"""Sub-batches a put/get splits into and keeps in flight: each one's ALLOC or
-LOOKUP round trip is hidden behind the previous one's data transfer."""
-READS_IN_FLIGHT = 1
-"""Sub-batch reads queued on the transport besides the one being prepared:
-the next sub-batch's LOOKUP is decoded while the previous read moves."""
-WRITES_IN_FLIGHT = 1
-"""Likewise for writes: a sub-batch's COMMIT goes out while the next one's
-write moves (rdma), instead of after every write of the batch."""
-MIN_SUB_BATCH = 64
-"""Keys per sub-batch at least: smaller batches are not worth splitting."""
 RETRY_BACKOFF = 0.1
 """First pause between connection attempts (seconds); doubles each attempt."""
 
@@ -199,10 +172,11 @@ class KVClient:
             try:
                 self._connect_once()
                 return
-            except (AuthError, TransportTimeout):
+            except (AuthError, TransportTimeout, VersionMismatch):
                 # A node that accepted but did not answer within the timeout is
                 # stalled (SIGSTOP, overload), not starting: trying again would
-                # multiply the wait; the caller's next call tries anew.
+                # multiply the wait; the caller's next call tries anew. A wrong
+                # token or protocol version stays wrong however often we ask.
                 self._drop()
                 raise
             except (TransportError, ProtocolError, OSError) as e:
@@ -337,13 +311,9 @@ class KVClient:
         sizes, encoder = checked
 
         def run() -> list[bool]:
-            ch, tp = self._conn()
+            _, tp = self._conn()
             try:
-                if not tp.stores_by_key:
-                    return self._put_pipelined(ch, tp, keys, handles, sizes, encoder)
-                # a PUT carries its values: no round trip to hide behind a ramp
-                done = tp.store(keys, handles, sizes, encoder,
-                                self._sub_batches(len(keys), ramp=False), self.timeout)
+                done = tp.put(keys, handles, sizes, encoder, self.timeout)
                 if done.refused is not None:
                     raise done.refused
                 return done.ok
@@ -356,149 +326,6 @@ class KVClient:
 
         with self._lock:
             return self._retrying(run)
-
-    def _sub_batches(self, n: int, *, ramp: bool = True) -> list[tuple[int, int]]:
-        """(start, end) of each sub-batch; see :func:`sub_batch_sizes`."""
-        max_keys = self.info.max_keys if self.info else MIN_SUB_BATCH
-        out = []
-        start = 0
-        for size in sub_batch_sizes(n, max_keys, ramp=ramp):
-            out.append((start, start + size))
-            start += size
-        return out
-
-    def _put_pipelined(
-        self,
-        ch: Channel,
-        tp: Transport,
-        keys: Sequence[bytes],
-        handles: Sequence[int],
-        sizes: Sequence[int],
-        encoder: BatchEncoder,
-    ) -> list[bool]:
-        """ALLOC sub-batches ahead, write each as its extents arrive, then COMMIT.
-
-        With node-verified writes (tcp) each COMMIT is queued right behind its
-        WRITEs and the node commits only extents it received in full; otherwise
-        (rdma) a sub-batch's COMMIT is sent as soon as its write completed,
-        while the next sub-batch's write runs. Ops the transport reports as
-        failed (:class:`OpsFailed`) are ABORTed and give False for exactly
-        their keys; the rest are committed. A write the node refused aborts
-        the extents it left uncommitted, then raises.
-        """
-        slab = self._need_slab()
-        bs = slab.block_size  # handles were validated by put()
-        arena = slab.buffer
-        offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
-        lengths = np.asarray(sizes, dtype=np.uint64)
-        subs = self._sub_batches(len(keys))
-        out = [False] * len(keys)
-        allocs: deque[tuple[int, int, Reply]] = deque()
-        writing: deque[_PutStage] = deque()
-        settled: list[_PutStage] = []
-        nxt = 0
-
-        def submit_alloc() -> None:
-            nonlocal nxt
-            s, e = subs[nxt]
-            nxt += 1
-            payload = encoder.alloc(s, e)
-            allocs.append((s, e, ch.submit(Op.ALLOC, payload, "ALLOC")))
-
-        try:
-            while nxt < len(subs) and len(allocs) < PIPELINE_WINDOW:
-                submit_alloc()
-            while allocs:
-                s, e, reply = allocs.popleft()
-                ext = decode_extent_table(ch.wait(reply)[1], e - s)
-                alloc = ext["status"] == AllocStatus.OK
-                for j in np.flatnonzero(~alloc).tolist():  # not ours to write
-                    out[s + j] = bool(ext["status"][j] == AllocStatus.EXISTS)
-                picked = np.flatnonzero(alloc)
-                at = picked + s  # the keys' positions in the put
-                got = ext["length"][picked]
-                wrong = np.flatnonzero(got != lengths[at])
-                if len(wrong):
-                    j = int(wrong[0])
-                    raise ProtocolError(
-                        f"node allocated {got[j]} bytes for a {lengths[at][j]}-byte value"
-                    )
-                if not len(at):
-                    if nxt < len(subs):
-                        submit_alloc()
-                    continue
-                # the ops as one table: no Python object per op
-                ops = make_op_table(offsets[at], ext["addr"][picked], got, ext["rkey"][picked])
-                idx = at.tolist()
-                fut = tp.write(ops, self.timeout)
-                # the writer's checksums while the device reads the blocks
-                stage = _PutStage(fut, idx, [keys[i] for i in idx],
-                                  _op_checksums(fut, arena, offsets[at], got))
-                if nxt < len(subs):
-                    submit_alloc()  # the node allocates it while this write moves
-                if tp.node_verifies_writes:
-                    stage.commit = ch.submit(
-                        Op.COMMIT, encode_commit(stage.keys, stage.sums), "COMMIT",
-                        flags=COMMIT_FLAG_REQUIRE_WRITTEN,
-                    )
-                writing.append(stage)
-                # Settle the previous sub-batch while this one's write runs.
-                while len(writing) > WRITES_IN_FLIGHT:
-                    settled.append(self._settle_write(ch, writing.popleft()))
-            while writing:
-                settled.append(self._settle_write(ch, writing.popleft()))
-        except BaseException:
-            _drain(stage.fut for stage in writing)  # no write may still read the slab
-            raise
-        refused: RemoteError | None = None
-        for stage in settled:
-            refused = refused or stage.refused
-            if stage.commit is not None:
-                flags = decode_flags(ch.wait(stage.commit)[1], len(stage.commit_idx), "COMMIT")
-            else:
-                flags = [False] * len(stage.commit_idx)
-            if stage.refused is not None and stage.abort is None:
-                # tcp: COMMIT went out behind the refused write; free what it left
-                leftover = [
-                    stage.keys[j] for j, ok in zip(stage.commit_idx, flags, strict=True) if not ok
-                ]
-                if leftover:  # give the node its extents back
-                    ch.call(Op.ABORT, encode_keys(leftover), "ABORT")
-            for j, ok in zip(stage.commit_idx, flags, strict=True):
-                out[stage.idx[j]] = ok
-            if stage.abort is not None:
-                ch.wait(stage.abort)  # failed ops' extents are free again
-        if refused is not None:
-            raise refused
-        return out
-
-    def _settle_write(self, ch: Channel, stage: _PutStage) -> _PutStage:
-        """Wait for one sub-batch's write; for rdma, send its COMMIT (ops that
-        moved) and ABORT (ops that failed) without waiting for the answers."""
-        failed: set[int] = set()
-        try:
-            stage.fut.result(self.timeout)
-        except RemoteError as exc:  # the node refused a write; the stream is in sync
-            stage.refused = exc
-            failed = set(range(len(stage.keys)))
-        except OpsFailed as exc:  # the device failed these ops only; the rest moved
-            log.warning("put: %d of %d writes failed; those keys are not stored: %s",
-                        len(exc.failed), len(stage.keys), exc)
-            failed = {j for j in exc.failed if 0 <= j < len(stage.keys)}
-        if stage.commit is not None:  # tcp: COMMIT is already queued behind the writes
-            stage.commit_idx = list(range(len(stage.keys)))
-            return stage
-        stage.commit_idx = [j for j in range(len(stage.keys)) if j not in failed]
-        if stage.refused is None and stage.commit_idx:
-            commit_keys = [stage.keys[j] for j in stage.commit_idx]
-            sums = [stage.sums[j] for j in stage.commit_idx]
-            stage.commit = ch.submit(Op.COMMIT, encode_commit(commit_keys, sums), "COMMIT")
-        else:
-            stage.commit_idx = []
-        if failed:
-            aborted = [stage.keys[j] for j in sorted(failed)]
-            stage.abort = ch.submit(Op.ABORT, encode_keys(aborted), "ABORT")
-        return stage
 
     def get(
         self, keys: Sequence[bytes], handles: Sequence[int], digests: Sequence[bytes]
@@ -532,11 +359,7 @@ class KVClient:
         def run() -> list[int | None]:
             ch, tp = self._conn()
             try:
-                if not tp.fetches_by_key:
-                    return self._get_pipelined(ch, tp, keys, handles, digests, encoder)
-                # a GET's answer carries the values: no ramp either (see sub_batch_sizes)
-                got = tp.fetch(keys, handles, encoder, self._sub_batches(len(keys), ramp=False),
-                               self.timeout)
+                got = tp.get(keys, handles, digests, encoder, self.timeout)
                 if got.corrupt:
                     self._drop_corrupt(ch, got.corrupt)
                 if got.refused is not None:
@@ -551,104 +374,6 @@ class KVClient:
 
         with self._lock:
             return self._retrying(run)
-
-    def _get_pipelined(
-        self,
-        ch: Channel,
-        tp: Transport,
-        keys: Sequence[bytes],
-        handles: Sequence[int],
-        digests: Sequence[bytes],
-        encoder: BatchEncoder,
-    ) -> list[int | None]:
-        """LOOKUP (leased) sub-batches ahead; read each one's hits; release its leases.
-
-        A sub-batch's read is collected only after the next sub-batch's
-        LOOKUP answer was decoded and its read queued, so that Python work
-        overlaps the transfer. Ops the transport reports as failed
-        (:class:`OpsFailed`) are misses for exactly their keys (their slab
-        blocks may have been partly overwritten); every lease is released.
-        """
-        slab = self._need_slab()
-        bs = slab.block_size
-        arena = slab.buffer
-        offsets = np.asarray(handles, dtype=np.uint64) * np.uint64(bs)  # slab offset per key
-        subs = self._sub_batches(len(keys))
-        out: list[int | None] = [None] * len(keys)
-        lookups: deque[tuple[int, int, Reply]] = deque()
-        reading: deque[_ReadStage] = deque()
-        corrupt: list[bytes] = []
-        refused: RemoteError | None = None
-        nxt = 0
-
-        def submit_lookup() -> None:
-            nonlocal nxt
-            s, e = subs[nxt]
-            nxt += 1
-            payload = encoder.keys(s, e)
-            while reading and len(payload) > REQUEST_BYTES_AHEAD:  # see Transport.read
-                finish(reading.popleft())
-            lookups.append((s, e, ch.submit(Op.LOOKUP, payload, "LOOKUP", flags=LOOKUP_FLAG_LEASE)))
-
-        def finish(stage: _ReadStage) -> None:
-            nonlocal refused
-            n = len(stage.at)
-            moved = np.ones(n, dtype=bool)
-            try:
-                stage.fut.result(self.timeout)
-            except RemoteError as exc:  # node refused a read; the stream is in sync
-                refused = refused or exc
-                moved[:] = False
-            except OpsFailed as exc:  # the device failed these ops only; the rest moved
-                log.warning("get: %d of %d reads failed; those keys are misses: %s",
-                            len(exc.failed), n, exc)
-                moved[[j for j in exc.failed if 0 <= j < n]] = False
-            if moved.any():
-                got = np.asarray(_op_checksums(stage.fut, arena, offsets[stage.at],
-                                               stage.lengths), dtype=np.uint64)
-                ok = moved & (got == stage.checksums)
-                for i, length in zip(stage.at[ok].tolist(), stage.lengths[ok].tolist(),
-                                     strict=True):
-                    out[i] = length
-                # corrupted on the way or in the pool: a miss
-                corrupt.extend(keys[i] for i in stage.at[moved & ~ok].tolist())
-            leases = stage.leases
-            if leases:  # hits of one LOOKUP share a lease id
-                ch.send_nowait(Op.RELEASE, encode_u64_list(sorted(set(leases))))
-
-        try:
-            while nxt < len(subs) and len(lookups) < PIPELINE_WINDOW:
-                submit_lookup()
-            while lookups:
-                s, e, reply = lookups.popleft()
-                found = decode_lookup_table(ch.wait(reply)[1], e - s)
-                present = found["found"] != 0
-                leases = found["lease"][present].tolist()
-                length = found["length"]
-                wanted = np.frombuffer(b"".join(digests[s:e]), dtype=found.dtype["digest"])
-                # a collision or a foreign value is a miss, never wrong KV
-                picked = np.flatnonzero(
-                    present & (found["digest"] == wanted) & (length > 0) & (length <= bs)
-                )
-                at = picked + s  # the keys' positions in the get
-                ops = make_op_table(offsets[at], found["addr"][picked], length[picked],
-                                    found["rkey"][picked])
-                reading.append(_ReadStage(tp.read(ops, self.timeout), at, length[picked],
-                                          found["checksum"][picked], leases))
-                if nxt < len(subs):
-                    submit_lookup()  # the node looks it up while this read moves
-                while len(reading) > READS_IN_FLIGHT:
-                    finish(reading.popleft())
-            while reading:
-                finish(reading.popleft())
-        except BaseException:
-            _drain(stage.fut for stage in reading)  # no read may still write the slab
-            raise
-        if corrupt:
-            self._drop_corrupt(ch, corrupt)
-        if refused is not None:
-            raise refused
-        return out
 
     def _drop_corrupt(self, ch: Channel, keys: list[bytes]) -> None:
         """Values whose bytes did not match their checksum were misses; DELETE them so
@@ -762,16 +487,13 @@ def _sane_node_info(info: NodeInfo) -> NodeInfo:
     """Refuse a handshake whose numbers would make this client misbehave, and
     never use limits above this client's own (the node's figures are remote input)."""
     if info.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"node speaks protocol version {info.version}, this client {PROTOCOL_VERSION}"
-        )
-    for name in ("block_size", "max_keys", "max_ops", "max_bulk", "max_payload"):
+        raise VersionMismatch(version_mismatch(info.version, PROTOCOL_VERSION))
+    for name in ("block_size", "max_keys", "max_bulk", "max_payload"):
         if getattr(info, name) < 1:
             raise ProtocolError(f"node reported {name}={getattr(info, name)}: must be >= 1")
     return dataclasses.replace(
         info,
         max_keys=min(info.max_keys, MAX_KEYS_PER_REQUEST),
-        max_ops=min(info.max_ops, MAX_OPS_PER_DATA_REQUEST),
         max_bulk=min(info.max_bulk, MAX_BULK_BYTES),
         max_payload=min(info.max_payload, MAX_PAYLOAD),
     )
@@ -861,83 +583,3 @@ def same_len(keys: Sequence[bytes], **others: Sequence[Any]) -> None:
     for name, seq in others.items():
         if len(seq) != len(keys):
             raise ConfigError(f"{len(keys)} keys but {len(seq)} {name}")
-
-
-def sub_batch_sizes(n: int, max_keys: int, *, ramp: bool = True) -> list[int]:
-    """Split ``n`` keys so each sub-batch's control round trip overlaps the
-    previous sub-batch's data transfer.
-
-    Sub-batches are about ``n / PIPELINE_WINDOW`` keys (at least
-    ``MIN_SUB_BATCH``, at most the node's ``max_keys``). With ``ramp`` the
-    first and last ones ramp (64, 128, ... keys): where the data waits for a
-    control round trip (an ALLOC before a one-sided write, a LOOKUP before a
-    read), the first ALLOC/LOOKUP and the last COMMIT are the round trips
-    nothing overlaps, so they should be short. Without it (a PUT that carries
-    its values, a GET whose answer carries them) no round trip comes before
-    the data, and every extra sub-batch only adds a request's fixed work on
-    both ends. Sizes sum to ``n`` and none exceeds ``max_keys``.
-    """
-    if n <= 0:
-        return []
-    full = min(max_keys, max(MIN_SUB_BATCH, -(-n // PIPELINE_WINDOW)))
-    ramp_sizes: list[int] = []
-    step = MIN_SUB_BATCH
-    while ramp and step < full and 2 * (sum(ramp_sizes) + step) + full <= n:
-        ramp_sizes.append(step)
-        step *= 2
-    middle = n - 2 * sum(ramp_sizes)
-    pieces = -(-middle // full)
-    even = [middle // pieces + (1 if i < middle % pieces else 0) for i in range(pieces)]
-    return [*ramp_sizes, *even, *reversed(ramp_sizes)]
-
-
-@dataclasses.dataclass
-class _PutStage:
-    """One put sub-batch: its write, and the control requests that follow it.
-
-    ``keys`` / ``idx`` are the written keys and their positions in the put,
-    ``sums`` their values' checksums (sent with COMMIT); ``commit_idx``
-    indexes ``keys`` and says which keys ``commit`` carries.
-    """
-
-    fut: IoFuture
-    idx: list[int]
-    keys: list[bytes]
-    sums: Sequence[int]
-    commit: Reply | None = None
-    commit_idx: list[int] = dataclasses.field(default_factory=list)
-    abort: Reply | None = None
-    refused: RemoteError | None = None
-
-
-class _ReadStage(NamedTuple):
-    """One get sub-batch's read of its hits, not yet collected: ``at`` are the
-    hits' positions in the get, ``lengths`` and ``checksums`` what the LOOKUP
-    said each value holds (columns, one row per op of ``fut``), ``leases``
-    the LOOKUP's leases to release once the read is done."""
-
-    fut: IoFuture
-    at: npt.NDArray[np.intp]
-    lengths: npt.NDArray[np.uint32]
-    checksums: npt.NDArray[np.uint64]
-    leases: list[int]
-
-
-def _op_checksums(
-    fut: IoFuture, arena: memoryview, offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[Any]
-) -> Sequence[int]:
-    """The value checksum of each op's slab bytes (``lengths[i]`` bytes at
-    ``offsets[i]``): the transport's when it hashed them (tcp on the way,
-    rdma in one native call), else hashed here."""
-    if fut.checksums is not None:
-        return fut.checksums
-    return [value_checksum(arena[o : o + n])
-            for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)]
-
-
-def _drain(futures: Iterable[IoFuture]) -> None:
-    """After a failure mid-batch: wait (each bounded by its own timeout) until
-    no transfer of ``futures`` still touches the slab; their errors are moot."""
-    for fut in futures:
-        with contextlib.suppress(RdmakvError, OSError):
-            fut.result()

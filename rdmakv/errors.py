@@ -46,6 +46,11 @@ class ProtocolError(RdmakvError):
     """A peer sent a malformed, oversized or unexpected frame."""
 
 
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version: one end must be upgraded
+    (trying again cannot help; the message names both versions)."""
+
+
 class AuthError(RdmakvError):
     """The shared-secret token was missing or wrong."""
 

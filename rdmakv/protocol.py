@@ -14,7 +14,7 @@ Frame layout (all integers little-endian)::
       u16  status       0 in requests; Status in responses
       u32  payload_len  bytes of payload that follow (<= MAX_PAYLOAD)
       u64  bulk_len     raw data bytes after the payload (<= MAX_BULK_BYTES);
-                        only WRITE / PUT requests and READ / GET responses carry bulk
+                        only PUT requests and GET responses carry bulk
       u64  req_id       chosen by the client, echoed in the response
     payload (payload_len bytes, opcode-specific, encoded below)
     bulk    (bulk_len bytes: block data, never copied through Python bytes)
@@ -48,20 +48,21 @@ Payload encodings (``keys`` = u32 count, then per key u16 len + bytes)::
               changed; a node that predates it answers UNKNOWN_OPCODE, which is
               not fatal and which a client reads as "not recorded". STATS shows
               the reported namespaces as ``quarantined_namespaces``)
-    WRITE     req: u32 n, n x DATA_OP (u64 addr, u32 len); bulk = the n ranges' bytes
-              resp: empty
-    READ      req: u32 n, n x DATA_OP     resp: empty payload; bulk = the ranges' bytes
     GET       req: u32 n, n x (u16 klen, key, 16s digest)
               resp: u32 n, n x u32 len (0 = miss), n x u64 checksum;
                     bulk = the hits' values, in request order
-              (LOOKUP and READ in one round trip, tcp: a key is a hit when it is
-              committed with that digest; no lease, the node pins the blocks
+              (a lookup and a read in one round trip, tcp: a key is a hit when it
+              is committed with that digest; no lease, the node pins the blocks
               while it sends them)
     PUT       req: as ALLOC; bulk = the n values' bytes, in order (sum of the sizes)
               resp: u32 n, n x u8 AllocStatus
-              (ALLOC and WRITE in one request, tcp: the node receives each value it
-              could allocate straight into its extent, marks it written, and drops
-              the bytes of the others; COMMIT with the checksums follows as usual)
+              (an ALLOC and its values in one request, tcp: the node receives each
+              value it could allocate straight into its extent, marks it written,
+              and drops the bytes of the others; COMMIT with the checksums follows
+              as usual)
+    16, 17    retired in protocol version 5, never to be reused: they were WRITE
+              and READ, tcp's bulk writes and reads by pool address (a node of
+              version 5 answers them UNKNOWN_OPCODE)
     RDMA_*    reserved for the RDMA transport's connection exchange (QPN, PSN, GID,
               LID, MTU, rkey); a node data path registers handlers for them.
 
@@ -82,11 +83,17 @@ requests and their answers (native/rk_call.c). A change here is a change there.
 
 Version history: 1 = first release; 2 = ``checksum`` in ALLOC and LOOKUP;
 3 = ``checksum`` moved from ALLOC to COMMIT; 4 = GET and PUT; 4 still: REPORT
-(an optional opcode; see above).
+(an optional opcode; see above); 5 = WRITE and READ retired (opcodes 16, 17
+reserved) and, with them, ``max_ops`` left the HELLO answer (NODE_INFO).
+
+Versions must match: a node answers a HELLO of another version BAD_VERSION
+(fatal), naming both versions and which end to upgrade, and a client refuses
+a HELLO answer of another version the same way (:class:`VersionMismatch`).
 
 Addresses are ABSOLUTE virtual addresses inside the node's pool
-(``pool_base + offset``) so an RDMA transport can use them as-is; the node
-refuses any range not inside an extent it handed to the same connection.
+(``pool_base + offset``) so an RDMA transport can use them as-is; no request
+names one: the one-sided data path confines each connection to the extents
+handed to it (memory windows, :mod:`rdmakv.transport.rdma`).
 """
 
 from __future__ import annotations
@@ -122,6 +129,7 @@ from rdmakv.errors import (
     RemoteError,
     TransportTimeout,
     UnknownOpcode,
+    VersionMismatch,
 )
 
 Buffer = bytes | bytearray | memoryview
@@ -129,20 +137,17 @@ log = logging.getLogger("rdmakv.protocol")
 
 # -- versioning ---------------------------------------------------------------
 MAGIC = b"RDKV"
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # -- limits: every count and length is checked against these BEFORE allocating --
 MAX_PAYLOAD = 8 * 1024 * 1024
-"""Largest control payload (key lists, op lists, stats JSON)."""
+"""Largest control payload (key lists, stats JSON)."""
 MAX_KEYS_PER_REQUEST = 16384
 MAX_KEY_LEN = 512
 DIGEST_LEN = 16
 MAX_TOKEN_LEN = 4096
-MAX_OPS_PER_DATA_REQUEST = 4096
-"""Ops per WRITE/READ request; 4096 x 12 bytes keeps a request well inside one
-socket buffer so pipelined requests can never deadlock against bulk replies."""
 MAX_BULK_BYTES = 256 * 1024 * 1024
-"""Bulk bytes in one WRITE request or READ response."""
+"""Bulk bytes in one PUT request or GET answer."""
 MAX_ERROR_MESSAGE = 4096
 
 # Linux IOV_MAX: the most buffers one sendmsg / recvmsg_into call accepts.
@@ -162,9 +167,9 @@ NATIVE_CALL_FRAME_BYTES = 64 * 1024
 framed in Python): 64 KiB holds ~1900 keys of 32 bytes."""
 LOOKUP_FLAG_LEASE = 0x01
 COMMIT_FLAG_REQUIRE_WRITTEN = 0x01
-"""Commit only extents the node itself received in full through WRITE (tcp).
-A client may then send COMMIT right behind its WRITEs without waiting: an
-extent whose write failed is refused instead of exposing stale pool bytes."""
+"""Commit only extents the node itself received in full through PUT (tcp).
+A client may then send COMMIT right behind its PUT without waiting: a value
+whose bytes did not all arrive is refused instead of exposing stale pool bytes."""
 
 
 class Op(IntEnum):
@@ -178,9 +183,8 @@ class Op(IntEnum):
     EXISTS = 8
     STATS = 9
     REPORT = 10
-    # software one-sided data path (tcp transport)
-    WRITE = 16
-    READ = 17
+    # 16, 17: RETIRED_OPCODES
+    # the tcp transport's puts and gets by key
     GET = 18
     PUT = 19
     # reserved for the RDMA transport: QP info exchange and teardown
@@ -188,7 +192,12 @@ class Op(IntEnum):
     RDMA_DISCONNECT = 33
 
 
-BULK_REQUEST_OPCODES = frozenset({Op.WRITE, Op.PUT})
+RETIRED_OPCODES = (16, 17)
+"""Opcodes of earlier protocol versions, never to be reused: 16 and 17 were
+WRITE and READ (tcp's bulk writes and reads by pool address) until version 5.
+A node answers them UNKNOWN_OPCODE, as any opcode it does not serve."""
+
+BULK_REQUEST_OPCODES = frozenset({Op.PUT})
 """The only requests that carry bulk; a node refuses bulk on any other (and skips it)."""
 
 
@@ -198,7 +207,7 @@ class Status(IntEnum):
     BAD_VERSION = 2  # fatal
     AUTH_FAILED = 3  # fatal
     LIMIT_EXCEEDED = 4  # a count or length over a named limit
-    BAD_ADDRESS = 5  # a data op outside the caller's extents
+    BAD_ADDRESS = 5  # retired in protocol version 5 with WRITE/READ; never reuse it
     UNKNOWN_OPCODE = 6
     NOT_AUTHENTICATED = 7  # fatal: request before HELLO
     INTERNAL = 8
@@ -242,10 +251,9 @@ LOOKUP_ENTRY_DTYPE = np.dtype([
     ("digest", "V16"), ("checksum", "<u8"),
 ])
 """A LOOKUP answer's :data:`LOOKUP_ENTRY` entries as numpy reads them (same bytes)."""
-DATA_OP = struct.Struct("<QI")
 GET_ENTRY_BYTES = U32.size + U64.size
 """Answer bytes per key of a GET: its length, then (after all lengths) its checksum."""
-NODE_INFO = struct.Struct("<HIQQQ16sQIIIQ")
+NODE_INFO = struct.Struct("<HIQQQ16sQIIQ")
 
 
 class Header(NamedTuple):
@@ -295,7 +303,6 @@ class NodeInfo:
     session_id: int
     max_payload: int
     max_keys: int
-    max_ops: int
     max_bulk: int
     transports: tuple[str, ...]
 
@@ -575,6 +582,16 @@ def decode_keys(payload: Buffer, what: str) -> list[bytes]:
     return decode_keys_request(payload, what).keys
 
 
+def version_mismatch(node: int, client: int) -> str:
+    """What either end says of a HELLO between ends of different protocol
+    versions: both versions, and which end to upgrade."""
+    older = "client" if client < node else "node"
+    return (
+        f"node speaks protocol version {node}, client protocol version {client}: "
+        f"upgrade rdmakv on the {older} (both ends must speak the same version)"
+    )
+
+
 def encode_hello(token: bytes | None, version: int = PROTOCOL_VERSION) -> bytes:
     tok = token or b""
     if len(tok) > MAX_TOKEN_LEN:
@@ -610,7 +627,6 @@ def encode_node_info(info: NodeInfo) -> bytes:
             info.session_id,
             info.max_payload,
             info.max_keys,
-            info.max_ops,
             info.max_bulk,
         )
         + U16.pack(len(names))
@@ -620,7 +636,7 @@ def encode_node_info(info: NodeInfo) -> bytes:
 
 def decode_node_info(payload: Buffer) -> NodeInfo:
     r = Reader(payload, "HELLO response")
-    (ver, rkey, bsize, base, plen, node_id, sid, mpay, mkeys, mops, mbulk) = r.unpack(NODE_INFO)
+    (ver, rkey, bsize, base, plen, node_id, sid, mpay, mkeys, mbulk) = r.unpack(NODE_INFO)
     n = r.u16()
     names = r.raw(n).decode("ascii", errors="replace")
     r.done()
@@ -634,7 +650,6 @@ def decode_node_info(payload: Buffer) -> NodeInfo:
         session_id=sid,
         max_payload=mpay,
         max_keys=mkeys,
-        max_ops=mops,
         max_bulk=mbulk,
         transports=tuple(t for t in names.split(",") if t),
     )
@@ -1285,19 +1300,6 @@ def decode_u64_list(payload: Buffer, what: str) -> list[int]:
     return out
 
 
-def encode_data_ops(ops: Sequence[tuple[int, int]]) -> bytes:
-    flat = [x for op in ops for x in op]
-    return U32.pack(len(ops)) + struct.pack("<" + "QI" * len(ops), *flat)
-
-
-def decode_data_ops(payload: Buffer, what: str) -> list[tuple[int, int]]:
-    r = Reader(payload, what)
-    n = r.count(MAX_OPS_PER_DATA_REQUEST, DATA_OP.size, "data ops")
-    raw = r.raw(n * DATA_OP.size)
-    r.done()
-    return [(int(a), int(ln)) for a, ln in DATA_OP.iter_unpack(raw)]
-
-
 def encode_json(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True).encode("utf-8")
 
@@ -1327,6 +1329,8 @@ def raise_for_status(hdr: Header, payload: Buffer, what: str) -> None:
     text = f"node refused {what}: {name}: {msg}"
     if hdr.status == Status.AUTH_FAILED:
         raise AuthError(text)
+    if hdr.status == Status.BAD_VERSION:
+        raise VersionMismatch(text)
     if hdr.status == Status.UNKNOWN_OPCODE:
         raise UnknownOpcode(text)
     if hdr.status in FATAL_STATUSES:
@@ -1426,24 +1430,11 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         i = _advance(bufs, i, got)
 
 
-def chunk_ops(lengths: Sequence[int], max_ops: int, max_bytes: int) -> Iterator[tuple[int, int]]:
-    """Split op indices into [start, end) runs obeying the per-request limits."""
-    start = 0
-    total = 0
-    for i, n in enumerate(lengths):
-        if i > start and (i - start >= max_ops or total + n > max_bytes):
-            yield start, i
-            start, total = i, 0
-        total += n
-    if start < len(lengths):
-        yield start, len(lengths)
-
-
 class Reply:
     """A request sent on a :class:`Channel` whose response has not been read yet.
 
     ``on_ok(header)`` runs when an OK response arrives, before anything after
-    it is read: it must consume the response's bulk (READ puts it straight into
+    it is read: it must consume the response's bulk (GET puts it straight into
     slab blocks). An error response is stored in ``error`` and raised by
     :meth:`Channel.wait`; nobody waiting (``send_nowait``) means it is logged.
     """

@@ -53,7 +53,7 @@ MAX_KEYS = 4
 """The fake node's keys per request: a get of up to 10 keys is up to 3 GETs."""
 INFO = NodeInfo(version=PROTOCOL_VERSION, rkey=0, block_size=BLOCK, pool_base=1 << 40,
                 pool_len=1 << 20, node_id=b"n" * 16, session_id=1, max_payload=1 << 20,
-                max_keys=MAX_KEYS, max_ops=1024, max_bulk=1 << 24, transports=("tcp",))
+                max_keys=MAX_KEYS, max_bulk=1 << 24, transports=("tcp",))
 GUARD = 0x5A
 """What the blocks no key names hold, before and after."""
 

@@ -6,8 +6,8 @@ the same frames; it prints the frame count and time. The other tests check
 the fuzzer itself without a node: that what the strategies say about a frame
 (well-formed, or the status it must get) agrees with rdmakv.protocol's
 decoders, that the model rejects wrong answers, and that the reply parser
-rejects broken response streams. The two ``test_bug_*`` tests reproduce node
-bugs the fuzzer found and that are fixed (rdmakv.fuzz.strategies.KNOWN_BUGS,
+rejects broken response streams. The ``test_bug_*`` test reproduces a node
+bug the fuzzer found and that is fixed (rdmakv.fuzz.strategies.KNOWN_BUGS,
 whose input classes the default fuzz keeps sending).
 """
 
@@ -40,7 +40,6 @@ from rdmakv.fuzz.wire import (
     raw_alloc,
     raw_commit,
     raw_get,
-    raw_ops,
 )
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
@@ -59,19 +58,15 @@ from rdmakv.protocol import (
     Status,
     decode_alloc,
     decode_commit,
-    decode_data_ops,
     decode_extents,
     decode_get,
     decode_keys,
     decode_u64_list,
-    encode_commit,
-    encode_data_ops,
     encode_flags,
     encode_get_answer,
     encode_hello,
     encode_keys,
     encode_put_answer,
-    value_checksum,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,12 +80,8 @@ VIEW = S.View(
     pool_len=POOL,
     token=b"t0ken",
     victim_keys=(b"victim/a", b"victim/b"),
-    own_pending=((BASE, 100), (BASE + BLOCK, BLOCK)),
     own_keys=(b"fz-1", b"fz-2"),
-    other_pending=((BASE + 5 * BLOCK, 7),),
-    committed=((BASE + 9 * BLOCK, 1),),
     committed_keys=(b"fz-9",),
-    own_leased=((BASE + 9 * BLOCK, 1),),
     own_leases=(3, 4),
     other_leases=(9,),
     key_digests=((b"victim/a", b"A" * 16, 100), (b"fz-1", b"1" * 16, 100),
@@ -110,10 +101,10 @@ def test_fuzz_real_node(tmp_path: Path) -> None:
     if frames >= 1000:  # a run that long must have exercised every kind of answer
         answers = set(report.answers)
         for op in ("ALLOC", "COMMIT", "ABORT", "LOOKUP", "RELEASE", "DELETE", "EXISTS",
-                   "STATS", "WRITE", "READ", "GET", "PUT", "HELLO"):
+                   "STATS", "GET", "PUT", "HELLO"):
             assert f"{op} OK" in answers, op
-        for refusal in ("WRITE BAD_ADDRESS", "READ BAD_ADDRESS", "ALLOC BAD_REQUEST",
-                        "GET BAD_REQUEST", "PUT BAD_REQUEST", "unknown UNKNOWN_OPCODE"):
+        for refusal in ("ALLOC BAD_REQUEST", "GET BAD_REQUEST", "PUT BAD_REQUEST",
+                        "unknown UNKNOWN_OPCODE"):
             assert refusal in answers, refusal
         assert {"AUTH_FAILED", "NOT_AUTHENTICATED", "FRAME_TOO_LARGE", "LIMIT_EXCEEDED"} <= set(
             report.statuses
@@ -146,10 +137,8 @@ def _decode(req: Req) -> object:
         return decode_alloc(req.payload, "PUT")
     if req.kind == "get":
         return decode_get(req.payload)
-    if req.kind == "ids":
-        return decode_u64_list(req.payload, "ids")
-    assert req.kind == "data"
-    return decode_data_ops(req.payload, "data")
+    assert req.kind == "ids"
+    return decode_u64_list(req.payload, "ids")
 
 
 @settings(max_examples=300, derandomize=True, database=None, deadline=None,
@@ -158,16 +147,16 @@ def _decode(req: Req) -> object:
 def test_strategy_tags_match_the_protocol_decoders(data: st.DataObject) -> None:
     """A frame tagged well-formed decodes to exactly its items; one tagged
     LIMIT_EXCEEDED makes the decoder raise LimitExceeded; one tagged BAD_REQUEST
-    another ProtocolError, or it is a WRITE (PUT) whose bulk disagrees with its
-    ops (sizes) (the node answers those statuses for exactly these errors). A
-    well-formed PUT's bulk is its items' values: the sizes' sum."""
+    another ProtocolError, or it is a PUT whose bulk disagrees with its sizes
+    (the node answers those statuses for exactly these errors). A well-formed
+    PUT's bulk is its items' values: the sizes' sum."""
     req = data.draw(S.frames(VIEW))
-    kinds = ("keys", "commit", "alloc", "put", "get", "ids", "data")
+    kinds = ("keys", "commit", "alloc", "put", "get", "ids")
     if req.kind not in kinds or req.fatal:
         return
     if req.expect is None:
         items = [(k, n, d, *extra) for k, n, d, extra in req.items or []]
-        want = {"keys": req.keys, "ids": req.ids, "data": req.ops, "alloc": items,
+        want = {"keys": req.keys, "ids": req.ids, "alloc": items,
                 "put": items, "commit": (req.keys, req.sums),
                 "get": (req.keys, req.digests)}[req.kind]
         assert _decode(req) == want
@@ -185,11 +174,8 @@ def test_strategy_tags_match_the_protocol_decoders(data: st.DataObject) -> None:
         except ProtocolError:
             return
         assert isinstance(ops, list)
-        if req.opcode == Op.PUT:
-            assert sum(n for _, n, _ in ops) != len(req.bulk)
-            return
-        assert req.opcode == Op.WRITE
-        assert sum(n for _, n in ops) != len(req.bulk)
+        assert req.opcode == Op.PUT
+        assert sum(n for _, n, _ in ops) != len(req.bulk)
 
 
 @settings(max_examples=100, derandomize=True, database=None, deadline=None,
@@ -208,7 +194,7 @@ def test_destructive_and_mutation_frames_never_name_the_victim(data: st.DataObje
 
 
 def _model() -> Model:
-    info = NodeInfo(1, 0, BLOCK, BASE, POOL, b"n" * 16, 1, 1, 1, 1, 1, ("tcp",))
+    info = NodeInfo(1, 0, BLOCK, BASE, POOL, b"n" * 16, 1, 1, 1, 1, ("tcp",))
     m = Model(info)
     m.victim[b"victim/a"] = b"v"
     m.committed[b"victim/a"] = Ext(BASE, 1, b"d" * 16, (0,) * LOOKUP_EXTRA)
@@ -243,16 +229,6 @@ def test_model_accepts_right_answers_and_rejects_wrong_ones() -> None:
     free = U32.pack(1) + bytes([0]) + (BASE + BLOCK).to_bytes(8, "little")
     m.check(1, alloc, _resp(alloc, free + (10).to_bytes(4, "little") + bytes(4)))
     assert decode_extents(free + (10).to_bytes(4, "little") + bytes(4), 1)[0].extent
-    # a WRITE outside this connection's extents must be refused ...
-    write = Req(Op.WRITE, encode_data_ops([(BASE, 1)]), "data", bulk=b"z", ops=[(BASE, 1)])
-    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
-        m.check(1, write, _resp(write, b""))
-    # ... and one inside them accepted; another connection may not
-    mine = Req(Op.WRITE, encode_data_ops([(BASE + BLOCK, 10)]), "data", bulk=b"y" * 10,
-               ops=[(BASE + BLOCK, 10)])
-    m.check(1, mine, _resp(mine, b""))
-    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
-        m.check(2, mine, _resp(mine, b""))
     # RELEASE counts only the connection's own live leases, each once
     look = Req(Op.LOOKUP, encode_keys([b"victim/a"]), "keys", keys=[b"victim/a"],
                flags=LOOKUP_FLAG_LEASE)
@@ -330,7 +306,7 @@ def test_model_checks_put_answers() -> None:
     """PUT's statuses are ALLOC's item by item (an earlier item of the same PUT
     makes a key BUSY; NO_SPACE tolerated); each OK item is a written extent of
     the connection holding the bytes sent: COMMIT require_written commits it,
-    GET and a leased READ give those bytes back (the LOOKUP places it); a bulk
+    GET gives those bytes back, before and after a leased LOOKUP places it; a bulk
     that is not the sizes' sum is BAD_REQUEST; no bulk comes back; PUT's bulk
     is not 'bulk on a request that takes none'."""
     E, K, B, T = AllocStatus.EXISTS, AllocStatus.OK, AllocStatus.BUSY, AllocStatus.TOO_LARGE
@@ -387,7 +363,7 @@ def test_model_checks_put_answers() -> None:
     assert m.bytes_verified == verified + 3
     with pytest.raises(FuzzFailure, match="wrong value"):
         m.check(1, get, _get_resp(get, [3], [9], b"abd"))
-    # a leased LOOKUP says where it is (never a block someone holds) and READ agrees
+    # a leased LOOKUP says where it is (never a block someone holds); its bytes move along
     look = Req(Op.LOOKUP, encode_keys([b"new"]), "keys", keys=[b"new"], flags=LOOKUP_FLAG_LEASE)
     for addr, lease in ((BASE, 40), (BASE + 3 * BLOCK, 41)):
         entry = LOOKUP_ENTRY.pack(1, addr, 3, 0, lease, b"n" * 16, *(9,) * LOOKUP_EXTRA)
@@ -397,39 +373,11 @@ def test_model_checks_put_answers() -> None:
             continue
         m.check(1, look, _resp(look, U32.pack(1) + entry))
     assert m.committed[b"new"].addr == BASE + 3 * BLOCK
-    ops = [(BASE + 3 * BLOCK, 3)]
-    read = Req(Op.READ, raw_ops(ops), "data", ops=ops)
-    hdr = Header(Op.READ | RESPONSE_BIT, 0, Status.OK, 0, 3, 0)
-    m.check(1, read, Resp(hdr, b"", b"abc"))
+    verified = m.bytes_verified
+    m.check(1, get, _get_resp(get, [3], [9], b"abc"))
+    assert m.bytes_verified == verified + 3
     with pytest.raises(FuzzFailure, match="wrong value"):
-        m.check(1, read, Resp(hdr, b"", b"xbc"))
-
-
-def test_model_places_put_extents_by_their_writes() -> None:
-    """Until the model knows where a PUT's extent is, a WRITE of its connection
-    into a block nobody is known to hold may be served (then the block is that
-    extent: its bytes are updated) or refused; another connection's is refused,
-    and a block the model knows is held is refused whoever writes."""
-    m = _put_model()
-    items = [(b"w", 4, b"w" * 16, ())]
-    put = Req(Op.PUT, raw_alloc(items), "put", items=items, bulk=b"1234")
-    m.check(1, put, _put_resp(put, [AllocStatus.OK]))
-    ops = [(BASE + 7 * BLOCK + 1, 2)]
-    write = Req(Op.WRITE, raw_ops(ops), "data", ops=ops, bulk=b"xy")
-    m.check(1, write, _resp(write, b"", Status.BAD_ADDRESS))  # not there: fine
-    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
-        m.check(2, write, _resp(write, b""))  # no PUT extent of connection 2
-    held = [(BASE + BLOCK, 2)]  # connection 2's block: known, never connection 1's
-    to_held = Req(Op.WRITE, raw_ops(held), "data", ops=held, bulk=b"xy")
-    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
-        m.check(1, to_held, _resp(to_held, b""))
-    past = [(BASE + 7 * BLOCK + 1, 4)]  # past the 4-byte extent
-    too_long = Req(Op.WRITE, raw_ops(past), "data", ops=past, bulk=b"wxyz")
-    with pytest.raises(FuzzFailure, match="BAD_ADDRESS"):
-        m.check(1, too_long, _resp(too_long, b""))
-    m.check(1, write, _resp(write, b""))  # served: there it is
-    p = m.pending[b"w"]
-    assert p.ext.addr == BASE + 7 * BLOCK and bytes(m.content[p.ext.addr].data) == b"1xy4"
+        m.check(1, get, _get_resp(get, [3], [9], b"xbc"))
 
 
 def test_put_frames_carry_their_values() -> None:
@@ -509,9 +457,9 @@ def test_reply_parser_rejects_broken_streams() -> None:
     assert len(out) == 1 and len(buf) == HEADER.size + 1
     for bad in (
         HEADER.pack(Op.EXISTS, 0, 0, 0, 0, 1),  # no response bit
-        HEADER.pack(Op.READ | RESPONSE_BIT, 0, 0, 0, MAX_BULK_BYTES + 1, 1),
-        HEADER.pack(Op.READ | RESPONSE_BIT, 0, 999, 0, 0, 1),  # unknown status
-        HEADER.pack(Op.READ | RESPONSE_BIT, 0, Status.BAD_REQUEST, 0, 10, 1),  # error + bulk
+        HEADER.pack(Op.GET | RESPONSE_BIT, 0, 0, 0, MAX_BULK_BYTES + 1, 1),
+        HEADER.pack(Op.GET | RESPONSE_BIT, 0, 999, 0, 0, 1),  # unknown status
+        HEADER.pack(Op.GET | RESPONSE_BIT, 0, Status.BAD_REQUEST, 0, 10, 1),  # error + bulk
     ):
         with pytest.raises(FuzzFailure):
             parse_frames(bytearray(bad), [])
@@ -566,23 +514,3 @@ def test_bug_control_request_bulk_is_parsed_as_a_frame(
     with pytest.raises(TimeoutError):  # nothing else may come: the bulk is not a request
         extra = ch.recv_header()
         pytest.fail(f"the node answered the bulk as a request: {extra}")
-
-
-@pytest.mark.timeout(120)
-def test_bug_read_answer_over_max_bulk(node_factory: Callable[..., NodeProcess]) -> None:
-    block = 128 * 1024
-    ch = _hello(node_factory(pool_size="4MiB", block_size="128KiB"))
-    item = (b"k", block, bytes(16), (0,) * ALLOC_EXTRA)
-    _, payload = ch.call(Op.ALLOC, raw_alloc([item]), "ALLOC")
-    ext = decode_extents(payload, 1)[0].extent
-    assert ext is not None
-    ch.send(Op.WRITE, encode_data_ops([(ext.addr, block)]), req_id=ch.next_req_id(),
-            bulk=[memoryview(b"v" * block)], bulk_len=block)
-    hdr = ch.recv_header()
-    assert hdr.status == Status.OK
-    ch.call(Op.COMMIT, encode_commit([b"k"], [value_checksum(b"v" * block)]), "COMMIT")
-    ch.call(Op.LOOKUP, encode_keys([b"k"]), "LOOKUP", flags=LOOKUP_FLAG_LEASE)
-    ops = [(ext.addr, block)] * 4096
-    ch.send(Op.READ, encode_data_ops(ops), req_id=999)
-    hdr = ch.recv_header()  # raises FrameTooLarge on a bulk over the limit
-    assert hdr.status == Status.LIMIT_EXCEEDED and hdr.bulk_len == 0

@@ -21,7 +21,7 @@ from rdmakv.manager import KVCacheManager
 from rdmakv.metrics.client import ClientMetrics, start_http_server
 from rdmakv.node import KVNode
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.protocol import HEADER, Op, encode_data_ops, encode_hello
+from rdmakv.protocol import HEADER, U32, Op, encode_hello
 from rdmakv.slab import Slab
 
 BLOCK = 4096
@@ -79,10 +79,10 @@ def test_node_counters_match_the_workload(node: LocalNodeProcess) -> None:
         missing = [os.urandom(16) for _ in range(3)]
         assert c.get(keys[:4] + missing, hs[6:13], [DIGEST] * 7) == [True] * 4 + [False] * 3
         assert c.exists(keys) == [True] * 6
-        # a read outside any extent leased to this client: refused, counted
+        # a request over a protocol limit: refused, counted
         ch, _ = c._conn()
-        with pytest.raises(RemoteError, match="BAD_ADDRESS"):
-            ch.call(Op.READ, encode_data_ops([(16, 8)]), "READ")
+        with pytest.raises(RemoteError, match="LIMIT_EXCEEDED"):
+            ch.call(Op.EXISTS, U32.pack(2**32 - 1), "EXISTS")
         stats = c.stats()
     with pytest.raises(AuthError):
         KVClient(*node.address, slab=None, transport="tcp", token=b"wrong").exists(keys)
@@ -101,12 +101,12 @@ def test_node_counters_match_the_workload(node: LocalNodeProcess) -> None:
     assert m[("rdmakv_node_bytes_total", tcp_in)] == 6 * BLOCK
     assert m[("rdmakv_node_bytes_total", tcp_out)] == 4 * BLOCK
     assert m[("rdmakv_node_refused_total", (("reason", "bad_token"),))] == 1
-    assert m[("rdmakv_node_refused_total", (("reason", "bad_address"),))] == 1
+    assert m[("rdmakv_node_refused_total", (("reason", "over_limit"),))] == 1
     assert m[("rdmakv_node_sessions_accepted_total", ())] == 2
     for op in ("put", "commit", "get", "exists"):  # a tcp put and get (protocol v4)
         assert m[("rdmakv_node_request_seconds_count", (("op", op),))] >= 1, op
     # the metrics and the STATS op tell the same story
-    assert stats["commits"] == 6 and stats["refused_bad_address"] == 1
+    assert stats["commits"] == 6 and stats["refused_over_limit"] == 1
 
 
 

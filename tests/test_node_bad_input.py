@@ -24,7 +24,6 @@ from rdmakv.protocol import (
     FATAL_STATUSES,
     MAGIC,
     MAX_KEYS_PER_REQUEST,
-    MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
     PROTOCOL_VERSION,
     U16,
@@ -40,14 +39,13 @@ from rdmakv.protocol import (
     decode_put_answer,
     encode_alloc,
     encode_commit,
-    encode_data_ops,
     encode_get,
     encode_hello,
     encode_keys,
     value_checksum,
 )
 from rdmakv.slab import Slab
-from rdmakv.transport import BadAddress, get_transport, resolve_transport
+from rdmakv.transport import get_transport, resolve_transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -141,7 +139,7 @@ def test_absurd_frame_lengths_close_only_that_connection(
     assert r.closed_by_peer()
     r = raw()
     r.hello()
-    r.frame(Op.WRITE, encode_data_ops([]), bulk_len=2**63)
+    r.frame(Op.PUT, U32.pack(0), bulk_len=2**63)
     hdr, msg, _ = r.response()
     assert hdr.status == Status.FRAME_TOO_LARGE and b"bulk" in msg
     victim()
@@ -165,7 +163,7 @@ def test_malformed_payloads_keep_the_connection(
     # absurd counts are refused before anything is allocated for them
     status, msg, _ = r.call(Op.EXISTS, U32.pack(2**32 - 1))
     assert status == Status.LIMIT_EXCEEDED and str(MAX_KEYS_PER_REQUEST).encode() in msg
-    status, msg, _ = r.call(Op.WRITE, U32.pack(MAX_OPS_PER_DATA_REQUEST + 1), bulk=b"x" * 100)
+    status, msg, _ = r.call(Op.PUT, U32.pack(MAX_KEYS_PER_REQUEST + 1), bulk=b"x" * 100)
     assert status == Status.LIMIT_EXCEEDED
     status, msg, _ = r.call(Op.STATS, b"x")
     assert status == Status.BAD_REQUEST
@@ -184,13 +182,11 @@ def test_get_answers_committed_values_with_their_digest_only(
     r = raw()
     r.hello()
     value = os.urandom(1000)
-    alloc = encode_alloc([b"g", b"pend"], [1000, 10], [b"d" * 16] * 2)
-    status, payload, _ = r.call(Op.ALLOC, alloc)
-    assert status == Status.OK
-    ext = decode_extents(payload, 2)[0].extent
-    assert ext is not None
-    assert r.call(Op.WRITE, encode_data_ops([(ext.addr, 1000)]), bulk=value)[0] == Status.OK
+    status, payload, _ = r.call(Op.PUT, encode_alloc([b"g"], [1000], [b"d" * 16]), bulk=value)
+    assert status == Status.OK and decode_put_answer(payload, 1) == [AllocStatus.OK]
     r.call(Op.COMMIT, encode_commit([b"g"], [value_checksum(value)]))
+    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"pend"], [10], [b"d" * 16]))
+    assert status == Status.OK and decode_extents(payload, 1)[0].extent is not None
     # a hit, a wrong digest, an uncommitted key, an unknown key, the hit again
     keys = [b"g", b"g", b"pend", b"none", b"g"]
     digests = [b"d" * 16, b"e" * 16, b"d" * 16, b"d" * 16, b"d" * 16]
@@ -265,54 +261,20 @@ def test_a_put_cut_off_mid_bulk_leaves_nothing_allocated(
     victim()
 
 
-def test_data_ops_outside_own_extents_are_refused(
+def test_a_commit_of_keys_another_client_allocated_is_a_per_key_false(
     raw: Callable[[], Raw], victim: Callable[[], None]
 ) -> None:
-    r = raw()
+    r, other = raw(), raw()
     r.hello()
-    base, plen = r.info.pool_base, r.info.pool_len
-    payload = b""
-    # the victim's values live somewhere in the pool: try to overwrite all of it
-    cases = [
-        (base, BLOCK),  # a block this client was never given
-        (base + plen - 10, 100),  # runs off the end of the pool
-        (0, 16),  # address 0
-        (2**64 - 8, 8),  # wraps
-        (base - BLOCK, BLOCK),  # just before the pool
-    ]
-    for addr, length in cases:
-        status, msg, _ = r.call(Op.WRITE, encode_data_ops([(addr, length)]), bulk=b"\xff" * length)
-        assert status == Status.BAD_ADDRESS, (addr, msg)
-        status, msg, _ = r.call(Op.READ, encode_data_ops([(addr, length)]))
-        assert status == Status.BAD_ADDRESS, (addr, msg)
-    # bulk size that does not match the ops
-    status, msg, _ = r.call(Op.WRITE, encode_data_ops([(base, 10)]), bulk=b"z" * 20)
-    assert status == Status.BAD_REQUEST and b"20" in msg
-    # an extent this client allocated: writing inside is fine, past its length is not
-    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"mine"], [1000], [bytes(16)]))
-    (res,) = decode_extents(payload, 1)
-    assert status == Status.OK and res.extent is not None
-    ext = res.extent
-    status, _, _ = r.call(Op.WRITE, encode_data_ops([(ext.addr, 1000)]), bulk=b"m" * 1000)
-    assert status == Status.OK
-    status, msg, _ = r.call(Op.WRITE, encode_data_ops([(ext.addr + 500, 501)]), bulk=b"m" * 501)
-    assert status == Status.BAD_ADDRESS
-    # a second client may not write into the first one's uncommitted extent
-    other = raw()
     other.hello()
-    status, msg, _ = other.call(Op.WRITE, encode_data_ops([(ext.addr, 10)]), bulk=b"o" * 10)
-    assert status == Status.BAD_ADDRESS and b"allocated to this client" in msg
-    # after commit the extent is read-only for everyone, its owner included
+    status, payload, _ = r.call(Op.ALLOC, encode_alloc([b"mine"], [1000], [bytes(16)]))
+    assert status == Status.OK and decode_extents(payload, 1)[0].extent is not None
+    # not an error: the node answers per key, and the extent stays the allocator's
+    keys = [b"victim-0", b"nope", b"mine"]
+    status, payload, _ = other.call(Op.COMMIT, encode_commit(keys, [0] * 3))
+    assert status == Status.OK and decode_flags(payload, 3, "COMMIT") == [False] * 3
     status, payload, _ = r.call(Op.COMMIT, encode_commit([b"mine"], [0]))
-    assert decode_flags(payload, 1, "COMMIT") == [True]
-    status, _, _ = r.call(Op.WRITE, encode_data_ops([(ext.addr, 10)]), bulk=b"x" * 10)
-    assert status == Status.BAD_ADDRESS
-    # and reading it needs a lease
-    status, _, _ = other.call(Op.READ, encode_data_ops([(ext.addr, 10)]))
-    assert status == Status.BAD_ADDRESS
-    # commit of a key this client does not own is a per-key False, not an error
-    status, payload, _ = other.call(Op.COMMIT, encode_commit([b"victim-0", b"nope"], [0, 0]))
-    assert status == Status.OK and decode_flags(payload, 2, "COMMIT") == [False, False]
+    assert status == Status.OK and decode_flags(payload, 1, "COMMIT") == [True]
     victim()
 
 
@@ -362,7 +324,6 @@ def test_any_error_answer_to_hello_closes_later_ones_only_when_fatal(
 
 
 def test_a_refused_request_is_answered_by_its_error_type_not_its_message() -> None:
-    assert status_for(BadAddress("transport")) == Status.BAD_ADDRESS
     assert status_for(LimitExceeded("transport")) == Status.LIMIT_EXCEEDED
     assert status_for(FrameTooLarge("x")) == Status.FRAME_TOO_LARGE in FATAL_STATUSES
     assert status_for(UnsupportedTransport("x")) == Status.UNSUPPORTED
@@ -381,9 +342,9 @@ def test_node_counts_refusals_and_keeps_serving(
 ) -> None:
     r = raw()
     r.hello()
-    r.call(Op.READ, encode_data_ops([(r.info.pool_base, 8)]))
+    r.call(Op.EXISTS, U32.pack(2**32 - 1))  # over a limit
     r.call(0x77)
     with KVClient(*node.address, None) as c:
         st = c.stats()
-    assert st["refused_ops"] >= 1 and st["protocol_errors"] >= 1
+    assert st["refused_over_limit"] >= 1 and st["protocol_errors"] >= 2
     victim()

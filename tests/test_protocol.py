@@ -27,7 +27,6 @@ from rdmakv.protocol import (
     LOOKUP_ENTRY_DTYPE,
     MAX_KEY_LEN,
     MAX_KEYS_PER_REQUEST,
-    MAX_OPS_PER_DATA_REQUEST,
     PROTOCOL_VERSION,
     SMALL_FRAME_BYTES,
     U16,
@@ -47,10 +46,8 @@ from rdmakv.protocol import (
     check_digests,
     check_key,
     check_keys,
-    chunk_ops,
     decode_alloc,
     decode_commit,
-    decode_data_ops,
     decode_extent_table,
     decode_extents,
     decode_flags,
@@ -67,7 +64,6 @@ from rdmakv.protocol import (
     decode_u64_list,
     encode_alloc,
     encode_commit,
-    encode_data_ops,
     encode_extent_table,
     encode_extents,
     encode_flags,
@@ -206,22 +202,15 @@ def test_flags_and_ids_roundtrip(flags: list[bool], ids: list[int]) -> None:
     assert decode_u64_list(encode_u64_list(ids), "t") == ids
 
 
-@given(st.lists(st.tuples(u64, u32), max_size=100))
-def test_data_ops_roundtrip(ops: list[tuple[int, int]]) -> None:
-    assert decode_data_ops(encode_data_ops(ops), "t") == ops
-
-
 def test_hello_and_node_info_roundtrip() -> None:
     assert decode_hello(encode_hello(b"tok")) == (PROTOCOL_VERSION, b"tok")
-    info = NodeInfo(1, 7, 4096, 2**40, 2**30, b"n" * 16, 9, 10, 11, 12, 13, ("tcp", "rdma"))
+    info = NodeInfo(1, 7, 4096, 2**40, 2**30, b"n" * 16, 9, 10, 11, 13, ("tcp", "rdma"))
     assert decode_node_info(encode_node_info(info)) == info
 
 
 def test_counts_over_limits_are_refused_before_allocating() -> None:
     with pytest.raises(LimitExceeded, match=str(MAX_KEYS_PER_REQUEST)):
         decode_keys(U32.pack(MAX_KEYS_PER_REQUEST + 1), "t")
-    with pytest.raises(LimitExceeded, match=str(MAX_OPS_PER_DATA_REQUEST)):
-        decode_data_ops(U32.pack(2**32 - 1), "t")
     with pytest.raises(ProtocolError, match="cannot fit"):
         decode_u64_list(U32.pack(1000), "t")
 
@@ -237,7 +226,6 @@ def test_decoders_never_raise_anything_but_protocol_errors(junk: bytes) -> None:
         lambda b: decode_extents(b, 1),
         lambda b: decode_lookup_results(b, 1),
         lambda b: decode_flags(b, 1, "t"),
-        lambda b: decode_data_ops(b, "t"),
         lambda b: decode_u64_list(b, "t"),
         decode_hello,
         decode_node_info,
@@ -288,18 +276,6 @@ def test_bad_keys_and_digests_refused_on_encode() -> None:
         encode_keys([b"x" * (MAX_KEY_LEN + 1)])
     with pytest.raises(ConfigError, match="digest must be 16 bytes"):
         encode_alloc([b"k"], [1], [b"short"])
-
-
-@given(st.lists(st.integers(1, 100), max_size=60), st.integers(1, 7), st.integers(1, 300))
-def test_chunk_ops_covers_everything_within_limits(
-    lengths: list[int], max_ops: int, max_bytes: int
-) -> None:
-    chunks = list(chunk_ops(lengths, max_ops, max_bytes))
-    assert [i for s, e in chunks for i in range(s, e)] == list(range(len(lengths)))
-    for s, e in chunks:
-        assert e - s <= max_ops
-        # a single op larger than the byte limit travels alone
-        assert sum(lengths[s:e]) <= max_bytes or e - s == 1
 
 
 def test_status_maps_to_exceptions() -> None:

@@ -237,7 +237,7 @@ def test_bulk_read_ahead_with_its_header_lands_in_place_and_the_next_frame_stays
     total = sum(x.nbytes for x in src)
     # one write: header, bulk and a whole second frame arrive together
     a.sendall(
-        HEADER.pack(Op.WRITE, 0, 0, 0, total, 1)
+        HEADER.pack(Op.PUT, 0, 0, 0, total, 1)
         + b"".join(x.tobytes() for x in src)
         + HEADER.pack(Op.STATS, 0, 0, 2, 0, 2)
         + b"{}"

@@ -3,9 +3,10 @@
 It drives a REAL ``rdmakv serve`` (a child process on 127.0.0.1, ``--port 0``,
 a shared-secret token required, tcp) over real sockets with Hypothesis-built
 frames of every type -- HELLO, ALLOC, COMMIT, ABORT, LOOKUP, RELEASE, DELETE,
-EXISTS, STATS, WRITE, READ, GET, PUT, RDMA_CONNECT / RDMA_DISCONNECT and unknown
-opcodes -- both well-formed with hostile field values and mutated (cut short,
-bits flipped, header lengths that lie, bytes spliced, garbage), on
+EXISTS, STATS, GET, PUT, RDMA_CONNECT / RDMA_DISCONNECT and unknown opcodes
+(the retired WRITE / READ among them) -- both well-formed with hostile field
+values and mutated (cut short, bits flipped, header lengths that lie, bytes
+spliced, garbage), on
 authenticated and unauthenticated connections, many frames per connection,
 some pipelined. Before fuzzing, a victim stores values through the ordinary
 :class:`~rdmakv.client.KVClient`; after every example the node must be alive,

@@ -6,7 +6,7 @@ values through a real :class:`~rdmakv.client.KVClient` and learns their
 extents. Each Hypothesis example (:meth:`Target.run_example`) then opens
 connections and sends about ``frames_per_example`` frames through them:
 single requests and pipelined batches on authenticated connections (among
-them a correct client's leased read and GET of the victim's values, and its
+them a correct client's leased LOOKUP and GET of the victim's values, and its
 put: PUT, COMMIT and GET of fresh keys pipelined), handshakes of every kind
 on fresh ones (the unauthenticated path), and mutated frames after which the
 connection is half-closed. Every answer is checked by
@@ -98,7 +98,7 @@ ACTIONS = (
     ("close", 1),
     ("handshake", 2),
     ("mutate", 1),
-    ("leased_read", 1),
+    ("victim_get", 1),
     ("clean_put", 1),
 )
 ACTION_STRATEGY = st.sampled_from([a for a, w in ACTIONS for _ in range(w)])
@@ -136,7 +136,7 @@ class FuzzReport:
     answers: Counter[str] = field(default_factory=Counter)  # "OPCODE STATUS" of checked answers
     seconds: float = 0.0
     node_rss_kib: int = 0
-    bytes_verified: int = 0  # bytes READ returned that the model knew and checked
+    bytes_verified: int = 0  # bytes GET returned that the model knew and checked
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(vars(self))
@@ -353,17 +353,8 @@ class Target:
         m = self.model
         assert m is not None
         cid = -1 if conn is None else conn.cid
-        # a PUT's extent whose address the model has not learnt (addr < 0) is no
-        # target for WRITE or READ: only its key is known
-        own = tuple((p.ext.addr, p.ext.length) for p in m.pending.values()
-                    if p.cid == cid and p.ext.addr >= 0)
         own_keys = tuple(p.key for p in m.pending.values() if p.cid == cid)
         committed_keys = tuple(k for k in m.committed if k not in m.victim)
-        other = tuple((p.ext.addr, p.ext.length) for p in m.pending.values()
-                      if p.cid != cid and p.ext.addr >= 0)
-        leased = tuple(
-            (e.addr, e.length) for le in m.leases.values() if le.cid == cid for e in le.exts
-        )
         own_ids = tuple(i for i, le in m.leases.items() if le.cid == cid)
         others = tuple(i for i in m.lease_owner if i not in own_ids)
         return S.View(
@@ -372,14 +363,10 @@ class Target:
             pool_len=m.info.pool_len,
             token=self.token,
             victim_keys=tuple(m.victim) if destructive_ok else (),
-            own_pending=own,
             own_keys=own_keys,
             committed_keys=committed_keys,
-            other_pending=other,
-            committed=tuple((e.addr, e.length) for e in m.committed.values() if e.addr >= 0),
-            own_leased=leased,
-            victim_extents=tuple(
-                (k, e.addr, e.length) for k, e in m.committed.items() if k in m.victim
+            victim_committed=tuple(
+                k for k in m.committed if k in m.victim
             ) if destructive_ok else (),
             key_digests=tuple(
                 (k, e.digest, e.length)
@@ -483,9 +470,9 @@ class Target:
             self._handshake(data, ex)
         elif action == "mutate":
             self._mutate(data, ex)
-        elif action == "leased_read":
+        elif action == "victim_get":
             conn = self._authed(data, ex)
-            reqs = data.draw(S.leased_read(self.view(conn)), label="leased read")
+            reqs = data.draw(S.victim_get(self.view(conn)), label="victim get")
             if reqs:
                 self._send(ex, conn, reqs)
         elif action == "clean_put":

@@ -15,20 +15,15 @@ block) and checks every answer:
   tolerated) and that an extent handed out is never a block someone still
   holds; COMMIT/ABORT/DELETE/EXISTS flags; LOOKUP hits, extents, digests and
   that one leased LOOKUP has one fresh lease id; RELEASE counts only this
-  connection's live leases, each once; WRITE/READ succeed exactly when every op
-  lies inside this connection's own uncommitted (WRITE) or leased (READ)
-  extents, and every byte READ returns that the model knows (the victim's
-  values, whatever this fuzzer wrote) is the byte expected; GET hits exactly
-  the keys committed with the digest asked for, each with its committed length
-  and COMMIT's checksum, and its bulk is the hits' values (every known byte
-  checked), unless they total more than MAX_BULK_BYTES (LIMIT_EXCEEDED);
-  PUT's statuses are ALLOC's (BAD_REQUEST when the bulk is not the sizes'
-  sum) and each OK item is an uncommitted extent of this connection holding
-  exactly the bytes sent, written (COMMIT require_written commits it). Its
-  answer gives no address: the model learns where it is from the first
-  LOOKUP that finds it committed, or from a WRITE of this connection that
-  lands in it (until then a WRITE into a block nobody else is known to hold
-  may be refused or served);
+  connection's live leases, each once; GET hits exactly the keys committed
+  with the digest asked for, each with its committed length and COMMIT's
+  checksum, and its bulk is the hits' values (every byte the model knows --
+  the victim's values, what this fuzzer PUT -- checked), unless they total
+  more than MAX_BULK_BYTES (LIMIT_EXCEEDED); PUT's statuses are ALLOC's
+  (BAD_REQUEST when the bulk is not the sizes' sum) and each OK item is an
+  uncommitted extent of this connection holding exactly the bytes sent,
+  written (COMMIT require_written commits it). Its answer gives no address:
+  the model learns where it is from the first LOOKUP that finds it committed;
 * STATS: entries, pending and leases_active equal the model's counts.
 """
 
@@ -87,14 +82,6 @@ class Lease:
     lid: int
     cid: int
     exts: list[Ext]
-
-
-class _Unplaced:
-    """A WRITE op the model cannot judge: inside a block nobody is known to hold,
-    where one of this connection's PUT extents (address unknown) may be."""
-
-
-UNPLACED = _Unplaced()
 
 
 @dataclass
@@ -237,14 +224,8 @@ class Model:
         if req.bulk and op not in BULK_REQUEST_OPCODES:  # refused, bulk skipped
             _want(st, Status.BAD_REQUEST, resp, f"opcode {op} with bulk")
             return
-        if op == Op.WRITE:
-            self._write(cid, req, resp)
-            return
         if op == Op.PUT:  # may be refused for its bulk: before the check for OK
             self._put(cid, req, resp)
-            return
-        if op == Op.READ:
-            self._read(cid, req, resp)
             return
         if op == Op.GET:  # its answer carries bulk: before the check that others carry none
             self._get(req, resp)
@@ -449,122 +430,6 @@ class Model:
                 "lease on any of these blocks"
             )
 
-    def _own_pending_at(self, cid: int, start: int) -> Pending | None:
-        for p in self.pending.values():
-            if p.ext.addr == start and p.cid == cid:
-                return p
-        return None
-
-    def _leased_at(self, cid: int, start: int) -> Ext | None:
-        for lease in self.leases.values():
-            if lease.cid == cid:
-                for e in lease.exts:
-                    if e.addr == start:
-                        return e
-        return None
-
-    def _unplaced_fits(self, cid: int, start: int, end: int) -> list[Pending]:
-        """This connection's PUT extents of unknown address that [start, end) fits."""
-        return [p for p in self.pending.values()
-                if p.cid == cid and p.ext.addr < 0 and end <= start + p.ext.length]
-
-    def _op_ok(
-        self, cid: int, addr: int, length: int, *, write: bool
-    ) -> Ext | Pending | _Unplaced | None:
-        start = self.block_start(addr)
-        end = self.base + self.info.pool_len
-        if length <= 0 or start is None or addr + length > end:
-            return None
-        if write:
-            p = self._own_pending_at(cid, start)
-            if p is not None:
-                return p if addr + length <= start + p.ext.length else None
-            if start not in self.held_blocks() and self._unplaced_fits(cid, start, addr + length):
-                return UNPLACED
-            return None
-        e = self._leased_at(cid, start)
-        return e if e is not None and addr + length <= start + e.length else None
-
-    def _write(self, cid: int, req: Req, resp: Resp) -> None:
-        assert req.ops is not None
-        targets = [self._op_ok(cid, a, n, write=True) for a, n in req.ops]
-        if any(t is None for t in targets):
-            _want(resp.status, Status.BAD_ADDRESS, resp, f"WRITE {req.ops[:4]}")
-            return
-        if any(isinstance(t, _Unplaced) for t in targets) and resp.status == Status.BAD_ADDRESS:
-            return  # an op was in none of this connection's PUT extents: fine
-        _want(resp.status, Status.OK, resp, f"WRITE {req.ops[:4]}")
-        if resp.payload or resp.bulk:
-            raise FuzzFailure("WRITE answer carries a payload or bulk")
-        pos = 0
-        for (addr, n), target in zip(req.ops, targets, strict=True):
-            if isinstance(target, _Unplaced):
-                placed = self._placed_by_write(cid, addr, n)
-                if placed is None:  # in one of several: each may have these bytes now
-                    start = self.block_start(addr)
-                    assert start is not None
-                    for p in self._unplaced_fits(cid, start, addr + n):
-                        c = self.content[p.ext.addr]
-                        c.known[addr - start : addr - start + n] = bytes(n)
-                    pos += n
-                    continue
-                target = placed
-            assert isinstance(target, Pending)
-            c = self.content[target.ext.addr]
-            off = addr - target.ext.addr
-            c.data[off : off + n] = req.bulk[pos : pos + n]
-            c.known[off : off + n] = b"\x01" * n
-            pos += n
-            if off == 0 and n == target.ext.length:
-                target.written = True
-
-    def _placed_by_write(self, cid: int, addr: int, n: int) -> Pending | None:
-        """A WRITE of [addr, addr + n) in a block the model had not placed was
-        served: the block is one of this connection's PUT extents. The one it
-        must be (placed now), or None when several fit."""
-        start = self.block_start(addr)
-        assert start is not None
-        p = self._own_pending_at(cid, start)  # placed by an earlier op of this WRITE
-        if p is not None:
-            if addr + n > start + p.ext.length:
-                raise FuzzFailure(f"WRITE of {n} bytes at 0x{addr:x} served, past {p.key!r:.40}")
-            return p
-        fits = self._unplaced_fits(cid, start, addr + n)
-        if not fits:
-            raise FuzzFailure(
-                f"WRITE of {n} bytes at 0x{addr:x} served: in no extent of this connection"
-            )
-        if len(fits) > 1:
-            return None
-        self.place(fits[0].key, start)
-        return fits[0]
-
-    def _read(self, cid: int, req: Req, resp: Resp) -> None:
-        assert req.ops is not None
-        total = sum(n for _, n in req.ops)
-        if total > MAX_BULK_BYTES:  # no answer may carry that much bulk: checked first
-            if resp.status not in (Status.LIMIT_EXCEEDED, Status.BAD_REQUEST):
-                _want(resp.status, Status.LIMIT_EXCEEDED, resp, f"READ of {total} bytes")
-            return
-        targets = [self._op_ok(cid, a, n, write=False) for a, n in req.ops]
-        if any(t is None for t in targets):
-            _want(resp.status, Status.BAD_ADDRESS, resp, f"READ {req.ops[:4]}")
-            return
-        _want(resp.status, Status.OK, resp, f"READ {req.ops[:4]}")
-        if resp.payload or len(resp.bulk) != total:
-            raise FuzzFailure(
-                f"READ of {total} bytes answered {len(resp.payload)} payload, "
-                f"{len(resp.bulk)} bulk bytes"
-            )
-        pos = 0
-        for (addr, n), target in zip(req.ops, targets, strict=True):
-            assert isinstance(target, Ext)
-            c = self.content.get(target.addr)
-            if c is not None:
-                self.bytes_verified += _compare(c, addr - target.addr, resp.bulk[pos : pos + n],
-                                                addr)
-            pos += n
-
     def _get(self, req: Req, resp: Resp) -> None:
         """GET: a key is a hit exactly when committed with the digest asked for
         (the node pins its block and sends its bytes). No lease, no change the
@@ -610,7 +475,7 @@ def lookup_extra(res: LookupResult) -> tuple[int, ...]:
     return tuple(x for x in extra if isinstance(x, int))
 
 
-def _compare(c: Content, off: int, got: bytes, addr: int, what: str = "READ") -> int:
+def _compare(c: Content, off: int, got: bytes, addr: int, what: str) -> int:
     """Every byte of ``got`` (read at value offset ``off``) the model knows must
     match; returns how many were checked."""
     n = len(got)

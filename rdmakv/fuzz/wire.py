@@ -1,7 +1,7 @@
 """Raw frames for the fuzzer: requests as the strategies describe them, and a socket
 that sends any bytes while reading whatever the node answers.
 
-A :class:`Req` is one request frame *plus what it means* (the keys, items, ops
+A :class:`Req` is one request frame *plus what it means* (the keys, items
 or ids it carries, or why it is malformed), so the model can say what the node
 must answer. Its bytes are built here with encoders that, unlike
 :mod:`rdmakv.protocol`'s, accept hostile values (keys of length 0 or 513,
@@ -59,13 +59,13 @@ class Req:
     """One request frame and its meaning.
 
     ``kind`` names the payload encoding (``keys``, ``commit``, ``alloc``,
-    ``put`` (ALLOC's items; ``bulk``: their values), ``get``, ``ids``, ``data``,
+    ``put`` (ALLOC's items; ``bulk``: their values), ``get``, ``ids``,
     ``stats``, ``hello``, ``raw``). ``expect`` is set
     when the frame is malformed on purpose and the status it must get is known
     without the model (``BAD_REQUEST``, ``LIMIT_EXCEEDED``, ``UNKNOWN_OPCODE``,
     ``FRAME_TOO_LARGE``...); None means the model decides. ``fatal``: the node
-    must answer and close the connection. ``keys`` / ``items`` / ``ops`` /
-    ``ids`` (and COMMIT's ``sums``, GET's ``digests``) are the decoded contents
+    must answer and close the connection. ``keys`` / ``items`` / ``ids``
+    (and COMMIT's ``sums``, GET's ``digests``) are the decoded contents
     of a well-formed payload.
     """
 
@@ -82,7 +82,6 @@ class Req:
     fatal: bool = False
     keys: list[bytes] | None = None
     items: list[AllocItem] | None = None
-    ops: list[tuple[int, int]] | None = None
     ids: list[int] | None = None
     sums: list[int] | None = None
     digests: list[bytes] | None = None  # GET: the digest asked for with each key
@@ -335,10 +334,3 @@ def raw_ids(ids: Sequence[int], count: int | None = None, *, repeat: int = 1) ->
     body = b"".join(struct.pack("<Q", i & 0xFFFFFFFFFFFFFFFF) for i in ids)
     return _items(count, len(ids) * repeat, body * repeat)
 
-
-DATA_OP_RAW = struct.Struct("<QI")
-
-
-def raw_ops(ops: Sequence[tuple[int, int]], count: int | None = None, *, repeat: int = 1) -> bytes:
-    body = b"".join(DATA_OP_RAW.pack(a & 0xFFFFFFFFFFFFFFFF, n & 0xFFFFFFFF) for a, n in ops)
-    return _items(count, len(ops) * repeat, body * repeat)

@@ -33,9 +33,9 @@ REQUEST_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )
-"""Seconds: a control request on loopback takes ~0.1 ms, a 256 MiB READ seconds."""
+"""Seconds: a control request on loopback takes ~0.1 ms, a 256 MiB GET seconds."""
 
-REFUSAL_REASONS = ("bad_frame", "bad_token", "bad_address", "over_limit", "timeout")
+REFUSAL_REASONS = ("bad_frame", "bad_token", "over_limit", "timeout")
 """``refused_<reason>`` keys of ``KVNode.stats()``, one label value each: ``over_limit``
 counts requests over a protocol limit or lease quota and connections shed or refused
 by the connection limits; ``timeout`` connections closed at the handshake deadline or

@@ -110,15 +110,6 @@ class LeaseTable:
         rec = self._by_block.get((session, block))
         return (0, 0.0) if rec is None else (rec[0], rec[3])
 
-    def covering(self, session: int, block: int) -> tuple[int, int] | None:
-        """(addr, length) of the extent ``session`` holds a lease on in ``block``.
-
-        Every lease on one block names the same value: a block is reused only
-        after all references (leases included) are gone.
-        """
-        rec = self._by_block.get((session, block))
-        return None if rec is None else (rec[1], rec[2])
-
     def pop_expired(self, now: float) -> list[Lease]:
         """Remove and return every lease whose deadline is <= now."""
         out = []

@@ -4,17 +4,18 @@ One thread per client connection (a *session*). The first frame must be
 HELLO (version + optional shared-secret token, compared in constant time);
 then requests are served in order through a dispatch table ``opcode ->
 handler``: the control ops below plus whatever the enabled transports'
-:class:`~rdmakv.transport.base.NodeDataPath` objects claim (WRITE/READ/GET/PUT
-for tcp, RDMA_CONNECT for rdma), so a transport adds opcodes without touching
+:class:`~rdmakv.transport.base.NodeDataPath` objects claim (GET/PUT for tcp,
+RDMA_CONNECT for rdma), so a transport adds opcodes without touching
 this module.
 
 A bad request gets an error response naming what was wrong and the session
 keeps serving; the connection closes after any error answer to the handshake,
 and after an answer whose status is in :data:`~rdmakv.protocol.FATAL_STATUSES`
 (a header announcing more than the protocol limits): :meth:`Session.fail`.
-Nothing a client sends can touch another client's data: addresses are
-checked by the store against the extents handed to that session. When a
-session ends, its uncommitted extents and leases are reclaimed.
+Nothing a client sends can touch another client's data: no request names a
+pool address (GET and PUT name keys), and one-sided access is confined by the
+data path to the extents handed to that session (rdma: memory windows). When
+a session ends, its uncommitted extents and leases are reclaimed.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from rdmakv.protocol import (
     MAX_BULK_BYTES,
     MAX_ERROR_MESSAGE,
     MAX_KEYS_PER_REQUEST,
-    MAX_OPS_PER_DATA_REQUEST,
     MAX_PAYLOAD,
     MAX_REPORTED_NAMESPACES,
     PROTOCOL_VERSION,
@@ -85,10 +85,11 @@ from rdmakv.protocol import (
     encode_json,
     encode_lookup_results,
     encode_node_info,
+    version_mismatch,
 )
 from rdmakv.slab import Slab
 from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
-from rdmakv.transport.base import CONFINE_WINDOWS, BadAddress, PinnedValues, ReceivingValues
+from rdmakv.transport.base import CONFINE_WINDOWS, PinnedValues, ReceivingValues
 from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.node")
@@ -175,16 +176,6 @@ class Session:
         return bool(poller.poll(0))
 
     # -- NodeSession -------------------------------------------------------------
-    def open_write(
-        self, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        return self.node.store.open_write(self.session_id, ops)
-
-    def pin_readable(
-        self, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        return self.node.store.pin_readable(self.session_id, ops)
-
     def pin_values(self, request: GetRequest) -> PinnedValues:
         return self.node.store.pin_values(request)
 
@@ -233,7 +224,7 @@ class Session:
 
     def _refused(self, req: Header, status: Status, message: str) -> bool:
         """:meth:`fail` for a request past the handshake, counted in the metrics."""
-        self.node.count("refused_ops" if status == Status.BAD_ADDRESS else "protocol_errors")
+        self.node.count("protocol_errors")
         self.node.refuse(_REFUSAL_REASON.get(status, "bad_frame"))
         return self.fail(req, status, message)
 
@@ -332,11 +323,7 @@ class Session:
             return self.fail(hdr, Status.BAD_REQUEST, str(e))
         if version != PROTOCOL_VERSION:
             self.node.refuse("bad_frame")
-            return self.fail(
-                hdr,
-                Status.BAD_VERSION,
-                f"client speaks protocol version {version}, this node speaks {PROTOCOL_VERSION}",
-            )
+            return self.fail(hdr, Status.BAD_VERSION, version_mismatch(PROTOCOL_VERSION, version))
         expected = self.node.token
         if expected is not None and not hmac.compare_digest(expected, token):
             log.warning("session %d (%s): wrong or missing token", self.session_id, self.peer)
@@ -389,14 +376,12 @@ class Session:
 
 
 _REFUSAL_REASON = {
-    Status.BAD_ADDRESS: "bad_address",
     Status.LIMIT_EXCEEDED: "over_limit",
 }
 """Refusal reason (a metrics label) per error status; every other status is a bad frame."""
 
 
 _STATUS_BY_ERROR: tuple[tuple[type[RdmakvError], Status], ...] = (
-    (BadAddress, Status.BAD_ADDRESS),
     (LimitExceeded, Status.LIMIT_EXCEEDED),
     (UnsupportedTransport, Status.UNSUPPORTED),
     (FrameTooLarge, Status.FRAME_TOO_LARGE),
@@ -467,7 +452,6 @@ class KVNode:
         self._counts: dict[str, int] = {
             "sessions_total": 0,
             "protocol_errors": 0,
-            "refused_ops": 0,
             "bytes_leased_one_sided": 0,
             "exists_native": 0,  # EXISTS answered by the native loop (node/native_loop.py)
             **{f"refused_{r}": 0 for r in REFUSAL_REASONS},
@@ -590,7 +574,6 @@ class KVNode:
             session_id=session_id,
             max_payload=MAX_PAYLOAD,
             max_keys=MAX_KEYS_PER_REQUEST,
-            max_ops=MAX_OPS_PER_DATA_REQUEST,
             max_bulk=MAX_BULK_BYTES,
             transports=self.transports,
         )

@@ -9,7 +9,7 @@ Ownership of a pool block, as slab references:
   it; commit hands it to the index, abort/disconnect frees it;
 * a committed entry holds 1 reference while it is in the index;
 * every lease holds 1 reference until released, expired, or its session ends;
-* a READ in progress pins the block (1 reference) until the bytes are sent.
+* a GET in progress pins the block (1 reference) until the bytes are sent.
 
 So a block is reused only when nobody can still read or write it. Eviction
 (byte-capacity LRU: the pool is the capacity) removes committed entries from
@@ -61,14 +61,14 @@ from rdmakv.protocol import (
     encode_get_answer,
 )
 from rdmakv.slab import Slab
-from rdmakv.transport.base import BadAddress, ExtentGuard, PinnedValues, ReceivingValues
+from rdmakv.transport.base import ExtentGuard, PinnedValues, ReceivingValues
 
 log = logging.getLogger("rdmakv.node")
 
 DEFAULT_LEASE_QUOTA_SHARE = 2
 """Default per-session lease quota: 1 / this of the pool ..."""
 LEASE_QUOTA_FLOOR = MAX_BULK_BYTES
-"""... but never below the bulk bytes of one READ (256 MiB), so one client's batched
+"""... but never below the bulk bytes of one answer (256 MiB), so one client's batched
 get always fits: on a pool under twice that, the default quota guards nothing."""
 
 
@@ -95,7 +95,6 @@ class Counters:
     bytes_read: int = 0
     bytes_committed_one_sided: int = 0
     """Bytes of extents committed that never passed through the node (RDMA WRITE)."""
-    bad_addresses: int = 0
     lease_refusals: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -291,7 +290,7 @@ class KVStore:
         writer's checksum of its bytes; False for any other key.
 
         With ``require_written`` an extent the node did not receive in full
-        through WRITE stays uncommitted (False): its bytes may be stale.
+        through PUT stays uncommitted (False): its bytes may be stale.
         """
         with self._lock:
             done = self._index.commit(session, keys, checksums, require_written=require_written)
@@ -467,89 +466,6 @@ class KVStore:
     def expire_leases(self) -> None:
         with self._lock:
             self._expire()
-
-    # -- data-path checks -------------------------------------------------------------
-    def _block_of(self, addr: int, length: int, what: str) -> int:
-        off = addr - self.pool.base_addr
-        if length <= 0 or off < 0 or off + length > self.pool.nbytes:
-            self.counters.bad_addresses += 1
-            raise BadAddress(
-                f"{what} of {length} bytes at 0x{addr:x} is outside the node pool "
-                f"[0x{self.pool.base_addr:x}, 0x{self.pool.base_addr + self.pool.nbytes:x})"
-            )
-        return off // self.block_size
-
-    def open_write(
-        self, session: int, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        """Pool views for ops inside extents this session allocated and has not
-        committed, and a callback marking fully covered extents as written.
-
-        No pin is needed: only this session can commit/abort them, and it is
-        busy running this write.
-        """
-        views = []
-        covered: list[int] = []  # blocks whose whole extent an op writes
-        buf = self.pool.buffer
-        base = self._base
-        with self._lock:
-            for addr, length in ops:
-                block = self._block_of(addr, length, "write")
-                reserved = self._index.pending_length(session, block)
-                start = base + block * self.block_size
-                if not reserved or addr + length > start + reserved:
-                    self.counters.bad_addresses += 1
-                    raise BadAddress(
-                        f"write of {length} bytes at 0x{addr:x} is not inside an extent "
-                        "allocated to this client and not yet committed"
-                    )
-                if addr == start and length == reserved:
-                    covered.append(block)
-                off = addr - base
-                views.append(buf[off : off + length])
-
-        def written() -> None:
-            with self._lock:
-                self._index.mark_written(session, covered)
-                self.counters.bytes_written += sum(n for _, n in ops)
-
-        return views, written
-
-    def pin_readable(
-        self, session: int, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        """Pool views for ops inside extents leased to this session, pinned until unpin()."""
-        views = []
-        blocks: list[int] = []
-        buf = self.pool.buffer
-        with self._lock:
-            self._expire()
-            try:
-                for addr, length in ops:
-                    block = self._block_of(addr, length, "read")
-                    leased = self._leases.covering(session, block)
-                    if leased is None or addr + length > leased[0] + leased[1]:
-                        self.counters.bad_addresses += 1
-                        raise BadAddress(
-                            f"read of {length} bytes at 0x{addr:x} is not inside an extent "
-                            "this client holds a live lease on (never leased, released or expired)"
-                        )
-                    self.pool.incref(block)
-                    blocks.append(block)
-                    off = addr - self.pool.base_addr
-                    views.append(buf[off : off + length])
-            except BaseException:
-                for b in blocks:
-                    self.pool.decref(b)
-                raise
-            self.counters.bytes_read += sum(n for _, n in ops)
-
-        def unpin() -> None:
-            with self._lock:
-                for b in blocks:
-                    self.pool.decref(b)
-
-        return views, unpin
 
     def pin_values(self, request: GetRequest) -> PinnedValues:
         """Each requested key's committed value when stored with that digest

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from rdmakv.errors import ConfigError, UnsupportedTransport
 from rdmakv.transport.base import (
-    BadAddress,
     IoFuture,
     IoOp,
     NodeDataPath,
@@ -27,7 +26,6 @@ from rdmakv.transport.base import (
 )
 
 __all__ = [
-    "BadAddress",
     "IoFuture",
     "IoOp",
     "NodeDataPath",

@@ -1,23 +1,25 @@
-"""The transport interface: batched one-sided I/O between a client slab and a node pool.
+"""The transport interface: how a client's put/get moves a batch, and what the node serves.
 
-Client side (:class:`Transport`): the client registers its slab once, then
-issues batches of :class:`IoOp` -- ``(local_offset into the slab, absolute
-remote address inside the node's pool, length, rkey)`` -- or the same rows as
-one :data:`OpTable` (what the client builds from a decoded ALLOC or LOOKUP
-answer without a Python object per op). ``write`` moves slab bytes
-into remote extents the node allocated for this client; ``read`` moves leased
-remote extents into the slab. Both return an :class:`IoFuture`; every wait on
-it is bounded by a timeout.
+Client side (:class:`Transport`): one connection's data path, built over the
+authenticated control channel. Each transport owns its put/get strategy:
+``tcp`` names keys, its PUT carrying the values and its GET answer bringing
+them back (:mod:`rdmakv.transport.tcp`); a one-sided transport (``rdma``)
+ALLOCs or LOOKUPs extents and moves the bytes itself, batches of
+:class:`IoOp` -- ``(local_offset into the slab, absolute remote address
+inside the node's pool, length, rkey)`` -- or the same rows as one
+:data:`OpTable` (:mod:`rdmakv.transport.extents`). Every wait is bounded by a
+timeout.
 
 Node side (:class:`NodeDataPath`): what the node does per transport. It may
 claim opcodes (``handlers``) that the node's dispatch table routes to it, e.g.
-WRITE/READ/GET/PUT for tcp, ``Op.RDMA_CONNECT`` for rdma, and is told when a session
-ends. A handler gets a :class:`NodeSession`, through which every remote-supplied
-address is checked against the extents the node handed to *that* session.
+GET/PUT for tcp, ``Op.RDMA_CONNECT`` for rdma, and is told when a session
+ends. A handler gets a :class:`NodeSession`, through which it reaches the
+store on behalf of *that* session.
 
-Ownership: slab blocks named by an in-flight op must stay referenced by the
-caller until the future completes. Remote extents stay valid for writes until
-commit/abort/disconnect, for reads until the lease is released or expires.
+Ownership: slab blocks named by a put or get, or by an in-flight op, stay
+referenced by the caller until it returns or the future completes. Remote
+extents stay valid for writes until commit/abort/disconnect, for reads until
+the lease is released or expires.
 
 Confinement: a one-sided data path cannot check addresses per op, so the node
 lets the device do it. The store tells the data path (:class:`ExtentGuard`)
@@ -36,16 +38,22 @@ from typing import ClassVar, NamedTuple, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from rdmakv.errors import ConfigError, RemoteError, TransportError, TransportTimeout
+from rdmakv.errors import ConfigError, RemoteError, TransportTimeout
 from rdmakv.protocol import AllocRequest, BatchEncoder, Channel, GetRequest, Header, NodeInfo
 from rdmakv.slab import Slab
 
 REQUEST_BYTES_AHEAD = 32 * 1024
-"""While a read's future is not yet collected, its bytes may still be on their
-way over the connection (tcp), with the node blocked sending them: a caller
-sends at most this many bytes of further requests on that connection before
-collecting it, so they fit the node's receive buffer and neither end waits
-for the other forever."""
+"""While an answer that carries values (tcp's GET) is not yet read, the node
+may be blocked sending it: a caller sends at most this many bytes of further
+requests on that connection before reading it, so they fit the node's receive
+buffer and neither end waits for the other forever."""
+
+PIPELINE_WINDOW = 4
+"""Sub-batches a put/get splits into and keeps in flight: each one's control
+round trip (ALLOC, LOOKUP) or request overhead is hidden behind the previous
+one's data transfer."""
+MIN_SUB_BATCH = 64
+"""Keys per sub-batch at least: smaller batches are not worth splitting."""
 
 
 class IoOp(NamedTuple):
@@ -70,7 +78,8 @@ layout the native RDMA loop reads as it is (``rk_op``)."""
 OP_TABLE_FIELDS = len(IoOp._fields)
 
 Ops: TypeAlias = "Sequence[IoOp] | OpTable"
-"""What :meth:`Transport.write` and :meth:`Transport.read` take."""
+"""What a one-sided transport's ``write`` and ``read`` take
+(:class:`~rdmakv.transport.extents.ExtentTransport`)."""
 
 
 def iov_at(base: int, offsets: npt.ArrayLike, lengths: np.ndarray) -> npt.NDArray[np.uint64]:
@@ -102,7 +111,7 @@ def io_ops(ops: Ops) -> Sequence[IoOp]:
 
 
 class Fetched(NamedTuple):
-    """What :meth:`Transport.fetch` brought in."""
+    """What :meth:`Transport.get` brought in."""
 
     sizes: list[int | None]
     """Per key, the value's length where its bytes are now in the slab; None: a miss."""
@@ -113,7 +122,7 @@ class Fetched(NamedTuple):
 
 
 class Stored(NamedTuple):
-    """What :meth:`Transport.store` did."""
+    """What :meth:`Transport.put` did."""
 
     ok: list[bool]
     """Per key: the node holds it now (stored by this call, or present already)."""
@@ -201,68 +210,89 @@ def _first_outside(
     return io_ops(table[np.flatnonzero(bad)[:1]])[0]
 
 
+def sub_batch_sizes(n: int, max_keys: int, *, ramp: bool = True) -> list[int]:
+    """Split ``n`` keys so each sub-batch's control round trip overlaps the
+    previous sub-batch's data transfer.
+
+    Sub-batches are about ``n / PIPELINE_WINDOW`` keys (at least
+    ``MIN_SUB_BATCH``, at most the node's ``max_keys``). With ``ramp`` the
+    first and last ones ramp (64, 128, ... keys): where the data waits for a
+    control round trip (an ALLOC before a one-sided write, a LOOKUP before a
+    read), the first ALLOC/LOOKUP and the last COMMIT are the round trips
+    nothing overlaps, so they should be short. Without it (a PUT that carries
+    its values, a GET whose answer carries them) no round trip comes before
+    the data, and every extra sub-batch only adds a request's fixed work on
+    both ends. Sizes sum to ``n`` and none exceeds ``max_keys``.
+    """
+    if n <= 0:
+        return []
+    full = min(max_keys, max(MIN_SUB_BATCH, -(-n // PIPELINE_WINDOW)))
+    ramp_sizes: list[int] = []
+    step = MIN_SUB_BATCH
+    while ramp and step < full and 2 * (sum(ramp_sizes) + step) + full <= n:
+        ramp_sizes.append(step)
+        step *= 2
+    middle = n - 2 * sum(ramp_sizes)
+    pieces = -(-middle // full)
+    even = [middle // pieces + (1 if i < middle % pieces else 0) for i in range(pieces)]
+    return [*ramp_sizes, *even, *reversed(ramp_sizes)]
+
+
+def sub_batches(n: int, max_keys: int, *, ramp: bool = True) -> list[tuple[int, int]]:
+    """(start, end) of each sub-batch of ``n`` keys; see :func:`sub_batch_sizes`."""
+    out = []
+    start = 0
+    for size in sub_batch_sizes(n, max_keys, ramp=ramp):
+        out.append((start, start + size))
+        start += size
+    return out
+
+
 class Transport(ABC):
-    """Client side of one connection's data path. Not thread-safe: the KVClient serialises."""
+    """Client side of one connection's data path: its put/get strategy. Not
+    thread-safe: the KVClient serialises.
+
+    ``put`` and ``get`` split a batch into sub-batches within the node's
+    ``max_keys`` and keep several in flight. A node's refusal of one request
+    (a :class:`RemoteError`) is reported in the result, once every answer
+    asked for was read, so the connection stays in sync; anything else
+    raised leaves the connection to be dropped by its owner.
+    """
 
     name: ClassVar[str]
-    node_verifies_writes: ClassVar[bool] = False
-    """True when the node itself sees every written byte (tcp): the client may
-    then queue COMMIT (with COMMIT_FLAG_REQUIRE_WRITTEN) behind the writes
-    without waiting for them. False for one-sided RDMA: wait, then commit."""
 
     @abstractmethod
     def register_local(self, slab: Slab) -> None:
         """Register the client slab (once per slab; RDMA registers the MR here)."""
 
     @abstractmethod
-    def write(self, ops: Ops, timeout: float) -> IoFuture:
-        """One-sided write: slab ranges -> remote extents allocated to this client."""
-
-    @abstractmethod
-    def read(self, ops: Ops, timeout: float) -> IoFuture:
-        """One-sided read: remote extents leased to this client -> slab ranges.
-
-        Until the future is collected, the caller sends at most
-        :data:`REQUEST_BYTES_AHEAD` bytes of further requests on this connection."""
-
-    fetches_by_key: ClassVar[bool] = False
-    """True when :meth:`fetch` serves a get in one round trip per sub-batch (tcp's
-    GET); else the client LOOKUPs extents and :meth:`read` s them."""
-
-    def fetch(
-        self,
-        keys: Sequence[bytes],
-        handles: Sequence[int],
-        encoder: BatchEncoder,
-        batches: Sequence[tuple[int, int]],
-        timeout: float,
-    ) -> Fetched:
-        """Values of ``keys`` into slab blocks ``handles``, asked for in
-        ``batches`` (``(start, end)`` ranges of the keys), each checked against
-        its checksum before it counts as a hit. ``encoder``: the call's
-        :class:`~rdmakv.protocol.BatchEncoder` of these keys and the digests
-        they must be stored with (:func:`rdmakv.client.check_get` made it)."""
-        raise NotImplementedError(f"the {self.name} transport reads by extent: LOOKUP, then read")
-
-    stores_by_key: ClassVar[bool] = False
-    """True when :meth:`store` serves a put without waiting for extents (tcp's
-    PUT); else the client ALLOCs extents and :meth:`write` s into them."""
-
-    def store(
+    def put(
         self,
         keys: Sequence[bytes],
         handles: Sequence[int],
         sizes: Sequence[int],
         encoder: BatchEncoder,
-        batches: Sequence[tuple[int, int]],
         timeout: float,
     ) -> Stored:
-        """Put slab blocks ``handles`` (``sizes`` bytes each) under ``keys``, in
-        ``batches`` (``(start, end)`` ranges of the keys), each value published
-        with the checksum of the bytes that went out. ``encoder``: the call's
-        :class:`~rdmakv.protocol.BatchEncoder` of these keys, their digests and
-        ``sizes`` (:func:`rdmakv.client.check_put` made it)."""
-        raise NotImplementedError(f"the {self.name} transport writes by extent: ALLOC, then write")
+        """Put slab blocks ``handles`` (``sizes`` bytes each) under ``keys``,
+        each value published with the checksum of the bytes that went out.
+        ``encoder``: the call's :class:`~rdmakv.protocol.BatchEncoder` of these
+        keys, their digests and ``sizes`` (:func:`rdmakv.client.check_put`
+        made it)."""
+
+    @abstractmethod
+    def get(
+        self,
+        keys: Sequence[bytes],
+        handles: Sequence[int],
+        digests: Sequence[bytes],
+        encoder: BatchEncoder,
+        timeout: float,
+    ) -> Fetched:
+        """Values of ``keys`` stored with ``digests`` into slab blocks
+        ``handles``, each checked against its checksum before it counts as a
+        hit. ``encoder``: the call's :class:`~rdmakv.protocol.BatchEncoder` of
+        these keys and digests (:func:`rdmakv.client.check_get` made it)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -315,22 +345,6 @@ class NodeSession(Protocol):
     channel: Channel
     one_sided: bool
     """True while the client can move bytes without the node (an RDMA QP is up)."""
-
-    def open_write(
-        self, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        """Pool views for (addr, len) ops, each inside an extent allocated to this
-        session and not yet committed (raises ``BadAddress`` otherwise), and a
-        callback to run once every byte has arrived: it marks the extents the
-        ops cover in full as written (see ``COMMIT_FLAG_REQUIRE_WRITTEN``)."""
-        ...
-
-    def pin_readable(
-        self, ops: Sequence[tuple[int, int]]
-    ) -> tuple[list[memoryview], Callable[[], None]]:
-        """Pool views for ops inside extents this session holds leases on, pinned so
-        no eviction/expiry reuses them until the returned unpin() is called."""
-        ...
 
     def alloc_received(self, request: AllocRequest) -> ReceivingValues:
         """ALLOC for values the node receives itself, per (key, size, digest) item."""
@@ -439,7 +453,3 @@ class NodeDataPathFactory(Protocol):
     """Builds a node data path over the pool (a :class:`NodeDataPath` subclass)."""
 
     def __call__(self, pool: Slab, *, confinement: str = CONFINE_WINDOWS) -> NodeDataPath: ...
-
-
-class BadAddress(TransportError):
-    """A data op names memory outside the extents handed to this client."""

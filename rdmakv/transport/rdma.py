@@ -5,9 +5,10 @@ device (shared by every peer); each peer connection gets one RC QP whose
 connection info is exchanged with the node over the control channel
 (``Op.RDMA_CONNECT``, JSON :class:`~rdmakv.transport.verbs.ConnInfo` both
 ways). A put is RDMA WRITEs from slab blocks into node extents, a get is RDMA
-READs from leased node extents into slab blocks; the node CPU is not in the
-data path. Batches go to the native hot loop (SGL gathering, chained WRs,
-selective signalling, bounded outstanding WRs, batched CQ polling).
+READs from leased node extents into slab blocks (the extent strategy of
+:mod:`rdmakv.transport.extents`); the node CPU is not in the data path.
+Batches go to the native hot loop (SGL gathering, chained WRs, selective
+signalling, bounded outstanding WRs, batched CQ polling).
 
 Node side (:class:`RdmaNodeDataPath`): the pool is registered ONCE at start;
 each session that sends ``RDMA_CONNECT`` gets its own QP (a repeated connect
@@ -64,11 +65,11 @@ from rdmakv.transport.base import (
     NodeSession,
     Ops,
     OpTable,
-    Transport,
     check_local_ops,
     check_remote_ops,
 )
 from rdmakv.transport.checksum import checksum_ranges
+from rdmakv.transport.extents import ExtentTransport
 
 log = logging.getLogger("rdmakv.rdma")
 
@@ -210,7 +211,7 @@ DRAIN_WAIT_S = 5.0
 own drain is bounded at 2 s; this only guards against a stuck device)."""
 
 
-class RdmaTransport(Transport):
+class RdmaTransport(ExtentTransport):
     """Client side of one peer connection.
 
     ``write``/``read`` validate the ops and queue the batch for this

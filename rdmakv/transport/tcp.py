@@ -1,32 +1,21 @@
-"""Software one-sided I/O over the control connection (the ``tcp`` transport).
+"""The ``tcp`` transport: puts and gets by key over the control connection.
 
-The node serves WRITE/READ requests naming ``(absolute pool address, length)``
-lists. Bytes move with scatter-gather socket calls straight between the
-socket and slab/pool blocks (``sendmsg`` of block views, ``recvmsg_into`` of
-block views): no intermediate ``bytes``. A batch is split into requests within
-the node's advertised limits (ops and bulk bytes per request); WRITEs are all
-sent before their acknowledgements are read; a small batch's READs are all
-sent at once and their answers read when the caller collects the future (so
-the node already moves this batch while the caller prepares the next), a large
-batch's run ``READ_PIPELINE_DEPTH`` deep before ``read`` returns.
-
-A get needs no addresses: ``fetch`` sends one GET per sub-batch (keys and
-the digests they must be stored with) and the node answers with each hit's
+A get needs no addresses: ``get`` sends one GET per sub-batch (keys and the
+digests they must be stored with) and the node answers with each hit's
 length and checksum followed by the values, which land straight in their
 slab blocks -- lookup and read in one round trip, no lease to release (the
 node pins the blocks only while it sends them). A put needs none either:
-``store`` sends one PUT per sub-batch (the ALLOC items, the values right
+``put`` sends one PUT per sub-batch (the ALLOC items, the values right
 behind them as bulk) and its COMMIT right behind that; the node receives
 each value it could allocate straight into its extent and drops the bytes of
-the others. LOOKUP + READ and ALLOC + WRITE remain for callers that hold
-extents (and are what rdma uses).
+the others. Bytes move with scatter-gather socket calls straight between the
+socket and slab/pool blocks: no intermediate ``bytes``.
 
-The data ops share the control socket, so control and data stay ordered and
-the node can tie every op to the session that received the extents. Because
-the node sees every written byte, it marks an extent *written* only once the
-whole extent arrived; the client queues ``COMMIT`` (with
-``COMMIT_FLAG_REQUIRE_WRITTEN``) right behind its WRITEs, and an extent whose
-write failed is never published.
+The requests share the control socket, so control and data stay ordered.
+Because the node sees every written byte, it marks an extent *written* only
+once the whole value arrived; the client queues ``COMMIT`` (with
+``COMMIT_FLAG_REQUIRE_WRITTEN``) right behind its PUT, and a value whose
+bytes did not all arrive is never published.
 
 The per-block loop runs in the native core (native/rk_tcp.c, in
 ``rdmakv._native``: plain libc, no libibverbs): one C call moves a whole
@@ -62,7 +51,7 @@ import dataclasses
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -73,7 +62,6 @@ from rdmakv.defaults import DEFAULT_TCP_SEND_PLAN
 from rdmakv.errors import ConfigError, ConnectionLost, ProtocolError, RdmakvError, RemoteError
 from rdmakv.protocol import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
-    DATA_OP,
     HEADER,
     MAX_BULK_BYTES,
     RESPONSE_BIT,
@@ -90,9 +78,7 @@ from rdmakv.protocol import (
     Reply,
     Status,
     check_get_answer_layout,
-    chunk_ops,
     decode_alloc_request,
-    decode_data_ops,
     decode_flags,
     decode_get_request,
     decode_put_answer,
@@ -108,37 +94,16 @@ from rdmakv.slab import Slab
 from rdmakv.transport.base import (
     REQUEST_BYTES_AHEAD,
     Fetched,
-    IoFuture,
-    IoOp,
     NodeDataPath,
     NodeHandler,
     NodeSession,
-    Ops,
     ReceivingValues,
     Stored,
     Transport,
-    check_local_ops,
-    io_ops,
     iov_at,
+    sub_batches,
 )
 from rdmakv.transport.checksum import HASHER
-
-READ_PIPELINE_DEPTH = 2
-"""READ requests in flight for a batch too large to send at once (see
-:data:`LAZY_READ_REQUEST_BYTES`). Two keeps the socket busy while the previous
-response is parsed; more only adds buffered request bytes (deadlock risk with
-READ replies filling the other direction). WRITE responses are 24 bytes, so
-every WRITE of a batch is sent before any response is read."""
-
-
-LAZY_READ_REQUEST_BYTES = 16 * 1024
-"""A read batch whose READ requests take at most this many bytes is sent at
-once and received when its future is collected (:class:`TcpBatchFuture`).
-Until then the node may be blocked sending its answers, so whatever the
-client sends meanwhile waits in the node's receive buffer (Linux: 128 KiB by
-default): these requests plus the caller's (at most
-:data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD`) stay well inside it."""
-
 
 PUT_DRAIN_BYTES = 1024 * 1024
 """Scratch a PUT's refused values are received into (and dropped), at most."""
@@ -162,8 +127,6 @@ _RK_TCP_EINTR = 4
 _RK_TCP_MISSED = 0  # per key of a GET answer (rk_tcp_get_answer_check; the Python path's too)
 _RK_TCP_CORRUPT = -1
 assert (_lib.RK_TCP_MISSED, _lib.RK_TCP_CORRUPT) == (_RK_TCP_MISSED, _RK_TCP_CORRUPT)
-_WIRE_OP = np.dtype([("addr", "<u8"), ("len", "<u4")])  # DATA_OP as a numpy record
-assert _WIRE_OP.itemsize == DATA_OP.size
 
 
 def native_checksums() -> bool:
@@ -368,54 +331,9 @@ def _u64(values: Sequence[int]) -> np.ndarray:
     return np.frombuffer(array.array("Q", values), dtype=np.uint64)
 
 
-def _client_batch(batch: Sequence[IoOp], base: int) -> tuple[bytes, np.ndarray, int]:
-    """A batch's wire payload (``encode_data_ops`` of its remote ranges), its
-    local iovec table (slab ``base`` + offsets) and its byte count, without
-    per-op Python work beyond one ``zip``."""
-    n = len(batch)
-    local, remote, lengths = tuple(zip(*batch, strict=True))[:3]  # IoOp.rkey: rdma only
-    lens = _u64(lengths)
-    if int(lens.max()) > 0xFFFFFFFF:
-        raise ProtocolError("a data op longer than 4 GiB cannot be encoded")
-    wire = np.empty(n, dtype=_WIRE_OP)
-    wire["addr"] = _u64(remote)
-    wire["len"] = lens
-    return U32.pack(n) + wire.tobytes(), iov_at(base, _u64(local), lens), int(lens.sum())
-
-
 def _address_of(buf: bytes | bytearray | np.ndarray) -> int:
     """Where ``buf``'s bytes are (valid while the caller holds ``buf``)."""
     return int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf)))
-
-
-def _with_head(head: bytes, iov: np.ndarray) -> np.ndarray:
-    """``iov`` with a first row for ``head`` (bytes the caller keeps alive):
-    frames that go out in the same system call as the values behind them."""
-    table = np.empty((1 + len(iov), 2), dtype=np.uint64)
-    table[0] = (_address_of(head), len(head))
-    table[1:] = iov
-    return table
-
-
-def _node_iov(
-    payload: bytearray, count: int, pool: Slab, head: bytes | None = None
-) -> np.ndarray:
-    """The iovec table of a WRITE/READ request whose ``count`` ops the store
-    has already checked against this session's extents; checked again here
-    against the pool's bounds, as the native loop writes raw memory. With
-    ``head`` (bytes the caller keeps alive) the table starts with it, so a
-    READ answer's header goes out in the same system call as its bytes."""
-    wire = np.frombuffer(payload, dtype=_WIRE_OP, count=count, offset=U32.size)
-    iov = np.empty((count, 2), dtype=np.uint64)
-    iov[:, 0] = wire["addr"]
-    iov[:, 1] = wire["len"]
-    lo, hi = np.uint64(pool.base_addr), np.uint64(pool.base_addr + pool.nbytes)
-    addr, length = iov[:, 0], iov[:, 1]
-    inside = (addr >= lo) & (addr <= hi)
-    # hi - addr cannot wrap where addr <= hi; addr + length could, so it is never formed
-    if count and not (inside.all() and (length <= hi - np.where(inside, addr, hi)).all()):
-        raise ProtocolError("data op outside the node pool")  # unreachable: the store checked
-    return iov if head is None else _with_head(head, iov)
 
 
 def _await_answer(ch: Channel, reply: Reply) -> RdmakvError | None:
@@ -431,168 +349,33 @@ def _await_answer(ch: Channel, reply: Reply) -> RdmakvError | None:
     return None
 
 
-class TcpBatchFuture(IoFuture):
-    """Requests of one batch already sent; completes when the node has answered
-    every one of them, in order (a READ answer's bytes land in the slab as it
-    is read). ``sums`` (READ with native checksums) fills ``checksums`` then."""
-
-    def __init__(
-        self,
-        channel: Channel,
-        replies: list[Reply],
-        timeout: float,
-        what: str,
-        sums: np.ndarray | None = None,
-    ) -> None:
-        super().__init__(timeout)
-        self._ch = channel
-        self._replies = replies
-        self._what = what
-        self._sums = sums
-
-    def done(self) -> bool:
-        return self._event.is_set() or all(r.done for r in self._replies)
-
-    def result(self, timeout: float | None = None) -> None:
-        if not self._event.is_set():
-            self._ch.set_timeout(self._default_timeout if timeout is None else timeout)
-            first: RdmakvError | None = None
-            try:
-                for r in self._replies:
-                    first = first or _await_answer(self._ch, r)
-            except OSError as e:
-                raise wrap_socket_errors(self._what, e) from e
-            if self._sums is not None:
-                self.checksums = self._sums.tolist()
-            self.set_result(first)
-        super().result(0)
-
-
 class TcpTransport(Transport):
-    """Client side, over the control channel.
+    """Client side, over the control channel: puts and gets by key (PUT, GET).
 
-    ``write`` sends every WRITE request of the batch at once and returns a
-    future that reads the acknowledgements, so the caller can queue COMMIT
-    behind the writes (``node_verifies_writes``). ``read`` of a small batch
-    sends its requests and returns; the future reads the answers (and the
-    next large read or any write reads them first). A larger ``read``
-    completes before it returns. On a socket failure the channel is unusable
-    and the error raised; the owner (KVClient) drops the connection and
-    reconnects on the next call.
+    On a socket failure the channel is unusable and the error raised; the
+    owner (KVClient) drops the connection and reconnects on the next call.
     """
 
     name = "tcp"
-    node_verifies_writes = True
 
     def __init__(self, channel: Channel, info: NodeInfo, timeout: float) -> None:
         self._ch = channel
         self._info = info
         self._timeout = timeout
         self._slab: Slab | None = None
-        self._local: memoryview | None = None
-        self._lazy: list[TcpBatchFuture] = []
-        """Lazy READ batches whose answers may still be unread."""
 
     def register_local(self, slab: Slab) -> None:
         self._slab = slab
-        self._local = slab.buffer
 
-    def _chunks(self, ops: Sequence[IoOp]) -> list[tuple[int, int]]:
-        check_local_ops(ops, self._slab)
-        return list(chunk_ops([op.length for op in ops], self._info.max_ops, self._info.max_bulk))
-
-    def _settle_lazy(self) -> None:
-        """Read the answers of earlier lazy READ batches before sending requests
-        too large to queue behind them (their errors stay with their futures)."""
-        for fut in self._lazy:
-            with contextlib.suppress(RdmakvError):
-                fut.result()
-        self._lazy = []
-
-    def write(self, ops: Ops, timeout: float) -> IoFuture:
-        ops = io_ops(ops)  # op by op: tcp's own puts go through store()
-        self._settle_lazy()
-        chunks = self._chunks(ops)
-        assert self._local is not None
-        ch = self._ch
-        replies = []
-        sums = np.empty(len(ops), dtype=np.uint64) if native_checksums() else None
-        try:
-            ch.set_timeout(timeout)
-            for start, end in chunks:
-                batch = ops[start:end]
-                assert self._slab is not None
-                payload, iov, total = _client_batch(batch, self._slab.base_addr)
-                # header + payload first, then the bulk straight from the slab
-                replies.append(ch.submit(Op.WRITE, payload, "WRITE", bulk_len=total))
-                # `self._local` keeps the slab mapped meanwhile
-                send_iov(ch.sock, iov, None if sums is None else sums[start:end])
-        except OSError as e:
-            raise wrap_socket_errors("WRITE", e) from e
-        fut = TcpBatchFuture(ch, replies, timeout, "WRITE")
-        fut.checksums = None if sums is None else sums.tolist()  # hashed as they went out
-        return fut
-
-    def read(self, ops: Ops, timeout: float) -> IoFuture:
-        ops = io_ops(ops)  # op by op: tcp's own gets go through fetch()
-        chunks = self._chunks(ops)
-        assert self._local is not None
-        ch = self._ch
-        replies: list[Reply] = []
-        sums = np.empty(len(ops), dtype=np.uint64) if native_checksums() else None
-
-        def native_receiver(
-            iov: np.ndarray, want: int, chunk_sums: np.ndarray | None
-        ) -> Callable[[Header], None]:
-            def on_ok(hdr: Header) -> None:
-                if hdr.bulk_len != want:
-                    raise ProtocolError(
-                        f"READ response carries {hdr.bulk_len} bytes, asked for {want}"
-                    )
-                # `self._local` keeps the slab mapped meanwhile
-                recv_iov_from(ch, iov, want, chunk_sums)
-
-            return on_ok
-
-        # A small batch's requests all go out now and its answers are read
-        # when the caller collects the future, so the node moves these bytes
-        # while the caller prepares its next batch. A larger one is moved
-        # before read() returns: requests sent behind unread answers must fit
-        # the node's receive buffer (see LAZY_READ_REQUEST_BYTES).
-        request_bytes = len(chunks) * (HEADER.size + U32.size) + len(ops) * DATA_OP.size
-        lazy = request_bytes <= LAZY_READ_REQUEST_BYTES
-        if not lazy:
-            self._settle_lazy()
-        try:
-            ch.set_timeout(timeout)
-            for start, end in chunks:
-                batch = ops[start:end]
-                assert self._slab is not None
-                payload, iov, want = _client_batch(batch, self._slab.base_addr)
-                on_ok = native_receiver(iov, want, None if sums is None else sums[start:end])
-                replies.append(ch.submit(Op.READ, payload, "READ", on_ok=on_ok))
-                if not lazy and len(replies) >= READ_PIPELINE_DEPTH:
-                    _await_answer(ch, replies[-READ_PIPELINE_DEPTH])  # refusals: see below
-            fut = TcpBatchFuture(ch, replies, timeout, "READ", sums)
-            if lazy:
-                self._lazy = [f for f in self._lazy if not f.done()] + [fut]
-            elif replies:
-                _await_answer(ch, replies[-1])  # every answer in; fut.result() reports refusals
-        except OSError as e:
-            raise wrap_socket_errors("READ", e) from e
-        return fut
-
-    fetches_by_key = True
-
-    def fetch(
+    def get(
         self,
         keys: Sequence[bytes],
         handles: Sequence[int],
+        digests: Sequence[bytes],
         encoder: BatchEncoder,
-        batches: Sequence[tuple[int, int]],
         timeout: float,
     ) -> Fetched:
-        """One GET per batch (split so its hits fit one answer's bulk), sent
+        """One GET per sub-batch (split so its hits fit one answer's bulk), sent
         ahead while earlier answers are still arriving, but never more than
         :data:`~rdmakv.transport.base.REQUEST_BYTES_AHEAD` of requests behind
         an unread answer (the node may be blocked sending it). Each answer's
@@ -604,14 +387,15 @@ class TcpTransport(Transport):
         checks): no Python per answer, and the GIL released throughout."""
         slab = self._slab
         if slab is None:
-            raise ProtocolError("fetch before register_local")
-        self._settle_lazy()
+            raise ProtocolError("get before register_local")
         bs = slab.block_size
         per_answer = max(1, self._info.max_bulk // bs)
         handle_table = np.asarray(handles, dtype=np.uint64)
+        # a GET's answer carries the values: no ramp (see sub_batch_sizes)
+        batches = sub_batches(len(keys), self._info.max_keys, ramp=False)
         requests = [(s, min(end, s + per_answer))
                     for start, end in batches for s in range(start, end, per_answer)]
-        at_once = self._fetch_at_once(slab, keys, handle_table, encoder, requests, timeout)
+        at_once = self._get_at_once(slab, keys, handle_table, encoder, requests, timeout)
         if at_once is not None:
             return at_once
         out: list[int | None] = [None] * len(keys)
@@ -643,7 +427,7 @@ class TcpTransport(Transport):
             raise wrap_socket_errors("GET", e) from e
         return Fetched(out, corrupt, refused[0] if refused else None)
 
-    def _fetch_at_once(
+    def _get_at_once(
         self,
         slab: Slab,
         keys: Sequence[bytes],
@@ -652,7 +436,7 @@ class TcpTransport(Transport):
         requests: Sequence[tuple[int, int]],
         timeout: float,
     ) -> Fetched | None:
-        """:meth:`fetch` of ``requests`` (each a run of keys) in one native
+        """:meth:`get` of ``requests`` (each a run of keys) in one native
         call; None where that call does not take it (nothing was sent then)."""
         if not native_checksums():  # its hasher is the one _HASHER_ADDRESS names
             return None
@@ -669,18 +453,15 @@ class TcpTransport(Transport):
         sizes, corrupt, refused = got
         return Fetched(sizes, [keys[j] for j in corrupt], refused)
 
-    stores_by_key = True
-
-    def store(
+    def put(
         self,
         keys: Sequence[bytes],
         handles: Sequence[int],
         sizes: Sequence[int],
         encoder: BatchEncoder,
-        batches: Sequence[tuple[int, int]],
         timeout: float,
     ) -> Stored:
-        """One PUT per batch (split so its values fit one request's bulk), the
+        """One PUT per sub-batch (split so its values fit one request's bulk), the
         values sent straight from the slab and hashed on the way out, then its
         COMMIT with those checksums (the node commits only values it received
         in full). Answers are read only once more than
@@ -692,10 +473,11 @@ class TcpTransport(Transport):
         sub-batches, and the node never waits for this end's Python."""
         slab = self._slab
         if slab is None:
-            raise ProtocolError("store before register_local")
-        self._settle_lazy()
+            raise ProtocolError("put before register_local")
         bs = slab.block_size
         per_request = max(1, self._info.max_bulk // bs)
+        # a PUT carries its values: no round trip to hide behind a ramp
+        batches = sub_batches(len(keys), self._info.max_keys, ramp=False)
         out = [False] * len(keys)
         refused: list[RemoteError] = []
         due: list[_PutStage] = []  # sent (or in `frames`), answers not yet read
@@ -747,8 +529,6 @@ class TcpTransport(Transport):
 
     def close(self) -> None:
         self._slab = None
-        self._local = None
-        self._lazy = []
 
 
 class _PutFrames:
@@ -850,7 +630,7 @@ class _PutStage:
 class _GetReceiver:
     """Reads one GET answer's values into the slab (a :class:`Reply`'s on_ok):
     hits of keys ``[start, end)`` go to their ``handles`` blocks (a uint64
-    array of the whole fetch), and those whose bytes match their checksum are
+    array of the whole get), and those whose bytes match their checksum are
     written into ``out`` as their lengths; the keys of those that do not are
     added to ``corrupt`` (a miss, never wrong KV).
 
@@ -938,8 +718,8 @@ class _GetReceiver:
 
 
 class TcpNodeDataPath(NodeDataPath):
-    """Node side: WRITE and PUT receive straight into pool extents, READ and GET
-    send from them (GET and PUT name keys; the store picks the extents)."""
+    """Node side: PUT receives values straight into pool extents, GET sends
+    them from there (both name keys; the store picks the extents)."""
 
     name = "tcp"
 
@@ -948,37 +728,7 @@ class TcpNodeDataPath(NodeDataPath):
         return True
 
     def handlers(self) -> Mapping[int, NodeHandler]:
-        return {Op.WRITE: self._write, Op.READ: self._read, Op.GET: self._get, Op.PUT: self._put}
-
-    def _write(self, session: NodeSession, req: Header, payload: bytearray) -> None:
-        ops = decode_data_ops(payload, "WRITE")
-        total = sum(n for _, n in ops)
-        if total != req.bulk_len:
-            raise ProtocolError(
-                f"WRITE ops name {total} bytes but the frame carries {req.bulk_len}"
-            )
-        _views, written = session.open_write(ops)  # raises BadAddress; the bulk is then skipped
-        iov = _node_iov(payload, len(ops), self.pool)
-        recv_iov_from(session.channel, iov, total)  # `_views` keep the pool mapped meanwhile
-        written()  # only now: every byte of the ops is in the pool
-        session.reply(req)
-
-    def _read(self, session: NodeSession, req: Header, payload: bytearray) -> None:
-        ops = decode_data_ops(payload, "READ")
-        total = sum(n for _, n in ops)
-        if total > MAX_BULK_BYTES:  # the answer would be over the frame limit
-            raise LimitExceeded(
-                f"READ ops name {total} bytes, more than {MAX_BULK_BYTES} in one answer"
-            )
-        _views, unpin = session.pin_readable(ops)
-        try:
-            # header and bytes in one system call: the client wakes once
-            head = HEADER.pack(req.opcode | RESPONSE_BIT, 0, Status.OK, 0, total, req.req_id)
-            iov = _node_iov(payload, len(ops), self.pool, head)
-            session.channel.flush()  # answers held back go first (Channel.send)
-            send_iov(session.channel.sock, iov)  # `_views` keep the pool mapped meanwhile
-        finally:
-            unpin()
+        return {Op.GET: self._get, Op.PUT: self._put}
 
     def _get(self, session: NodeSession, req: Header, payload: bytearray) -> None:
         request = decode_get_request(payload)

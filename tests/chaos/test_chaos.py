@@ -280,8 +280,8 @@ def test_corrupted_bytes_on_the_wire(chaos_env: EnvFactory, direction: Direction
 
 
 FLIP_OFFSET = 5_000
-"""Stream offset of the one flipped bit: past the LOOKUP reply / ALLOC and WRITE
-headers (under 200 bytes), inside the 16 KiB of block data that follows."""
+"""Stream offset of the one flipped bit: past the GET answer's / PUT request's
+header and entries (under 200 bytes), inside the 16 KiB of block data that follows."""
 
 
 @pytest.mark.parametrize(
