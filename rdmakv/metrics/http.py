@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from rdmakv.defaults import DEFAULT_HOST
 from rdmakv.errors import ConfigError
 
 log = logging.getLogger("rdmakv.metrics")
@@ -37,7 +38,7 @@ class MetricsServer:
         self,
         registry: CollectorRegistry,
         *,
-        host: str = "127.0.0.1",
+        host: str = DEFAULT_HOST,
         port: int = 0,
         ready: Callable[[], bool] = lambda: True,
         routes: Mapping[tuple[str, str], Route] | None = None,

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rdmakv.defaults import DEFAULT_HOST
 from rdmakv.errors import RdmakvError
 
 READY_TIMEOUT_S = 60.0
@@ -44,7 +45,7 @@ class LocalNodeProcess:
         self,
         options: dict[str, str] | None = None,
         *,
-        host: str = "127.0.0.1",
+        host: str = DEFAULT_HOST,
         port: int = 0,
         stderr_path: Path | None = None,
         extra_args: Sequence[str] = (),
