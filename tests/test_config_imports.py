@@ -4,12 +4,17 @@ native code, and the defaults it shares with those are one set of values."""
 from __future__ import annotations
 
 import ast
+import inspect
 import subprocess
 import sys
 from pathlib import Path
 
 from rdmakv import defaults
+from rdmakv.client import KVClient
+from rdmakv.cluster import ClusterClient
 from rdmakv.config import ClientConfig, NodeConfig
+from rdmakv.connectors.store import StoreOptions
+from rdmakv.node import KVNode
 from rdmakv.node.admission import SessionLimits
 from rdmakv.node.store import KVStore
 from rdmakv.slab import Slab
@@ -69,6 +74,17 @@ def test_the_schema_defaults_are_the_node_and_client_defaults() -> None:
         store = KVStore(pool)
         assert node.lease_timeout_s == store.lease_timeout
         assert node.max_leases_per_block == store.max_leases_per_block
+    # where a node listens, and what a client waits and keeps: one value each
+    def default(fn: object, name: str) -> object:
+        return inspect.signature(fn).parameters[name].default  # type: ignore[arg-type]
+
+    assert (node.host, node.port, node.metrics_host) == (
+        default(KVNode, "host"), default(KVNode, "port"), default(KVNode, "metrics_host"))
+    client = ClientConfig()
+    options = StoreOptions(node="h:1")
+    assert client.timeout_s == default(KVClient, "timeout") == options.timeout
+    assert client.replication == default(ClusterClient, "replication") == options.replication
+    assert (client.l1_size, client.offload) == (options.l1_bytes, options.offload)
     streams = ClientConfig.model_fields["streams"].metadata
     most = next(m.le for m in streams if hasattr(m, "le"))
     assert most == defaults.MAX_STREAMS
