@@ -6,9 +6,10 @@
  *
  * A scheduler waits for EXISTS before each engine step. With the node's
  * answer in C (rk_serve.h), the client's Python was most of what a 64-key
- * EXISTS cost over a plain socket ping-pong (~7 of ~22 us on one CPU of the
- * 2-core bench host): checking and encoding the keys, framing, reading and
- * checking the answer, and a bool per key. This does all of it in one call:
+ * EXISTS cost over a plain socket ping-pong (the figures: bench/README.md,
+ * "Measurements moved from code comments (issue 58)"): checking and encoding
+ * the keys, framing, reading and checking the answer, and a bool per key.
+ * This does all of it in one call:
  * it reads the keys straight from the list (which is why it is a CPython
  * extension and not cffi, which cannot), and sends and waits with the GIL
  * released.
@@ -33,9 +34,9 @@
  * numbers (rdmakv/protocol.py, the one place they are written) before any
  * call.
  *
- * A get (GET in rdmakv/protocol.py) answered in Python cost ~25 us of the
- * client's per answer: a 1-block get took 87 us on one CPU of the 2-core
- * bench host, against 37 us for a minimal client of the same node. So
+ * A get (GET in rdmakv/protocol.py) answered in Python cost the client more
+ * than twice what a minimal client of the same node spent on a 1-block get
+ * (bench/README.md, as above). So
  * get_call(fd, opcode, first_req_id, payloads, ends, counts, slots, base,
  * block, hasher, scratch, ahead, ahead_limit, timeout_ms) runs a whole get:
  * m requests whose payloads lie back to back in payloads (request i's ending
@@ -632,10 +633,9 @@ static PyObject *get_call(PyObject *self, PyObject *args) {
 /* Batch argument scans. A client call checks its batch's keys, digests and
  * block handles before anything is sent, and an engine's batch holds
  * thousands of them. In Python the cheapest checks are C-level passes such
- * as set(map(len, keys)), ~25 us per 1000 items each, and a 1000-key put
- * made six of them: ~0.12 ms of the ~0.4 ms of Python around a 16 KiB put's
- * send on the 2-core bench host, where the client's CPU is what the put
- * waits for. These make one pass each. Each takes only the plain case and
+ * as set(map(len, keys)), and a 1000-key put made six of them, a large share
+ * of the Python around a 16 KiB put's send where the client's CPU is what the
+ * put waits for (bench/README.md, as above). These make one pass each. Each takes only the plain case and
  * answers "not taken" otherwise; the caller's Python then checks again and
  * names a bad item, so a batch is never refused here. */
 

@@ -3,13 +3,14 @@
  *
  * An engine's scheduler asks EXISTS for a prompt's block keys before each
  * step and waits for the answer, so its latency is what a lookup costs the
- * engine. Served in Python, the node spent ~8 us of its ~30 us round trip
- * (64 keys, one CPU) framing, dispatching and checking the request; this
+ * engine. Served in Python, the node spent a quarter of its round trip
+ * framing, dispatching and checking the request (bench/README.md,
+ * "Measurements moved from code comments (issue 58)"); this
  * loop reads the frame, touches the keys in the index under the store's
  * lock and sends the answer with the GIL released, and hands every other
  * frame back to the session's Python code untouched. A GET (a lookup and
  * its values, which the engine waits for as it loads a prompt) cost the node
- * ~20 us of Python around its two native calls, pin and send; here it is
+ * more Python still around its two native calls, pin and send; here it is
  * one pass: look up and pin the hits under the lock (rk_index_get_records),
  * send the answer and the values straight from the pool in the same
  * system calls (rk_tcp_sendv), and drop the pins under the lock.

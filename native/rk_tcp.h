@@ -52,7 +52,7 @@
  * must be woken by the sender's every segment, and in a VM the sender's
  * thread pays for each wake-up (an inter-processor interrupt); a receiver
  * that spins first spares the sender most of them, and puts over loopback
- * got faster (spins of 50 to 400 us did the same as the default's 100).
+ * got faster (a range of budgets around the default did the same).
  * A receive spins only while this process has fewer receives in flight than
  * it may use CPUs (sched_getaffinity), so that a CPU stays free for the
  * sender, or for its other threads: two connections' receives spinning at
