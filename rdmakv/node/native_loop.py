@@ -5,10 +5,10 @@ spends per request is latency the engine sees. In Python the node spent about
 as much per 64-key EXISTS on framing, dispatch and checks as the whole round
 trip of a plain socket loop, and more per GET around its two native calls (pin,
 send): bench/README.md, "Measurements moved from code comments (issue 58)".
-:class:`RequestLoop` serves a session's EXISTS and GET requests in C with the GIL released (read, look up under the store lock,
-answer; a GET's hits pinned while their values are sent straight from the
-pool) and hands every other frame back to the session's Python code, which
-serves it as before.
+:class:`RequestLoop` serves a session's EXISTS and GET requests in C with the
+GIL released (read, look up under the store lock, answer; a GET's hits pinned
+while their values are sent straight from the pool) and hands every other
+frame back to the session's Python code, which serves it as before.
 
 The C loop takes the store's lock, so the store's lock must be one C can
 take: :class:`StoreLock`, which every :class:`~rdmakv.node.store.KVStore`
