@@ -10,7 +10,8 @@ much of the gap between the two is that hash pass:
 * ``rdmakv_unchecked``: the same client, node and connection, with the native
   send told to hash nothing (the COMMIT then carries zeros). This is NOT a mode
   of rdmakv -- no setting gives it -- and it exists only in this script, which
-  swaps ``rdmakv.transport.tcp.send_iov`` for the duration of those puts and
+  swaps ``rdmakv.transport.tcp.client_side.send_iov`` (the client's name for the
+  loop's send) for the duration of those puts and
   fails unless every one of them went through the swapped call.
 
 Rounds alternate the three (the order rotating each round), so all meet the
@@ -44,7 +45,8 @@ from rdmakv.perf.drivers.rdmakv_node import RdmakvDriver
 from rdmakv.perf.drivers.socket_loop import SocketLoopDriver
 from rdmakv.perf.measure import arena, fill_random, wrong_bytes
 from rdmakv.perf.provenance import provenance, publish
-from rdmakv.transport import tcp
+from rdmakv.transport.tcp import client_side
+from rdmakv.transport.tcp import loop as tcp_loop
 
 BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
 MAX_BLOCKS = 1000
@@ -57,7 +59,7 @@ SYSTEMS = ("socket_loop", "rdmakv", "rdmakv_unchecked")
 
 
 class _UncheckedSends:
-    """While entered, ``tcp.send_iov`` hashes nothing: each checksum it was asked
+    """While entered, ``client_side.send_iov`` hashes nothing: each checksum it was asked
     for is sent as 0. ``calls`` counts the sends that asked for checksums, so a
     put that no longer goes through ``send_iov`` fails here instead of silently
     measuring the checked path twice."""
@@ -67,7 +69,7 @@ class _UncheckedSends:
         self._real: Callable[..., None] | None = None
 
     def __enter__(self) -> _UncheckedSends:
-        real = self._real = tcp.send_iov
+        real = self._real = client_side.send_iov
 
         def send_unhashed(sock: Any, iov: np.ndarray, checksums: np.ndarray | None = None) -> None:
             if checksums is not None:
@@ -75,12 +77,12 @@ class _UncheckedSends:
                 checksums[:] = 0  # a COMMIT's checksum row points here
             real(sock, iov, None)
 
-        tcp.send_iov = send_unhashed  # type: ignore[assignment]
+        client_side.send_iov = send_unhashed  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._real is not None
-        tcp.send_iov = self._real  # type: ignore[assignment]
+        client_side.send_iov = self._real  # type: ignore[assignment]
 
 
 def _cpu_s() -> float:
@@ -141,7 +143,7 @@ def measure(block: int, rounds: int) -> dict[str, Any]:
                     drv.put(keys)
                     t1, c1 = time.perf_counter(), _cpu_s()
                     if name == "rdmakv_unchecked" and unchecked.calls == before:
-                        raise SystemExit("rdmakv_unchecked: the put never called tcp.send_iov "
+                        raise SystemExit("rdmakv_unchecked: the put never called send_iov "
                                          "with checksums; this script no longer measures it")
                 if drv is ours:
                     ours.discard(keys)
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.rounds <= WARM_UP_ROUNDS:
         ap.error(f"--rounds must be more than the {WARM_UP_ROUNDS} warm-up rounds")
-    if not tcp.native_checksums():
+    if not tcp_loop.native_checksums():
         raise SystemExit("the native TCP loop has no checksums here (the xxhash module "
                          "exports no XXH3 C API): nothing to measure")
     result: dict[str, Any] = {"meta": {**provenance(), "rounds": args.rounds,

@@ -2,10 +2,10 @@
 
 Starts 5 real ``rdmakv serve`` processes on 127.0.0.1 (TCP, ``--no-lock``) and,
 for 1, 2 and 4 of them, puts then gets ``--blocks`` blocks of ``--block-bytes``
-through a :class:`~rdmakv.cluster.ClusterClient`, in batches of ``--batch``,
+through a :class:`~rdmakv.client.cluster.ClusterClient`, in batches of ``--batch``,
 ``--repeats`` times, verifying every byte read back. The reference, measured in
 the same run and interleaved with the 1-node cluster repeat by repeat, is the
-plain :class:`~rdmakv.client.KVClient` against that same node: the cluster of
+plain :class:`~rdmakv.client.node_client.KVClient` against that same node: the cluster of
 one over it is the cost of the split machinery alone. On a machine with few
 cores the aggregate cannot scale with nodes (client and nodes share the cores);
 the figure that matters is how little the split costs (``ratio_4_vs_1``).
@@ -59,13 +59,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from rdmakv.client import KVClient
-from rdmakv.cluster import ClusterClient
-from rdmakv.cluster.rendezvous import Rendezvous, fold_key, mix64, node_seed
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.cluster import ClusterClient
+from rdmakv.client.cluster.rendezvous import Rendezvous, fold_key, mix64, node_seed
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.perf.provenance import provenance
-from rdmakv.slab import Slab
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.perf.provenance import provenance
-from rdmakv.protocol import Channel, Op, encode_hello
-from rdmakv.slab import Slab
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import Op, encode_hello
 
 BLOCK = 16 * 1024
 BLOCKS_PER_ROUND = 4

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from rdmakv.blocks.keys import BlockKeyer, KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.engine.l1 import L1Cache
 from rdmakv.errors import MemoryLockWarning
-from rdmakv.keys import BlockKeyer, KeyNamespace
-from rdmakv.l1 import L1Cache
-from rdmakv.slab import Slab
 
 NS = KeyNamespace(model="bench-model@rev", dtype="bfloat16", kv_layout="NHD")
 VOCAB = 128_256  # Llama-3 vocabulary: realistic token id range

@@ -36,11 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.perf.drivers.perftest import run_perftest
-from rdmakv.slab import Slab
-from rdmakv.transport import verbs
-from rdmakv.transport.rdma import DataPathTotals, RdmaTransport
+from rdmakv.transport.rdma import verbs
+from rdmakv.transport.rdma.client_side import RdmaTransport
+from rdmakv.transport.rdma.device import DataPathTotals
 
 BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024)
 DEFAULT_BYTES = 32 * 1024 * 1024

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.client import KVClient
-from rdmakv.slab import Slab
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 
 NODE_SCRIPT = """
 import sys, threading

@@ -2,8 +2,8 @@
 
 Each client process runs mixed batches of random sizes -- put, get, exists,
 delete -- over one shared key space (``--keys`` keys) through its own
-:class:`~rdmakv.client.KVClient`; ``--manager-clients`` of them instead go
-through a :class:`~rdmakv.manager.KVCacheManager` (small L1, every block
+:class:`~rdmakv.client.node_client.KVClient`; ``--manager-clients`` of them instead go
+through a :class:`~rdmakv.engine.manager.KVCacheManager` (small L1, every block
 offloaded), putting and acquiring token sequences. A key's value is a pure
 function of the key (its length and bytes; the first 8 bytes carry the key
 number), so EVERY value read back is checked byte for byte: a hit with the
@@ -54,12 +54,12 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.config import parse_size
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.perf.provenance import provenance
-from rdmakv.slab import Slab
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -222,8 +222,8 @@ def manager_worker(spec: WorkerSpec, out: Any) -> None:
     """Token sequences through a KVCacheManager: put (offloaded to the node), then
     acquire (L1 is 8 blocks: most blocks come back from the node), every block
     checked against the bytes its key stands for."""
-    from rdmakv.keys import KeyNamespace
-    from rdmakv.manager import KVCacheManager
+    from rdmakv.blocks.keys import KeyNamespace
+    from rdmakv.engine.manager import KVCacheManager
 
     rng = random.Random(spec.seed * 1000 + spec.index)
     pattern = np.random.default_rng(spec.seed + 1).integers(0, 256, 2 * spec.block,

@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.perf.drivers.socket_loop import recv_views, send_views
-from rdmakv.slab import Slab
 
 BLOCK_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
 DEFAULT_BLOCKS = 1000

@@ -66,10 +66,10 @@ from vllm.v1.kv_offload.tiering.spec import (  # type: ignore[import-not-found]
     TieringOffloadingSpec,
 )
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.perf.provenance import provenance, publish
-from rdmakv.slab import Slab
 
 LLAMA_8B_CHUNK = 32 * 16 * 8 * (128 + 128) * 2
 """vLLM's chunk for Llama-3-8B, bf16, 16-token blocks, TP 1 (bytes)."""

@@ -10,7 +10,7 @@ Run as a script: ``python deploy/check_dashboard.py DASHBOARD.json [--exposed FI
 [--client]`` prints the names and exits 1 naming any unknown one. The static lists
 can drift from the code too, so ``--exposed`` requires every ``rdmakv_node_*`` name
 to appear in a real node's ``/metrics`` saved in FILE, and ``--client`` every
-``rdmakv_client_*`` name in what ``rdmakv.metrics.client.ClientMetrics`` exports.
+``rdmakv_client_*`` name in what ``rdmakv.metrics.engine.ClientMetrics`` exports.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def client_series_names() -> set[str]:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from rdmakv.connectors.audit import AuditLedger, NamespaceGuard
-    from rdmakv.metrics.client import ClientMetrics
+    from rdmakv.metrics.engine import ClientMetrics
 
     registry = CollectorRegistry()
     # With an audit ledger, as a connector's workers export them.

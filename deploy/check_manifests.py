@@ -298,7 +298,7 @@ def engine_problems(docs: list[tuple[Path, Doc]], config: str) -> Problems:
     """The engine's --kv-transfer-config: a real connector, options it accepts."""
     import tempfile
 
-    from rdmakv.connectors.store import CONFIG_OPTION, StoreOptions
+    from rdmakv.connectors.group_stores import CONFIG_OPTION, StoreOptions
     from rdmakv.errors import RdmakvError
 
     problems: Problems = []

@@ -13,7 +13,7 @@
   for this Python's ABI, not cffi's usual stable one (``stable_abi``).
 * ``verbs_ffibuilder`` -> ``rdmakv._native_verbs`` (the RDMA hot loop): built
   only when the libibverbs headers are present; without them the package
-  installs TCP-only and :mod:`rdmakv.transport.verbs` reports why RDMA is
+  installs TCP-only and :mod:`rdmakv.transport.rdma.verbs` reports why RDMA is
   unavailable.
 
 Each cdef is its headers' public declarations, so a C header stays the one

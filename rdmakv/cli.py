@@ -45,6 +45,7 @@ from rdmakv.config import (
     load_config,
     parse_size,
 )
+from rdmakv.engine.l1.offload_policies import OFFLOAD_MODES
 from rdmakv.errors import (
     ConfigError,
     MemoryLockWarning,
@@ -53,7 +54,6 @@ from rdmakv.errors import (
     RdmaUnavailable,
     TransportError,
 )
-from rdmakv.l1.offload_policies import OFFLOAD_MODES
 from rdmakv.logformat import LOG_FORMATS, JsonFormatter, configure_logging
 
 if TYPE_CHECKING:
@@ -401,7 +401,7 @@ def _unreachable(e: TransportError, nodes: str, where: str) -> StartupError:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from rdmakv.remote import open_remote
+    from rdmakv.client.remote import open_remote
 
     client: ClientConfig = args.config_values.client
     where = f"NODES / client.nodes / {env_var('client', 'nodes')}"
@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if args.verbose else _LOG_LEVELS[config.log.level]
     configure_logging(level, log_format)
     args.config_values = config
-    from rdmakv.transport import tcp  # here: --help and a bad config need no numpy
+    from rdmakv.transport.tcp import loop as tcp
 
     tcp.set_send_plan(config.tcp.send_plan)  # once, before any byte moves
     try:

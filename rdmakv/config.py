@@ -114,9 +114,9 @@ Seconds = Annotated[float, Field(gt=0)]
 Count = Annotated[int, Field(ge=1)]
 Transport = Literal["tcp", "rdma", "auto"]
 OffloadMode = Literal["none", "all", "hot", "cold", "reuse"]
-"""Mirrors :data:`rdmakv.l1.offload_policies.OFFLOAD_MODES` (a test keeps them equal)."""
+"""Mirrors :data:`rdmakv.engine.l1.offload_policies.OFFLOAD_MODES` (a test keeps them equal)."""
 TcpSendPlan = Literal["512k-ahead", "512k-after", "128k-ahead", "128k-after"]
-"""Mirrors the names of :data:`rdmakv.transport.tcp.SEND_PLANS` (a test keeps them equal)."""
+"""Mirrors the names of :data:`rdmakv.transport.tcp.loop.SEND_PLANS` (a test keeps them equal)."""
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
 

@@ -15,7 +15,7 @@ host only, so that a node is reachable from elsewhere only when asked to be."""
 DEFAULT_PORT = 7480
 """The TCP port a node listens on, and the one its clients' addresses name."""
 
-# -- the node: connection limits (rdmakv.node.admission.SessionLimits, docs/security.md) ------
+# -- the node: connection limits (rdmakv.node.admission.SessionLimits, docs/security.md) --------
 
 HANDSHAKE_TIMEOUT_S = 5.0
 """A connection must finish HELLO this long after it was accepted."""
@@ -30,7 +30,7 @@ MAX_UNAUTHENTICATED = 256
 MAX_UNAUTHENTICATED_PER_SOURCE = 32
 """Connections still in their handshake from one IP address."""
 
-# -- the node: read leases (rdmakv.node.store) -------------------------------------------------
+# -- the node: read leases (rdmakv.node.store) --------------------------------------------------
 
 DEFAULT_LEASE_TIMEOUT = 30.0
 """Seconds a client's read lease lasts."""
@@ -38,7 +38,7 @@ DEFAULT_MAX_LEASES_PER_BLOCK = 4
 """Live leases one session may hold on one block: a reader needs one (a few while
 requests overlap); hundreds are hoarding."""
 
-# -- the client (rdmakv.client, rdmakv.cluster, rdmakv.streams, the connectors) ---------------
+# -- the client (rdmakv.client: one node, streams, cluster; the connectors) ---------------------
 
 DEFAULT_TIMEOUT = 5.0
 """Seconds any one remote wait of a client may take."""
@@ -53,11 +53,11 @@ MAX_STREAMS = 16
 """More connections than this per engine process and node only hoard node
 sessions (the node limits connections per address)."""
 
-# -- the TCP loop of every process (rdmakv.transport.tcp, native/rk_tcp.h) ----------------------
+# -- the TCP loop of every process (rdmakv.transport.tcp.loop, native/rk_tcp.h) -----------------
 
 DEFAULT_TCP_SEND_PLAN = "512k-ahead"
 """How a send that hashes as it goes moves its bytes: 512 KiB per ``sendmsg``, each
 window hashed right before the call. Of the four plans
-(:data:`rdmakv.transport.tcp.SEND_PLANS`) it cost the sending thread least on the
+(:data:`rdmakv.transport.tcp.loop.SEND_PLANS`) it cost the sending thread least on the
 bench hosts where the hash's read from memory is cheaper than the kernel's copy from
 memory; ``rdmakv doctor --tune`` times the four on another host."""

@@ -28,13 +28,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.blocks.synthetic_kv import fill_kv, kv_matches
 from rdmakv.config import CONFIG_ENV, env_var
 from rdmakv.defaults import DEFAULT_OFFLOAD, DEFAULT_REPLICATION, DEFAULT_TIMEOUT
+from rdmakv.engine.manager import KVCacheManager
 from rdmakv.errors import ConfigError
-from rdmakv.keys import KeyNamespace
-from rdmakv.manager import KVCacheManager
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.synthetic_kv import fill_kv, kv_matches
 
 Say = Callable[[str], None]
 _NODE_ENV_PREFIX = env_var("node", "")
@@ -69,7 +69,7 @@ class DemoConfig:
     seed: int = 0
     local_nodes: int = 1
     nodes: str | None = None
-    """Running nodes to use (``rdmakv.remote`` address) instead of local ones."""
+    """Running nodes to use (``rdmakv.client.remote`` address) instead of local ones."""
     token: bytes | None = None
     replication: int = DEFAULT_REPLICATION
     streams: int | None = None

@@ -27,11 +27,13 @@ from typing import Any
 import numpy as np
 
 from rdmakv import native_core
+from rdmakv.client.streams import default_streams, usable_cpus
 from rdmakv.config import env_var
 from rdmakv.errors import RdmakvError
-from rdmakv.streams import default_streams, usable_cpus
-from rdmakv.transport import checksum, tcp, verbs
+from rdmakv.transport import checksum
 from rdmakv.transport.congestion import apply_congestion, probe_congestion
+from rdmakv.transport.rdma import verbs
+from rdmakv.transport.tcp import loop as tcp
 
 MEMLOCK_RECOMMENDED = 1 << 30
 """Below this, a typical slab or node pool (GiBs) cannot be pinned/registered."""
@@ -89,7 +91,7 @@ class Report:
     with the fix where that build is slow. Speed only, like ``tcp_congestion``."""
     tcp_streams: str = ""
     """Connections a client opens to one node over TCP when ``streams`` is
-    unset, and the usable CPUs that decide it (:func:`rdmakv.streams.default_streams`)."""
+    unset, and the usable CPUs that decide it (:func:`rdmakv.client.streams.default_streams`)."""
     tcp_recv_spin: str = ""
     """How long a native TCP receive polls for more bytes before it sleeps
     (:func:`recv_spin`). Speed only."""
@@ -181,7 +183,7 @@ def send_plan() -> str:
 def time_send_plans(
     rounds: int = TUNE_ROUNDS, send_bytes: int = TUNE_SEND_BYTES
 ) -> dict[str, float]:
-    """Each plan of :data:`rdmakv.transport.tcp.SEND_PLANS`: bytes its hashed sends
+    """Each plan of :data:`rdmakv.transport.tcp.loop.SEND_PLANS`: bytes its hashed sends
     moved per second of the sending thread's CPU (the median of ``rounds``
     sends of ``send_bytes`` in :data:`TUNE_VALUE_BYTES` values, each hashed, to
     a receiving thread over a loopback TCP connection like a client's). The

@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import RdmakvError
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.protocol import (
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import (
     HEADER,
     RESPONSE_BIT,
-    Channel,
     Header,
     NodeInfo,
     Op,
@@ -38,7 +39,6 @@ from rdmakv.protocol import (
     encode_hello,
     encode_node_info,
 )
-from rdmakv.slab import Slab
 
 try:  # the engine venv has no hypothesis (its tests use none)
     from hypothesis import settings

@@ -17,17 +17,18 @@ from typing import Any
 
 import pytest
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.connectors.audit import audit_sampled, block_diff
 from rdmakv.connectors.fingerprint import CONFLICT, check_fingerprint, engine_fingerprint
+from rdmakv.connectors.group_stores import StoreOptions
 from rdmakv.connectors.plan import GroupBlocks, RequestBook
-from rdmakv.connectors.store import StoreOptions
+from rdmakv.engine.hybrid import FullAttentionSpec, KVCacheGroup
+from rdmakv.engine.manager import KVCacheManager
 from rdmakv.errors import ConfigError, ProtocolError, RemoteError, UnknownOpcode
-from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup
-from rdmakv.keys import KeyNamespace
-from rdmakv.manager import KVCacheManager
-from rdmakv.protocol import Op, decode_report, encode_report
-from rdmakv.slab import Slab
+from rdmakv.wire.batches import decode_report, encode_report
+from rdmakv.wire.format import Op
 
 B = 16
 FULL = KVCacheGroup(0, FullAttentionSpec(B))

@@ -18,11 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import scans
 
-from rdmakv import native_core, protocol
-from rdmakv import slab as slab_module
+from rdmakv import native_core
+from rdmakv.blocks import slab as slab_module
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import InvalidHandle
-from rdmakv.protocol import DIGEST_LEN, MAX_KEY_LEN, BatchEncoder
-from rdmakv.slab import Slab
+from rdmakv.wire import batches
+from rdmakv.wire.batches import BatchEncoder
+from rdmakv.wire.format import DIGEST_LEN, MAX_KEY_LEN
 
 
 class _Bytes(bytes):
@@ -64,9 +66,9 @@ def test_join_uniform_answers_the_same_for_a_list_and_for_another_sequence(
     """A list or tuple is the native scan's; another sequence takes Python's
     C-level passes: the same answer."""
     items = list(items) if not isinstance(items, list | tuple) else items
-    python = protocol._join_uniform(UserList(items), lo, hi)
+    python = batches._join_uniform(UserList(items), lo, hi)
     assert python == scans.join_uniform(list(items), lo, hi)
-    assert protocol._join_uniform(items, lo, hi) == python
+    assert batches._join_uniform(items, lo, hi) == python
 
 
 @st.composite
@@ -110,7 +112,7 @@ def test_an_encoder_with_the_native_scans_encodes_and_refuses_as_one_with_their_
     args: tuple[list[Any], list[Any], list[int]],
 ) -> None:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(protocol, "_native_join_uniform", scans.join_uniform)
+        mp.setattr(batches, "_native_join_uniform", scans.join_uniform)
         python = _encoded(*args)
     assert _encoded(*args) == python
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import run_published
 
-from rdmakv.transport import tcp
+from rdmakv.transport.tcp import loop as tcp
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "checksum_cost.py"

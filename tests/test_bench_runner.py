@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import pytest
 
+from rdmakv.client.streams import default_streams
 from rdmakv.errors import RdmakvError
 from rdmakv.perf import command, latency, measure, settings
 from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
@@ -30,8 +31,7 @@ from rdmakv.perf.drivers import (
 from rdmakv.perf.drivers.rdmakv_node import RdmakvDriver
 from rdmakv.perf.drivers.socket_loop import IOV_MAX, WINDOW_BYTES, SocketLoopDriver
 from rdmakv.perf.placement import placements
-from rdmakv.streams import default_streams
-from rdmakv.transport import tcp
+from rdmakv.transport.tcp import loop as tcp
 
 QUICK_SIZES = ("16384", "262144")
 

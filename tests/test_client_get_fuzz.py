@@ -27,24 +27,23 @@ from conftest import declined_call
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdmakv import protocol
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import RdmakvError
-from rdmakv.protocol import (
+from rdmakv.transport.tcp import loop as tcp
+from rdmakv.wire import channel
+from rdmakv.wire.batches import decode_get, encode_get_answer
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import (
     HEADER,
     PROTOCOL_VERSION,
     RESPONSE_BIT,
-    Channel,
     NodeInfo,
     Op,
     Status,
-    decode_get,
-    encode_get_answer,
     encode_node_info,
     value_checksum,
 )
-from rdmakv.slab import Slab
-from rdmakv.transport import tcp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -172,7 +171,7 @@ def test_a_get_of_mangled_answers_returns_only_the_nodes_values(
         pytest.skip("the xxhash module has no XXH3 C API for the native get call")
     with monkeypatch.context() as mp:
         if path == "python":
-            mp.setattr(protocol, "_native_get_call", declined_call)
+            mp.setattr(channel, "_native_get_call", declined_call)
         _one_get(fake, plan, lengths)
 
 

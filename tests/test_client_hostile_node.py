@@ -19,34 +19,37 @@ import pytest
 from conftest import Script, declined_call
 
 import rdmakv.transport as transport_registry
-from rdmakv import protocol
-from rdmakv.client import MIN_SUB_BATCH, KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import MIN_SUB_BATCH, KVClient
 from rdmakv.errors import ProtocolError, RdmakvError, RemoteError, TransportTimeout
-from rdmakv.protocol import (
+from rdmakv.transport import TransportSpec
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, IoOp, Ops, io_ops
+from rdmakv.transport.extents import ExtentTransport
+from rdmakv.transport.tcp import loop as tcp
+from rdmakv.transport.tcp.node_side import TcpNodeDataPath
+from rdmakv.wire import channel
+from rdmakv.wire.batches import (
+    decode_get,
+    decode_keys,
+    encode_get,
+    encode_get_answer,
+    encode_lookup_results,
+)
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import (
     HEADER,
     MAX_KEY_LEN,
     PROTOCOL_VERSION,
     RECV_AHEAD_BYTES,
     RESPONSE_BIT,
-    Channel,
     Extent,
     Header,
     LookupResult,
     NodeInfo,
     Op,
     Status,
-    decode_get,
-    decode_keys,
-    encode_get,
-    encode_get_answer,
-    encode_lookup_results,
     value_checksum,
 )
-from rdmakv.slab import Slab
-from rdmakv.transport import TransportSpec, tcp
-from rdmakv.transport.base import REQUEST_BYTES_AHEAD, IoFuture, IoOp, Ops, io_ops
-from rdmakv.transport.extents import ExtentTransport
-from rdmakv.transport.tcp import TcpNodeDataPath
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -159,7 +162,7 @@ def _get_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "native_call" and not tcp.native_checksums():
         pytest.skip("the xxhash module has no XXH3 C API for the native get call")
     if path == "python":
-        monkeypatch.setattr(protocol, "_native_get_call", declined_call)
+        monkeypatch.setattr(channel, "_native_get_call", declined_call)
 
 
 @pytest.mark.parametrize("path", GET_PATHS)
@@ -462,7 +465,7 @@ def test_a_get_answer_value_whose_bytes_fail_their_checksum_is_a_miss(
     if path == "native_call":
         _get_path(path, monkeypatch)
     else:
-        monkeypatch.setattr(protocol, "_native_get_call", declined_call)
+        monkeypatch.setattr(channel, "_native_get_call", declined_call)
     if path == "native" and not tcp.native_checksums():
         pytest.skip("native checksums unavailable: the xxhash module has no XXH3 C API")
     if path == "native_loop_python_hash":

@@ -17,20 +17,13 @@ from conftest import NodeProcess
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient, sub_batch_sizes
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient, sub_batch_sizes
 from rdmakv.errors import AuthError, ConfigError, RdmakvError, TransportError
-from rdmakv.protocol import (
-    HEADER,
-    LOOKUP_FLAG_LEASE,
-    MAX_KEYS_PER_REQUEST,
-    BatchEncoder,
-    Op,
-    decode_lookup_results,
-    encode_keys,
-)
-from rdmakv.slab import Slab
-from rdmakv.transport import tcp
 from rdmakv.transport.base import REQUEST_BYTES_AHEAD
+from rdmakv.transport.tcp.client_side import _PutFrames
+from rdmakv.wire.batches import BatchEncoder, decode_lookup_results, encode_keys
+from rdmakv.wire.format import HEADER, LOOKUP_FLAG_LEASE, MAX_KEYS_PER_REQUEST, Op
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -218,7 +211,7 @@ def test_leased_extent_is_not_evicted_and_expired_lease_is_reclaimed(
 def test_uncommitted_extents_are_invisible_and_reclaimed_on_disconnect(
     node: NodeProcess, client_slab: Slab
 ) -> None:
-    from rdmakv.protocol import decode_extents, encode_alloc
+    from rdmakv.wire.batches import decode_extents, encode_alloc
 
     with KVClient(*node.address, client_slab) as c, KVClient(*node.address, None) as watcher:
         payload = c._call(Op.ALLOC, encode_alloc([b"half"], [BLOCK], [bytes(16)]), "ALLOC")
@@ -404,7 +397,7 @@ def test_sigterm_with_a_client_stalled_mid_frame(node: NodeProcess, client_slab:
     """A client that announced a payload and went silent must not hold up shutdown."""
     import socket as socket_mod
 
-    from rdmakv.protocol import encode_hello
+    from rdmakv.wire.format import encode_hello
 
     with socket_mod.create_connection(node.address, timeout=10) as s:
         hello = encode_hello(None)
@@ -472,13 +465,13 @@ def test_a_put_whose_answers_outgrow_what_may_stay_unread_stores_every_value(
     COMMIT's checksums go out in the same call as its values). Every value
     must be stored with the right checksum: the get verifies each one."""
     sends: list[int] = []
-    real_send = tcp._PutFrames.send
+    real_send = _PutFrames.send
 
-    def counted(self: tcp._PutFrames, sock: socket.socket) -> None:
+    def counted(self: _PutFrames, sock: socket.socket) -> None:
         sends.append(len(self._parts))
         real_send(self, sock)
 
-    monkeypatch.setattr(tcp._PutFrames, "send", counted)
+    monkeypatch.setattr(_PutFrames, "send", counted)
     n, block = 40_000, 256
     plan = sub_batch_sizes(n, MAX_KEYS_PER_REQUEST, ramp=False)  # a PUT's split
     assert sum(2 * (HEADER.size + 4 + k) for k in plan[:-1]) > REQUEST_BYTES_AHEAD
@@ -493,7 +486,7 @@ def test_a_put_whose_answers_outgrow_what_may_stay_unread_stores_every_value(
             assert c.exists(keys[-3:]) == [True] * 3
         for s_, d in zip(src, dst, strict=True):
             assert slab.view(s_) == slab.view(d)
-    if tcp._PutFrames.usable():
+    if _PutFrames.usable():
         assert len([k for k in sends if k]) >= 2, sends  # frames went out in several calls
         assert sum(sends) == len(plan)
     else:

@@ -27,27 +27,25 @@ import pytest
 from conftest import NodeProcess, Script, declined_call
 from test_client_hostile_node import GOOD_INFO
 
-from rdmakv import protocol
-from rdmakv.client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import MIN_SUB_BATCH, PIPELINE_WINDOW, KVClient
 from rdmakv.errors import ConfigError
-from rdmakv.protocol import (
+from rdmakv.transport.base import REQUEST_BYTES_AHEAD
+from rdmakv.transport.tcp import loop as tcp
+from rdmakv.wire import channel
+from rdmakv.wire.batches import decode_get, encode_flags, encode_get_answer
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import (
     GET_ENTRY_BYTES,
     MAX_KEY_LEN,
     NATIVE_CALL_FRAME_BYTES,
     RECV_AHEAD_BYTES,
     RESPONSE_BIT,
-    Channel,
     Header,
     NodeInfo,
     Op,
-    decode_get,
-    encode_flags,
-    encode_get_answer,
     value_checksum,
 )
-from rdmakv.slab import Slab
-from rdmakv.transport import tcp
-from rdmakv.transport.base import REQUEST_BYTES_AHEAD
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,8 +59,8 @@ counts, not on a timeout)."""
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
-    """What each call of the native function ``protocol.<name>`` returns, in order."""
-    real = getattr(protocol, name)
+    """What each call of the native function ``channel.<name>`` returns, in order."""
+    real = getattr(channel, name)
     assert real is not None
     out: list[Any] = []
 
@@ -71,7 +69,7 @@ def _record(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
         out.append(got)
         return got
 
-    monkeypatch.setattr(protocol, name, recording)
+    monkeypatch.setattr(channel, name, recording)
     return out
 
 
@@ -172,7 +170,7 @@ def test_a_small_get_on_an_open_connection_is_one_native_call(
                 client_slab.numpy(h)[:] = 0xEE
             with monkeypatch.context() as mp:
                 if not native:
-                    mp.setattr(protocol, "_native_get_call", declined_call)
+                    mp.setattr(channel, "_native_get_call", declined_call)
                 assert c.get_sizes(asked, dst, digests) == want
             assert bytes(client_slab.view(dst[0])[:1000]) == bytes(client_slab.view(src[2])[:1000])
             assert (client_slab.numpy(dst[0])[1000:] == 0xEE).all()  # nothing past the value

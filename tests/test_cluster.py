@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from conftest import NodeProcess
 
-from rdmakv.client import KVClient
-from rdmakv.cluster import (
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.cluster import (
     ClusterClient,
     DnsMembership,
     NodeClient,
@@ -39,9 +39,9 @@ from rdmakv.cluster import (
     parse_members,
     weight,
 )
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import AuthError, ConfigError, ConnectionLost
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.slab import Slab
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -161,7 +161,7 @@ def test_placement_is_the_same_in_another_process() -> None:
     ids = ["a:1", "b:2", "c:3", "d:4"]
     keys = make_keys("xproc", 64)
     code = (
-        "import hashlib;from rdmakv.cluster import Rendezvous;"
+        "import hashlib;from rdmakv.client.cluster import Rendezvous;"
         "k=[hashlib.blake2b(f'xproc/{i}'.encode(),digest_size=16).digest() for i in range(64)];"
         "print(Rendezvous(['d:4','c:3','b:2','a:1']).rank(k,2).tolist())"
     )
@@ -436,7 +436,7 @@ def test_construction_skips_a_dead_node_but_not_all(
     alive = node_factory(**NODE_OPTS)
     dead = dead_endpoint(node_factory)
     data = Data(slab, "ctor", seed=5)
-    with caplog.at_level(logging.WARNING, logger="rdmakv.cluster"):
+    with caplog.at_level(logging.WARNING, logger="rdmakv.client.cluster"):
         c = ClusterClient(f"{alive.endpoint},{dead}", slab, timeout=TIMEOUT)
     assert any(dead in r.getMessage() and "unreachable" in r.getMessage() for r in caplog.records)
     assert c.members == tuple(sorted([alive.endpoint, dead]))

@@ -22,10 +22,10 @@ from test_manager import (
 )
 
 from rdmakv import demo
-from rdmakv.client import KVClient
-from rdmakv.cluster import ClusterClient
+from rdmakv.client.cluster import ClusterClient
+from rdmakv.client.node_client import KVClient
+from rdmakv.client.remote import open_remote
 from rdmakv.errors import ConfigError
-from rdmakv.remote import open_remote
 
 pytestmark = pytest.mark.timeout(120)
 NODES = 3

@@ -20,11 +20,11 @@ from rdmakv.config import (
     load_config,
     render_docs,
 )
-from rdmakv.connectors.store import StoreOptions
+from rdmakv.connectors.group_stores import StoreOptions
 from rdmakv.defaults import DEFAULT_L1_BYTES, DEFAULT_TCP_SEND_PLAN
+from rdmakv.engine.l1.offload_policies import OFFLOAD_MODES
 from rdmakv.errors import ConfigError
-from rdmakv.l1.offload_policies import OFFLOAD_MODES
-from rdmakv.transport import tcp
+from rdmakv.transport.tcp import loop as tcp
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 

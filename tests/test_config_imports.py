@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 
 from rdmakv import defaults
-from rdmakv.client import KVClient
-from rdmakv.cluster import ClusterClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.cluster import ClusterClient
+from rdmakv.client.node_client import KVClient
+from rdmakv.client.streams import check_streams
 from rdmakv.config import ClientConfig, NodeConfig
-from rdmakv.connectors.store import StoreOptions
+from rdmakv.connectors.group_stores import StoreOptions
 from rdmakv.node import KVNode
 from rdmakv.node.admission import SessionLimits
 from rdmakv.node.store import KVStore
-from rdmakv.slab import Slab
-from rdmakv.streams import check_streams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_importing_the_configuration_loads_only_errors_and_defaults() -> None:
 def test_importing_the_package_loads_no_slab_until_it_is_asked_for() -> None:
     assert _modules_after("import rdmakv")["rdmakv"] == ["rdmakv", "rdmakv.errors"]
     loaded = _modules_after("from rdmakv import Slab")
-    assert "rdmakv.slab" in loaded["rdmakv"] and "numpy" in loaded["heavy"]
+    assert "rdmakv.blocks.slab" in loaded["rdmakv"] and "numpy" in loaded["heavy"]
 
 
 def test_the_defaults_module_imports_nothing() -> None:

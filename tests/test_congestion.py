@@ -20,8 +20,8 @@ import pytest
 from conftest import NodeProcess
 
 from rdmakv import doctor
-from rdmakv.client import KVClient
-from rdmakv.slab import Slab
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.transport import congestion
 
 SYSTEM_DEFAULT = Path("/proc/sys/net/ipv4/tcp_congestion_control")

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.connectors.paged import PagedFormat, PagedGroupCopier, PageSpec, detect_format
 from rdmakv.errors import ConfigError, InvalidHandle
-from rdmakv.slab import Slab
 
 # Engine KV caches are torch tensors (rdmakv[torch]; the dev extras install it).
 torch = pytest.importorskip("torch")

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import pytest
 
 from rdmakv.connectors.plan import GroupBlocks, RequestBook, request_keep_hint
+from rdmakv.engine.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from rdmakv.errors import ConfigError
-from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
 B = 16
 FULL = KVCacheGroup(0, FullAttentionSpec(B))

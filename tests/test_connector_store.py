@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.connectors.group_stores import GroupStores, StoreOptions
 from rdmakv.connectors.lookups import Bitmaps, LookupService
 from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
 from rdmakv.connectors.plan import GroupBlocks, RequestBook, Transfer
-from rdmakv.connectors.store import GroupStores, StoreOptions
 from rdmakv.connectors.transfers import TransferWorker
+from rdmakv.engine.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from rdmakv.errors import ConfigError
-from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
-from rdmakv.keys import KeyNamespace
 
 # Engine KV caches are torch tensors (rdmakv[torch]; the dev extras install it).
 torch = pytest.importorskip("torch")

@@ -12,7 +12,7 @@ import pytest
 from rdmakv import cli, doctor, native_core
 from rdmakv.config import CONFIG_ENV, env_var, load_config
 from rdmakv.defaults import DEFAULT_TCP_SEND_PLAN
-from rdmakv.transport import tcp
+from rdmakv.transport.tcp import loop as tcp
 
 PIECES = ("tcp loop", "node index", "node request loop", "client calls")
 

@@ -4,7 +4,7 @@
 3000) from fixed Hypothesis seeds and no example database, so every run sends
 the same frames; it prints the frame count and time. The other tests check
 the fuzzer itself without a node: that what the strategies say about a frame
-(well-formed, or the status it must get) agrees with rdmakv.protocol's
+(well-formed, or the status it must get) agrees with rdmakv.wire's
 decoders, that the model rejects wrong answers, and that the reply parser
 rejects broken response streams. The ``test_bug_*`` test reproduces a node
 bug the fuzzer found and that is fixed (rdmakv.fuzz.strategies.KNOWN_BUGS,
@@ -30,7 +30,7 @@ from rdmakv.errors import ProtocolError
 from rdmakv.fuzz import FuzzConfig, FuzzFailure, frames_from_env, run_fuzz
 from rdmakv.fuzz import strategies as S
 from rdmakv.fuzz.harness import replay
-from rdmakv.fuzz.model import Content, Ext, Model, Pending
+from rdmakv.fuzz.reference_node import Content, Ext, Model, Pending
 from rdmakv.fuzz.wire import (
     ALLOC_EXTRA,
     LOOKUP_EXTRA,
@@ -41,21 +41,7 @@ from rdmakv.fuzz.wire import (
     raw_commit,
     raw_get,
 )
-from rdmakv.protocol import (
-    COMMIT_FLAG_REQUIRE_WRITTEN,
-    HEADER,
-    LOOKUP_ENTRY,
-    LOOKUP_FLAG_LEASE,
-    MAX_BULK_BYTES,
-    RESPONSE_BIT,
-    U32,
-    AllocStatus,
-    Channel,
-    Header,
-    LimitExceeded,
-    NodeInfo,
-    Op,
-    Status,
+from rdmakv.wire.batches import (
     decode_alloc,
     decode_commit,
     decode_extents,
@@ -64,9 +50,25 @@ from rdmakv.protocol import (
     decode_u64_list,
     encode_flags,
     encode_get_answer,
-    encode_hello,
     encode_keys,
     encode_put_answer,
+)
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import (
+    COMMIT_FLAG_REQUIRE_WRITTEN,
+    HEADER,
+    LOOKUP_ENTRY,
+    LOOKUP_FLAG_LEASE,
+    MAX_BULK_BYTES,
+    RESPONSE_BIT,
+    U32,
+    AllocStatus,
+    Header,
+    LimitExceeded,
+    NodeInfo,
+    Op,
+    Status,
+    encode_hello,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +125,7 @@ def test_cli_runs_and_prints_totals(tmp_path: Path) -> None:
     assert out["frames"] >= 60 and out["examples"] >= 1 and out["seconds"] > 0
 
 
-# -- the strategies agree with rdmakv.protocol -----------------------------------------------
+# -- the strategies agree with rdmakv.wire -----------------------------------------------
 
 
 def _decode(req: Req) -> object:

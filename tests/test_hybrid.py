@@ -1,4 +1,4 @@
-"""Tests for rdmakv.hybrid: per-group hit rules and the fixed-point longest common hit."""
+"""Tests for rdmakv.engine.hybrid: per-group hit rules and the fixed-point longest common hit."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmakv.errors import ConfigError, RdmakvError
-from rdmakv.hybrid import (
+from rdmakv.engine.hybrid import (
     FullAttentionSpec,
     KVCacheGroup,
     KVCacheSpec,
@@ -21,6 +20,7 @@ from rdmakv.hybrid import (
     longest_common_hit,
     longest_hit,
 )
+from rdmakv.errors import ConfigError, RdmakvError
 
 BLOCK_SIZES = (16, 32, 64)
 MAX_BLOCKS_OF_SMALLEST = 40  # bitmaps up to 40 * 16 = 640 tokens

@@ -20,16 +20,16 @@ from conftest import NodeProcess
 from test_hybrid import reference_longest_common_hit
 from test_manager import CountingClient, count_calls
 
-from rdmakv.errors import ConfigError
-from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, StateSpec
-from rdmakv.hybrid_manager import (
+from rdmakv.blocks.keys import BlockKey, KeyNamespace
+from rdmakv.client.streams import MultiStreamClient
+from rdmakv.engine.groups import (
     MAX_ACQUIRE_ATTEMPTS,
     GroupLayout,
     HybridAcquired,
     HybridKVCacheManager,
 )
-from rdmakv.keys import BlockKey, KeyNamespace
-from rdmakv.streams import MultiStreamClient
+from rdmakv.engine.hybrid import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, StateSpec
+from rdmakv.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 

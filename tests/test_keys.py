@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmakv.errors import ConfigError
-from rdmakv.keys import (
+from rdmakv.blocks.keys import (
     KEY_BYTES,
     BlockKeyer,
     KeyNamespace,
     extra_bytes,
 )
-from rdmakv.protocol import DIGEST_LEN
+from rdmakv.errors import ConfigError
+from rdmakv.wire.format import DIGEST_LEN
 
 NS = KeyNamespace(model="llama-3-8b@abc123", dtype="bfloat16", kv_layout="NHD")
 BS = 4
@@ -217,7 +217,7 @@ def test_weak_key_hash_still_yields_distinct_digests() -> None:
 
 _CHILD = r"""
 import json, sys
-from rdmakv.keys import BlockKeyer, KeyNamespace, extra_bytes
+from rdmakv.blocks.keys import BlockKeyer, KeyNamespace, extra_bytes
 ns = KeyNamespace("llama-3-8b@abc123", "bfloat16", "NHD", 1, 4)
 k = BlockKeyer(ns, 16)
 toks = [(i * 7919) % 128256 for i in range(1000)]

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rdmakv.blocks.keys import KEY_BYTES, BlockKeyer, KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.engine.l1 import L1Cache, OffloadItem, OffloadMode, OffloadQueue, S3FIFOPolicy
 from rdmakv.errors import ConfigError, InvalidHandle, MemoryLockWarning, SlabExhausted
-from rdmakv.keys import KEY_BYTES, BlockKeyer, KeyNamespace
-from rdmakv.l1 import L1Cache, OffloadItem, OffloadMode, OffloadQueue, S3FIFOPolicy
-from rdmakv.slab import Slab
 
 BS = 64
 

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
+from rdmakv.engine.l1.offload import OffloadItem, OffloadQueue
+from rdmakv.engine.l1.offload_policies import OffloadMode
 from rdmakv.errors import ConfigError
-from rdmakv.l1.offload import OffloadItem, OffloadQueue
-from rdmakv.l1.offload_policies import OffloadMode
 
 
 def item(i: int, nbytes: int = 100) -> OffloadItem:

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmakv.errors import ConfigError
-from rdmakv.l1.policies import (
+from rdmakv.engine.l1.policies import (
     S3FIFO_MAX_FREQ,
     FIFOPolicy,
     LRUPolicy,
     S3FIFOPolicy,
     make_policy,
 )
+from rdmakv.errors import ConfigError
 
 KEYS = [bytes([i]) * 16 for i in range(12)]
 

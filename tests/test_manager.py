@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from conftest import NodeProcess
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.keys import BlockKey, KeyNamespace
+from rdmakv.client.node_client import KVClient
+from rdmakv.engine.l1 import KeepHint
+from rdmakv.engine.manager import Acquired, KVCacheManager, tp_namespace
 from rdmakv.errors import ConfigError
-from rdmakv.keys import BlockKey, KeyNamespace
-from rdmakv.l1 import KeepHint
-from rdmakv.manager import Acquired, KVCacheManager, tp_namespace
 
 BLOCK_TOKENS = 4
 BLOCK_BYTES = 16 * 1024  # smaller than the node's 64 KiB blocks: values need not fill one

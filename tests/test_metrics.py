@@ -14,15 +14,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from rdmakv.client import PIPELINE_WINDOW, KVClient
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import PIPELINE_WINDOW, KVClient
+from rdmakv.engine.manager import KVCacheManager
 from rdmakv.errors import AuthError, RemoteError
-from rdmakv.keys import KeyNamespace
-from rdmakv.manager import KVCacheManager
-from rdmakv.metrics.client import ClientMetrics, start_http_server
+from rdmakv.metrics.engine import ClientMetrics, start_http_server
 from rdmakv.node import KVNode
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.protocol import HEADER, U32, Op, encode_hello
-from rdmakv.slab import Slab
+from rdmakv.wire.format import HEADER, U32, Op, encode_hello
 
 BLOCK = 4096
 DIGEST = b"d" * 16

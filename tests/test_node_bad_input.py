@@ -17,10 +17,22 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import IO_TIMEOUT_S, NodeProcess, Raw
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import ConfigError, ProtocolError, UnsupportedTransport
 from rdmakv.node.server import status_for
-from rdmakv.protocol import (
+from rdmakv.transport import get_transport, resolve_transport
+from rdmakv.wire.batches import (
+    decode_extents,
+    decode_flags,
+    decode_get_answer,
+    decode_put_answer,
+    encode_alloc,
+    encode_commit,
+    encode_get,
+    encode_keys,
+)
+from rdmakv.wire.format import (
     FATAL_STATUSES,
     MAGIC,
     MAX_KEYS_PER_REQUEST,
@@ -33,19 +45,9 @@ from rdmakv.protocol import (
     LimitExceeded,
     Op,
     Status,
-    decode_extents,
-    decode_flags,
-    decode_get_answer,
-    decode_put_answer,
-    encode_alloc,
-    encode_commit,
-    encode_get,
     encode_hello,
-    encode_keys,
     value_checksum,
 )
-from rdmakv.slab import Slab
-from rdmakv.transport import get_transport, resolve_transport
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ import pytest
 
 from rdmakv.cli import parse_size
 from rdmakv.errors import ConfigError
-from rdmakv.transport import tcp
+from rdmakv.transport.tcp import loop as tcp
 
 
 @pytest.mark.parametrize(

@@ -21,17 +21,12 @@ from typing import Any
 import pytest
 import yaml
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import RemoteError
-from rdmakv.protocol import (
-    HEADER,
-    LOOKUP_FLAG_LEASE,
-    Channel,
-    Op,
-    encode_hello,
-    encode_keys,
-)
-from rdmakv.slab import Slab
+from rdmakv.wire.batches import encode_keys
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import HEADER, LOOKUP_FLAG_LEASE, Op, encode_hello
 from tests.conftest import NodeProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -239,8 +234,8 @@ def test_a_manager_keeps_hitting_through_slow_and_idle_floods(
     idle connections hold a small node: every block comes back exact, nothing raises."""
     import numpy as np
 
-    from rdmakv.keys import KeyNamespace
-    from rdmakv.manager import KVCacheManager
+    from rdmakv.blocks.keys import KeyNamespace
+    from rdmakv.engine.manager import KVCacheManager
 
     node = limited_node(
         pool_blocks=512, handshake_timeout_s=1.0, max_sessions=64, max_sessions_per_source=64,

@@ -22,21 +22,11 @@ import yaml
 from conftest import NodeProcess, Raw
 from test_metrics import scrape
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.node.admission import MIN_IDLE_TO_SHED_S
-from rdmakv.protocol import (
-    DIGEST_LEN,
-    GET_ENTRY_BYTES,
-    HEADER,
-    RESPONSE_BIT,
-    U32,
-    Op,
-    Status,
-    decode_get_answer,
-    encode_get,
-    encode_keys,
-)
-from rdmakv.slab import Slab
+from rdmakv.wire.batches import decode_get_answer, encode_get, encode_keys
+from rdmakv.wire.format import DIGEST_LEN, GET_ENTRY_BYTES, HEADER, RESPONSE_BIT, U32, Op, Status
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -23,8 +23,10 @@ import pytest
 from conftest import NodeProcess, Raw
 from test_metrics import scrape
 
-from rdmakv.client import KVClient
-from rdmakv.protocol import (
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
+from rdmakv.wire.batches import decode_flags, decode_put_answer, encode_alloc, encode_keys
+from rdmakv.wire.format import (
     HEADER,
     MAX_KEYS_PER_REQUEST,
     RESPONSE_BIT,
@@ -33,12 +35,7 @@ from rdmakv.protocol import (
     AllocStatus,
     Op,
     Status,
-    decode_flags,
-    decode_put_answer,
-    encode_alloc,
-    encode_keys,
 )
-from rdmakv.slab import Slab
 
 pytestmark = pytest.mark.timeout(90)
 

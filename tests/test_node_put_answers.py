@@ -20,14 +20,7 @@ from collections.abc import Callable
 import pytest
 from conftest import NodeProcess, Raw
 
-from rdmakv.protocol import (
-    DIGEST_LEN,
-    HEADER,
-    RESPONSE_BIT,
-    U32,
-    AllocStatus,
-    Op,
-    Status,
+from rdmakv.wire.batches import (
     decode_flags,
     decode_get_answer,
     decode_put_answer,
@@ -35,6 +28,15 @@ from rdmakv.protocol import (
     encode_commit,
     encode_get,
     encode_keys,
+)
+from rdmakv.wire.format import (
+    DIGEST_LEN,
+    HEADER,
+    RESPONSE_BIT,
+    U32,
+    AllocStatus,
+    Op,
+    Status,
     value_checksum,
 )
 

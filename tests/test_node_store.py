@@ -11,18 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracles.index import Index
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import ConfigError
 from rdmakv.node import native_index
 from rdmakv.node.index import NO_BLOCK, IndexBase
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.store import KVStore, LeaseQuotaExceeded
-from rdmakv.protocol import (
-    ALLOC_ITEM,
-    DIGEST_LEN,
-    MAX_KEY_LEN,
-    U16,
+from rdmakv.transport.base import PinnedValues
+from rdmakv.wire.batches import (
     AllocRequest,
-    AllocStatus,
     GetRequest,
     decode_alloc_request,
     decode_commit_request,
@@ -34,8 +31,7 @@ from rdmakv.protocol import (
     encode_get,
     encode_keys,
 )
-from rdmakv.slab import Slab
-from rdmakv.transport.base import PinnedValues
+from rdmakv.wire.format import ALLOC_ITEM, DIGEST_LEN, MAX_KEY_LEN, U16, AllocStatus
 
 BLOCK = 4096
 D = bytes(16)

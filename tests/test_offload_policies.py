@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmakv.errors import ConfigError, MemoryLockWarning
-from rdmakv.keys import KEY_BYTES
-from rdmakv.l1 import (
+from rdmakv.blocks.keys import KEY_BYTES
+from rdmakv.blocks.slab import Slab
+from rdmakv.engine.l1 import (
     OFFLOAD_MODES,
     AllOffload,
     ColdOffload,
@@ -25,8 +25,8 @@ from rdmakv.l1 import (
     ReuseOffload,
     make_offload_policy,
 )
-from rdmakv.l1.offload_policies import HINTED, OPEN, PROVEN, SeenFilter
-from rdmakv.slab import Slab
+from rdmakv.engine.l1.offload_policies import HINTED, OPEN, PROVEN, SeenFilter
+from rdmakv.errors import ConfigError, MemoryLockWarning
 
 BS = 64
 

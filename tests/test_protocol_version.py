@@ -17,21 +17,20 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import NodeProcess, Raw
 
-from rdmakv.client import KVClient
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import ProtocolError, VersionMismatch
-from rdmakv.protocol import (
+from rdmakv.wire.batches import decode_flags, encode_keys
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import (
     PROTOCOL_VERSION,
     RESPONSE_BIT,
     RETIRED_OPCODES,
     U32,
-    Channel,
     NodeInfo,
     Op,
     Status,
-    decode_flags,
     decode_hello,
     encode_hello,
-    encode_keys,
     encode_node_info,
 )
 

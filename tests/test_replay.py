@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rdmakv.blocks.keys import BlockKeyer
 from rdmakv.errors import ConfigError
-from rdmakv.keys import BlockKeyer
 from rdmakv.replay import (
     NodeModel,
     ReplaySetup,

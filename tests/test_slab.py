@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import (
     ConfigError,
     InvalidHandle,
@@ -19,7 +20,6 @@ from rdmakv.errors import (
     MissingExtra,
     SlabExhausted,
 )
-from rdmakv.slab import Slab
 
 BS = 256
 
@@ -385,7 +385,7 @@ def test_over_buffer_refuses_non_contiguous_tensors() -> None:
 @pytest.mark.timeout(60)
 def test_kv_client_moves_bytes_straight_between_foreign_buffers_and_a_node(node: Any) -> None:
     """A real node: put from one foreign buffer's blocks, get into another's, no slab of ours."""
-    from rdmakv.client import KVClient
+    from rdmakv.client.node_client import KVClient
 
     bs = 4096
     src = np.random.default_rng(1).integers(0, 256, 8 * bs, dtype=np.uint8)

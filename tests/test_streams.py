@@ -13,15 +13,13 @@ import pytest
 from conftest import NodeProcess
 from test_client_kv import BLOCK, fill, keys_for
 
-import rdmakv.client as client_module
-import rdmakv.streams as streams_module
-from rdmakv.client import KVClient
-from rdmakv.errors import ConfigError, ConnectionLost, RdmakvError
-from rdmakv.keys import KeyNamespace
-from rdmakv.manager import KVCacheManager
-from rdmakv.remote import open_remote
-from rdmakv.slab import Slab
-from rdmakv.streams import (
+import rdmakv.client.node_client as client_module
+import rdmakv.client.streams as streams_module
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
+from rdmakv.client.remote import open_remote
+from rdmakv.client.streams import (
     MANY_CPUS,
     MAX_STREAMS,
     MIN_SPLIT_BATCH_BYTES,
@@ -37,6 +35,8 @@ from rdmakv.streams import (
     default_streams,
     usable_cpus,
 )
+from rdmakv.engine.manager import KVCacheManager
+from rdmakv.errors import ConfigError, ConnectionLost, RdmakvError
 
 BIG = MIN_SPLIT_BATCH_BYTES // BLOCK + 36  # enough 64 KiB blocks to be split
 
@@ -136,7 +136,7 @@ def test_usable_cpus_is_the_affinity_mask() -> None:
     stream whatever the host has, and ``rdmakv doctor`` says so."""
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "from rdmakv.streams import default_streams, usable_cpus; "
+        "from rdmakv.client.streams import default_streams, usable_cpus; "
         "from rdmakv import doctor; "
         "print(usable_cpus(), default_streams('tcp')); print(doctor.render(doctor.diagnose()))"
     )

@@ -26,9 +26,11 @@ from oracles import tcp_loop
 from rdmakv import doctor
 from rdmakv.defaults import DEFAULT_TCP_SEND_PLAN
 from rdmakv.errors import ConfigError, ConnectionLost
-from rdmakv.protocol import HEADER, Channel, Op, value_checksum
-from rdmakv.transport import checksum, tcp
+from rdmakv.transport import checksum
 from rdmakv.transport.checksum import checksum_ranges
+from rdmakv.transport.tcp import loop as tcp
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import HEADER, Op, value_checksum
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -505,7 +507,8 @@ def test_a_new_process_sends_with_the_default_plan() -> None:
     rdmakv.defaults, which names one of the four plans."""
     out = subprocess.run(
         [sys.executable, "-c",
-         "from rdmakv.transport import tcp; print(tcp.send_plan_name(), *tcp.hashed_send_plan())"],
+         "from rdmakv.transport.tcp import loop as tcp; "
+         "print(tcp.send_plan_name(), *tcp.hashed_send_plan())"],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout.split()
     plan = tcp.SEND_PLANS[DEFAULT_TCP_SEND_PLAN]
@@ -695,7 +698,7 @@ def test_the_environment_sets_the_receive_spin_and_start_up_refuses_a_bad_one(
     doctor`` runs on it), and loading the configuration, which every command
     and connector does at start-up, refuses it by name."""
     env = {**os.environ, tcp.ENV_RECV_SPIN: value}
-    script = ("from rdmakv.transport import tcp; print(tcp.recv_spin_us(), flush=True); "
+    script = ("from rdmakv.transport.tcp import loop as tcp; print(tcp.recv_spin_us(), flush=True); "
               "from rdmakv.config import load_config; load_config()")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=60)

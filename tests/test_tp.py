@@ -3,7 +3,7 @@
 Spawns 2 and then 4 real ranks (``python tests/test_tp.py --rank ...``) in a
 gloo ``torch.distributed`` group initialised through a FileStore, all talking
 to one real ``rdmakv serve``. Each rank keys its own slice of the KV heads
-(:func:`rdmakv.manager.tp_namespace`). Scenarios, run one after another in the
+(:func:`rdmakv.engine.manager.tp_namespace`). Scenarios, run one after another in the
 same processes (torch import is the slow part, so processes are few):
 
 * ``healthy``: every rank fetches all blocks -> all agree on all of them;
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rdmakv.blocks.keys import BlockKey, KeyNamespace
+from rdmakv.engine.manager import KVCacheManager, tp_namespace
 from rdmakv.errors import TransportError
-from rdmakv.keys import BlockKey, KeyNamespace
-from rdmakv.manager import KVCacheManager, tp_namespace
 
 BLOCK_TOKENS = 4
 BLOCK_BYTES = 8 * 1024

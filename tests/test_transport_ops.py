@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import ConfigError
-from rdmakv.slab import Slab
-from rdmakv.transport import verbs
 from rdmakv.transport.base import (
     IoOp,
     check_local_ops,
@@ -17,6 +16,7 @@ from rdmakv.transport.base import (
     io_ops,
     make_op_table,
 )
+from rdmakv.transport.rdma import verbs
 
 U64 = 2**64 - 1
 op_rows = st.lists(

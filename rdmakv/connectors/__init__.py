@@ -9,8 +9,8 @@ Engine-independent parts, importable without any engine installed:
 
 * :mod:`rdmakv.connectors.paged` -- block copies between paged KV tensors and slab blocks;
 * :mod:`rdmakv.connectors.plan` -- scheduler-side request bookkeeping (what to load/save);
-* :mod:`rdmakv.connectors.store` -- options, and load/save execution over the per-KV-cache-group
-  managers of a :class:`~rdmakv.hybrid_manager.HybridKVCacheManager`.
+* :mod:`rdmakv.connectors.group_stores` -- options, and load/save execution over the
+  per-KV-cache-group managers of a :class:`~rdmakv.engine.groups.HybridKVCacheManager`.
 
 This package deliberately imports neither engine: ``import rdmakv.connectors``
 works in any environment.

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rdmakv.blocks.keys import KeyNamespace
 from rdmakv.errors import ConfigError
-from rdmakv.keys import KeyNamespace
 
 if TYPE_CHECKING:
     import torch

@@ -15,8 +15,8 @@ scatter-gather socket I/O over TCP) and a load reads the node's value straight
 into the row. No staging buffer, no host memcpy. The value is the whole row.
 
 Keys: ``XXH3-128(namespace seed || name)`` with a BLAKE2b digest of the same
-input (:class:`~rdmakv.keys.NamedKeys`); every load checks the digest and the
-value's checksum (:class:`~rdmakv.client.KVClient`), so a collision or bytes
+input (:class:`~rdmakv.blocks.keys.NamedKeys`); every load checks the digest and the
+value's checksum (:class:`~rdmakv.client.node_client.KVClient`), so a collision or bytes
 corrupted on the wire or in a node's pool are a failed chunk, never KV
 reported loaded.
 
@@ -45,7 +45,7 @@ Threads and who owns what:
   transfer touches the buffer after it returns.
 
 Selective offload: rdmakv's offload policies (``reuse`` with its budget and
-the request's hint, ``hot``, ``all``; :mod:`rdmakv.l1.offload_policies`)
+the request's hint, ``hot``, ``all``; :mod:`rdmakv.engine.l1.offload_policies`)
 decide which chunks of a store job are sent. The engine's CPU tier plays the
 L1, and a policy other than ``all`` needs to see each *use* of a chunk, not
 only its first store: with :attr:`ChunkTier.wants_every_use` the engine
@@ -69,15 +69,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdmakv.client import NodeClient
+from rdmakv.blocks.keys import KeyNamespace, NamedKeys
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import NodeClient
+from rdmakv.client.remote import open_remote
+from rdmakv.connectors.group_stores import StoreOptions
 from rdmakv.connectors.lookups import BatchLookups
-from rdmakv.connectors.store import StoreOptions
+from rdmakv.engine.l1 import OffloadMode, make_offload_policy
 from rdmakv.errors import ConfigError, RdmakvError
-from rdmakv.keys import KeyNamespace, NamedKeys
-from rdmakv.l1 import OffloadMode, make_offload_policy
 from rdmakv.metrics.tier import TierMetrics, TierStats
-from rdmakv.remote import open_remote
-from rdmakv.slab import Slab
 
 log = logging.getLogger("rdmakv.connectors.tier")
 
@@ -109,7 +109,7 @@ class JobOutcome:
 
 ChunkPlan = Callable[[], tuple[Sequence[int], Sequence[bool | None]]]
 """A store's depth (index in its request's chain) and reuse hint
-(:func:`~rdmakv.l1.block_keep`) per chunk; called on the I/O thread."""
+(:func:`~rdmakv.engine.l1.block_keep`) per chunk; called on the I/O thread."""
 
 
 @dataclass

@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from rdmakv import __version__
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.engine.manager import KVCacheManager
 from rdmakv.errors import RdmakvError
-from rdmakv.keys import KeyNamespace
-from rdmakv.manager import KVCacheManager
-from rdmakv.protocol import DIGEST_LEN
+from rdmakv.wire.format import DIGEST_LEN
 
 log = logging.getLogger("rdmakv.connectors.fingerprint")
 

@@ -46,7 +46,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from rdmakv.connectors.store import GroupStores
+from rdmakv.connectors.group_stores import GroupStores
 from rdmakv.errors import ConfigError, RdmakvError
 
 log = logging.getLogger("rdmakv.connectors.lookups")

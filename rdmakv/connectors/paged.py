@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import ConfigError, InvalidHandle
-from rdmakv.slab import Slab
 
 if TYPE_CHECKING:
     import torch

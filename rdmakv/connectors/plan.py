@@ -11,7 +11,7 @@ Rules it enforces:
 
 * Only full blocks move; a hit never covers the request's last token (the
   engine must compute at least one token to sample from), and a hit is
-  aligned to every group's block size (:func:`rdmakv.hybrid.longest_common_hit`).
+  aligned to every group's block size (:func:`rdmakv.engine.hybrid.longest_common_hit`).
 * Loads are *asynchronous* by default (``async_loads``): the request waits
   for its blocks while the engine runs the others. Hybrid models (more than
   one KV cache group) always report loads asynchronously: the engine cannot
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdmakv.connectors.audit import audit_sampled
+from rdmakv.engine.hybrid import KVCacheGroup, longest_common_hit
+from rdmakv.engine.l1 import KeepHint
 from rdmakv.errors import ConfigError
-from rdmakv.hybrid import KVCacheGroup, longest_common_hit
-from rdmakv.l1 import KeepHint
 
 log = logging.getLogger("rdmakv.connectors")
 
@@ -94,9 +94,9 @@ class Transfer:
 
     ``tokens`` is the prefix the blocks belong to (the key chain input); it
     covers at least every listed block. ``extra`` is the request's key extra
-    (LoRA, multimodal hashes, cache salt; :func:`rdmakv.keys.extra_bytes`).
+    (LoRA, multimodal hashes, cache salt; :func:`rdmakv.blocks.keys.extra_bytes`).
     ``keep`` is the request's reuse hint for the offload policy of a save
-    (:meth:`rdmakv.manager.KVCacheManager.put`).
+    (:meth:`rdmakv.engine.manager.KVCacheManager.put`).
     """
 
     req_id: str

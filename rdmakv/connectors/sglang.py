@@ -11,7 +11,7 @@ Load it as a *dynamic* backend (checked against sglang 0.5.23)::
 ``"interface_v1": 1`` is required: it makes SGLang call :meth:`batch_get_v1` /
 :meth:`batch_set_v1` with host-pool page indices instead of materialising a
 tensor per page. The other keys are
-:class:`~rdmakv.connectors.store.StoreOptions` (``"rdmakv_config": PATH`` takes
+:class:`~rdmakv.connectors.group_stores.StoreOptions` (``"rdmakv_config": PATH`` takes
 their defaults from an rdmakv config file's ``client`` section), plus
 ``"zero_copy"`` (default true; see below). ``l1_bytes`` sizes the staging slab
 of the copy path.
@@ -85,13 +85,13 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorageExtraInfo,
 )
 
-from rdmakv.client import NodeClient
-from rdmakv.connectors.store import AUDIT_OPTIONS, StoreOptions
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import NodeClient
+from rdmakv.client.remote import open_remote
+from rdmakv.connectors.group_stores import AUDIT_OPTIONS, StoreOptions
 from rdmakv.errors import ConfigError, RdmakvError
-from rdmakv.keys import KeyNamespace
-from rdmakv.protocol import DIGEST_LEN
-from rdmakv.remote import open_remote
-from rdmakv.slab import Slab
+from rdmakv.wire.format import DIGEST_LEN
 
 log = logging.getLogger("rdmakv.connectors.sglang")
 

@@ -10,7 +10,7 @@ own, and reports what finished when the engine asks
 
 Invariants (who owns what, when it ends):
 
-* Only the transfer thread touches the :class:`~rdmakv.connectors.store.GroupStores`
+* Only the transfer thread touches the :class:`~rdmakv.connectors.group_stores.GroupStores`
   (its managers and slabs are single-threaded); the engine thread queues jobs
   and reads results under one lock.
 * Saves go before loads: a save holds engine blocks the engine wants back
@@ -61,9 +61,9 @@ from typing import Any
 
 from rdmakv.connectors.audit import AUDIT_BACKOFF_S, PendingAudit
 from rdmakv.connectors.copy_stream import CopyStream
+from rdmakv.connectors.group_stores import GroupStores
 from rdmakv.connectors.paged import PagedGroupCopier
 from rdmakv.connectors.plan import Transfer
-from rdmakv.connectors.store import GroupStores
 from rdmakv.errors import ConfigError, RdmakvError
 
 log = logging.getLogger("rdmakv.connectors.transfers")

@@ -7,7 +7,7 @@ Load it through vLLM's connector factory, no patching::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"node": "10.0.0.5:7070"}}'
 
-(options of ``kv_connector_extra_config``: :class:`~rdmakv.connectors.store.StoreOptions`;
+(options of ``kv_connector_extra_config``: :class:`~rdmakv.connectors.group_stores.StoreOptions`;
 ``"rdmakv_config": PATH`` takes their defaults from an rdmakv config file's ``client``
 section; ``docs/engines.md`` has the whole story). Checked against vLLM 0.33.0.
 
@@ -61,7 +61,7 @@ How one request flows (no engine thread waits on the network):
 
 Keys: the namespace is the model (name + revision, or the ``model`` option),
 the KV dtype, each group's page geometry and, under tensor parallelism, the
-rank's KV-head slice (:func:`rdmakv.manager.tp_namespace`: TP sizes holding the
+rank's KV-head slice (:func:`rdmakv.engine.manager.tp_namespace`: TP sizes holding the
 same heads share blocks; MLA shares across all ranks). Each group's spec is in
 every key. Tensor parallelism: the scheduler side checks TP rank 0's keys;
 every rank loads on its own and reports what it could not fill, and vLLM
@@ -98,17 +98,17 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
 
+from rdmakv.blocks.keys import KeyNamespace, extra_bytes
 from rdmakv.connectors.fingerprint import engine_fingerprint
+from rdmakv.connectors.group_stores import LOAD_ASYNC, GroupStores, StoreOptions
 from rdmakv.connectors.lookups import LookupService
 from rdmakv.connectors.paged import PagedGroupCopier, PageSpec
 from rdmakv.connectors.plan import RequestBook, StepPlan, request_keep_hint
-from rdmakv.connectors.store import LOAD_ASYNC, GroupStores, StoreOptions
 from rdmakv.connectors.transfers import TransferWorker
+from rdmakv.engine.hybrid import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
+from rdmakv.engine.l1 import KeepHint
+from rdmakv.engine.manager import tp_namespace
 from rdmakv.errors import ConfigError, RdmakvError
-from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
-from rdmakv.keys import KeyNamespace, extra_bytes
-from rdmakv.l1 import KeepHint
-from rdmakv.manager import tp_namespace
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ vLLM's buffer. One line of config::
 vLLM's factory imports ``module_path`` and takes the attribute named by
 ``type`` (``rdmakv``, an alias of :class:`RdmakvTier`); every other key of the
 tier's dict (except ``backpressure``, vLLM's) reaches the tier: they are
-:class:`~rdmakv.connectors.store.StoreOptions` (``node``, ``replication``,
+:class:`~rdmakv.connectors.group_stores.StoreOptions` (``node``, ``replication``,
 ``transport``, ``token_file``, ``timeout``, ``offload``, ``offload_budget``,
 ``model``, ``metrics_port``, ``rdmakv_config``...) plus vLLM's ``locality``.
 Options of rdmakv's own connector that vLLM's CPU tier replaces (``l1_bytes``,
@@ -88,12 +88,12 @@ from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found]
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
 
+from rdmakv.blocks.keys import KeyNamespace
 from rdmakv.connectors.chunk_tier import ChunkTier, JobOutcome
+from rdmakv.connectors.group_stores import AUDIT_OPTIONS, StoreOptions
 from rdmakv.connectors.plan import request_keep_hint
-from rdmakv.connectors.store import AUDIT_OPTIONS, StoreOptions
+from rdmakv.engine.l1 import block_keep
 from rdmakv.errors import ConfigError
-from rdmakv.keys import KeyNamespace
-from rdmakv.l1 import block_keep
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec  # type: ignore[import-not-found]

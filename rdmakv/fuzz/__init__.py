@@ -9,15 +9,15 @@ values and mutated (cut short, bits flipped, header lengths that lie, bytes
 spliced, garbage), on
 authenticated and unauthenticated connections, many frames per connection,
 some pipelined. Before fuzzing, a victim stores values through the ordinary
-:class:`~rdmakv.client.KVClient`; after every example the node must be alive,
+:class:`~rdmakv.client.node_client.KVClient`; after every example the node must be alive,
 hold exactly what the reference model says (no leaked lease or extent,
 nothing evicted) and give the victim every value back byte for byte. Every
-answer must be a well-formed frame (decoded with :mod:`rdmakv.protocol`) that
+answer must be a well-formed frame (decoded with :mod:`rdmakv.wire`) that
 the model accepts, or a clean close where the protocol says the node closes.
 
 Modules: :mod:`~rdmakv.fuzz.strategies` (the Hypothesis strategies, reusable),
 :mod:`~rdmakv.fuzz.wire` (raw frames and a deadlock-free socket),
-:mod:`~rdmakv.fuzz.model` (the oracle), :mod:`~rdmakv.fuzz.harness` (node,
+:mod:`~rdmakv.fuzz.reference_node` (the oracle), :mod:`~rdmakv.fuzz.harness` (node,
 victim, examples, :func:`run_fuzz`).
 
 Running it (needs the dev extra: ``pip install -e '.[dev]'`` for Hypothesis):

@@ -2,7 +2,7 @@
 
 :class:`Target` starts a node (``--port 0``, a token required, tcp, a pool
 large enough that the fuzzer never makes it evict), stores the victim's
-values through a real :class:`~rdmakv.client.KVClient` and learns their
+values through a real :class:`~rdmakv.client.node_client.KVClient` and learns their
 extents. Each Hypothesis example (:meth:`Target.run_example`) then opens
 connections and sends about ``frames_per_example`` frames through them:
 single requests and pipelined batches on authenticated connections (among
@@ -10,7 +10,7 @@ them a correct client's leased LOOKUP and GET of the victim's values, and its
 put: PUT, COMMIT and GET of fresh keys pipelined), handshakes of every kind
 on fresh ones (the unauthenticated path), and mutated frames after which the
 connection is half-closed. Every answer is checked by
-:class:`~rdmakv.fuzz.model.Model`.
+:class:`~rdmakv.fuzz.reference_node.Model`.
 
 After each example every fuzzer connection is closed (waiting until the node
 ended its session), and the node must: be alive; hold exactly the entries,
@@ -48,13 +48,15 @@ from typing import Any, TextIO
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import RdmakvError
 from rdmakv.fuzz import strategies as S
-from rdmakv.fuzz.model import Content, Ext, Model, lookup_extra
+from rdmakv.fuzz.reference_node import Content, Ext, Model, lookup_extra
 from rdmakv.fuzz.wire import Conn, Exchange, FuzzFailure, Req, Resp, raw_keys
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.protocol import (
+from rdmakv.wire.batches import decode_flags, decode_json, decode_lookup_results
+from rdmakv.wire.format import (
     DIGEST_LEN,
     HELLO_FIXED,
     MAGIC,
@@ -62,12 +64,8 @@ from rdmakv.protocol import (
     RESPONSE_BIT,
     Op,
     Status,
-    decode_flags,
-    decode_json,
-    decode_lookup_results,
     decode_node_info,
 )
-from rdmakv.slab import Slab
 
 ENV_FRAMES = "RDMAKV_FUZZ_FRAMES"
 DEFAULT_FRAMES = 3000

@@ -53,7 +53,7 @@ from rdmakv.fuzz.wire import (
     raw_ids,
     raw_keys,
 )
-from rdmakv.protocol import (
+from rdmakv.wire.format import (
     COMMIT_FLAG_REQUIRE_WRITTEN,
     DIGEST_LEN,
     HELLO_FIXED,

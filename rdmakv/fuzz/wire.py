@@ -4,7 +4,7 @@ that sends any bytes while reading whatever the node answers.
 A :class:`Req` is one request frame *plus what it means* (the keys, items
 or ids it carries, or why it is malformed), so the model can say what the node
 must answer. Its bytes are built here with encoders that, unlike
-:mod:`rdmakv.protocol`'s, accept hostile values (keys of length 0 or 513,
+:mod:`rdmakv.wire`'s, accept hostile values (keys of length 0 or 513,
 counts that disagree with the items, header lengths that lie).
 
 :class:`Conn` never blocks on one direction while the other is full: sending
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rdmakv.errors import RdmakvError
-from rdmakv.protocol import (
+from rdmakv.wire.format import (
     ALLOC_ITEM,
     HEADER,
     LOOKUP_ENTRY,
@@ -298,7 +298,7 @@ def raw_keys(keys: Sequence[bytes], count: int | None = None, *, repeat: int = 1
 
 ALLOC_EXTRA = len(ALLOC_ITEM.unpack(bytes(ALLOC_ITEM.size))) - 2
 """Fields of an ALLOC item after size and digest (none since protocol v3, which
-moved the value checksum to COMMIT): taken from rdmakv.protocol, so the fuzzer
+moved the value checksum to COMMIT): taken from rdmakv.wire, so the fuzzer
 follows the format wherever it goes."""
 LOOKUP_EXTRA = len(LOOKUP_ENTRY.unpack(bytes(LOOKUP_ENTRY.size))) - 6
 """Fields of a LOOKUP entry after found, addr, len, rkey, lease id and digest."""

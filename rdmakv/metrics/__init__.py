@@ -4,7 +4,7 @@
 * node: ``rdmakv serve --metrics-port N`` -> :class:`~rdmakv.metrics.node.NodeMetrics`
   served by :class:`~rdmakv.metrics.http.MetricsServer` (``/metrics``, ``/healthz``,
   ``/readyz``);
-* engine: :class:`~rdmakv.metrics.client.ClientMetrics` over a ``KVCacheManager``,
+* engine: :class:`~rdmakv.metrics.engine.ClientMetrics` over a ``KVCacheManager``,
   registered in the engine's registry or served by :func:`start_http_server`.
 """
 

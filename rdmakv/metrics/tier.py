@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rdmakv.errors import ConfigError
-from rdmakv.metrics.client import start_http_server
+from rdmakv.metrics.engine import start_http_server
 from rdmakv.metrics.http import MetricsServer
 
 log = logging.getLogger("rdmakv.metrics.tier")

@@ -36,7 +36,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from rdmakv.protocol import AllocRequest, GetRequest, KeysRequest
+from rdmakv.wire.batches import AllocRequest, GetRequest, KeysRequest
 
 NO_BLOCK = -1
 """A miss, in the block lists lookups return: the columns' zero row."""
@@ -55,7 +55,7 @@ class Reserved(NamedTuple):
     """What :meth:`IndexBase.reserve` did with a batch of items."""
 
     statuses: bytearray
-    """Per item its :class:`~rdmakv.protocol.AllocStatus` (the wire's byte)."""
+    """Per item its :class:`~rdmakv.wire.format.AllocStatus` (the wire's byte)."""
     blocks: array[int]
     """Per item the block it is pending in; :data:`NO_BLOCK` where refused."""
     spares_used: int

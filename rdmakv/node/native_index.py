@@ -34,17 +34,8 @@ import numpy.typing as npt
 from rdmakv import native_core
 from rdmakv.errors import RdmakvError
 from rdmakv.node.index import NO_BLOCK, IndexBase, Refcounts, Reserved
-from rdmakv.protocol import (
-    ALLOC_ITEM,
-    DIGEST_LEN,
-    GET_ENTRY_BYTES,
-    U16,
-    U32,
-    AllocRequest,
-    AllocStatus,
-    GetRequest,
-    KeysRequest,
-)
+from rdmakv.wire.batches import AllocRequest, GetRequest, KeysRequest
+from rdmakv.wire.format import ALLOC_ITEM, DIGEST_LEN, GET_ENTRY_BYTES, U16, U32, AllocStatus
 
 _ffi, _lib = native_core.ffi, native_core.lib
 
@@ -60,7 +51,7 @@ _MAX_OWNER = (1 << 64) - 1
 class PinnedRequest(NamedTuple):
     """A GET served by :meth:`NativeIndex.pin_request`, as it is sent.
 
-    ``answer`` is the answer's payload (:func:`~rdmakv.protocol.encode_get_answer`).
+    ``answer`` is the answer's payload (:func:`~rdmakv.wire.batches.encode_get_answer`).
     ``iov`` is ``uint64`` (1 + hits, 2): row 0 zero, for the caller's frame
     head, then per hit in key order its value's (address, length). Each of
     ``blocks`` (the hits') holds one reference the caller must give back once

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from rdmakv import native_core
 from rdmakv.errors import RdmakvError
 from rdmakv.node.native_index import NativeIndex
-from rdmakv.protocol import (
+from rdmakv.wire.format import (
     DIGEST_LEN,
     GET_ENTRY_BYTES,
     HEADER,
@@ -188,7 +188,7 @@ class RequestLoop:
         if native != (HEADER.size, DIGEST_LEN, GET_ENTRY_BYTES):  # a build out of step
             raise RdmakvError(
                 f"native/rk_serve.h lays GET out with header, digest and entry sizes {native}, "
-                f"rdmakv/protocol.py with {(HEADER.size, DIGEST_LEN, GET_ENTRY_BYTES)}"
+                f"rdmakv/wire/ with {(HEADER.size, DIGEST_LEN, GET_ENTRY_BYTES)}"
             )
         smallest = U16.size + 1 + DIGEST_LEN  # a GET item of a one-byte key
         max_keys = min((ahead_bytes - HEADER.size - U32.size) // smallest,

@@ -10,7 +10,7 @@ this module.
 
 A bad request gets an error response naming what was wrong and the session
 keeps serving; the connection closes after any error answer to the handshake,
-and after an answer whose status is in :data:`~rdmakv.protocol.FATAL_STATUSES`
+and after an answer whose status is in :data:`~rdmakv.wire.format.FATAL_STATUSES`
 (a header announcing more than the protocol limits): :meth:`Session.fail`.
 Nothing a client sends can touch another client's data: no request names a
 pool address (GET and PUT name keys), and one-sided access is confined by the
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.defaults import (
     DEFAULT_HOST,
     DEFAULT_LEASE_TIMEOUT,
@@ -49,32 +50,15 @@ from rdmakv.metrics.node import REFUSAL_REASONS, NodeMetrics
 from rdmakv.node.admission import Admission, SessionLimits
 from rdmakv.node.native_loop import Outcome, RequestLoop
 from rdmakv.node.store import KVStore
-from rdmakv.protocol import (
-    BULK_REQUEST_OPCODES,
-    COMMIT_FLAG_REQUIRE_WRITTEN,
-    FATAL_STATUSES,
-    LOOKUP_FLAG_LEASE,
-    MAX_BULK_BYTES,
-    MAX_ERROR_MESSAGE,
-    MAX_KEYS_PER_REQUEST,
-    MAX_PAYLOAD,
+from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
+from rdmakv.transport.base import CONFINE_WINDOWS, PinnedValues, ReceivingValues
+from rdmakv.transport.congestion import apply_congestion
+from rdmakv.wire.batches import (
     MAX_REPORTED_NAMESPACES,
-    PROTOCOL_VERSION,
-    RECV_AHEAD_BYTES,
-    RESPONSE_BIT,
-    U32,
     AllocRequest,
-    Channel,
-    FrameTooLarge,
     GetRequest,
-    Header,
-    LimitExceeded,
-    NodeInfo,
-    Op,
-    Status,
     decode_alloc_request,
     decode_commit_request,
-    decode_hello,
     decode_keys,
     decode_keys_request,
     decode_report,
@@ -84,13 +68,31 @@ from rdmakv.protocol import (
     encode_flags,
     encode_json,
     encode_lookup_results,
+)
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import (
+    BULK_REQUEST_OPCODES,
+    COMMIT_FLAG_REQUIRE_WRITTEN,
+    FATAL_STATUSES,
+    LOOKUP_FLAG_LEASE,
+    MAX_BULK_BYTES,
+    MAX_ERROR_MESSAGE,
+    MAX_KEYS_PER_REQUEST,
+    MAX_PAYLOAD,
+    PROTOCOL_VERSION,
+    RECV_AHEAD_BYTES,
+    RESPONSE_BIT,
+    U32,
+    FrameTooLarge,
+    Header,
+    LimitExceeded,
+    NodeInfo,
+    Op,
+    Status,
+    decode_hello,
     encode_node_info,
     version_mismatch,
 )
-from rdmakv.slab import Slab
-from rdmakv.transport import NodeDataPath, NodeHandler, NodeSession, get_transport
-from rdmakv.transport.base import CONFINE_WINDOWS, PinnedValues, ReceivingValues
-from rdmakv.transport.congestion import apply_congestion
 
 log = logging.getLogger("rdmakv.node")
 

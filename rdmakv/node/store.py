@@ -1,6 +1,6 @@
 """KVStore: the node's pool, index, allocator, leases and eviction behind one lock.
 
-The pool is a :class:`~rdmakv.slab.Slab` of fixed-size blocks; each value takes
+The pool is a :class:`~rdmakv.blocks.slab.Slab` of fixed-size blocks; each value takes
 one block (an *extent* = block start address + value length).
 
 Ownership of a pool block, as slab references:
@@ -41,27 +41,24 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.defaults import DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_LEASES_PER_BLOCK
 from rdmakv.errors import ConfigError
 from rdmakv.node.index import NO_BLOCK, Reserved
 from rdmakv.node.leases import Lease, LeaseTable
 from rdmakv.node.native_index import NativeIndex
 from rdmakv.node.native_loop import GetCounts, GetSource, GetTally, RequestLoop, StoreLock
-from rdmakv.protocol import (
+from rdmakv.transport.base import ExtentGuard, PinnedValues, ReceivingValues
+from rdmakv.wire.batches import AllocRequest, GetRequest, KeysRequest, encode_get_answer
+from rdmakv.wire.format import (
     EXTENT_DTYPE,
     MAX_BULK_BYTES,
-    AllocRequest,
     AllocResult,
     AllocStatus,
     Extent,
-    GetRequest,
-    KeysRequest,
     LimitExceeded,
     LookupResult,
-    encode_get_answer,
 )
-from rdmakv.slab import Slab
-from rdmakv.transport.base import ExtentGuard, PinnedValues, ReceivingValues
 
 log = logging.getLogger("rdmakv.node")
 
@@ -230,7 +227,7 @@ class KVStore:
     def alloc_table(self, session: int, request: AllocRequest) -> npt.NDArray[np.void]:
         """Reserve one extent per (key, size, digest) item; invisible until commit.
 
-        Per item one :data:`~rdmakv.protocol.EXTENT_DTYPE` record: its status,
+        Per item one :data:`~rdmakv.wire.format.EXTENT_DTYPE` record: its status,
         and where that is OK its extent (address, length, rkey); zeros
         elsewhere. Laid out in array passes, not an object per key: ALLOC is
         the node's busiest control request."""

@@ -34,7 +34,7 @@ from typing import Any
 from rdmakv.perf.drivers import CEILING, FATAL, OURS, OURS_VARIANTS
 from rdmakv.perf.provenance import provenance
 from rdmakv.perf.settings import LATENCY_KEYS, BenchConfig, KiB
-from rdmakv.transport.tcp import hashed_send_plan, recv_spin_us
+from rdmakv.transport.tcp.loop import hashed_send_plan, recv_spin_us
 
 CEILINGS = (CEILING, "perftest", "perftest_q2")
 

@@ -10,7 +10,7 @@ HINT_FORMS = ("request", "prefix")
 """What the replayed ``keep`` hint says: ``request``, one bool per request
 (whether a later request continues it); ``prefix``, a token count (how many
 of its first tokens a later request asks for again; see
-:data:`rdmakv.l1.KeepHint`)."""
+:data:`rdmakv.engine.l1.KeepHint`)."""
 AFFINITY_BLOCK = 1
 """``prefix`` routing sends a request to the engine chosen by its block at this index
 (or its last full block if shorter): requests that share their first blocks --

@@ -1,6 +1,6 @@
 """The real-stack replay: a trace through a real ``rdmakv serve`` and the real manager.
 
-One engine's :class:`~rdmakv.manager.KVCacheManager` talks to a real node
+One engine's :class:`~rdmakv.engine.manager.KVCacheManager` talks to a real node
 process over the chosen transport, with real bytes (``block_bytes`` per block,
 scaled down from a model's KV so a trace fits this machine). Each request does
 what an engine does: ``exists`` (the scheduler's hit count), ``acquire`` capped
@@ -10,7 +10,7 @@ arrive at their trace timestamps divided by ``speedup`` (None: back to back).
 
 ``sync=True`` (the default) waits for each request's offloads to reach the
 node before the next request, so no offload is dropped by back-pressure and
-the counts equal :func:`rdmakv.replay.model.replay_model`'s (a test holds them
+the counts equal :func:`rdmakv.replay.fast.replay_model`'s (a test holds them
 to it). ``sync=False`` lets offloads overlap the next requests as in
 production; drops then show in the result.
 """
@@ -20,14 +20,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rdmakv.blocks.synthetic_kv import fill_kv, kv_matches
+from rdmakv.engine.l1 import OffloadPolicy
+from rdmakv.engine.manager import KVCacheManager
 from rdmakv.errors import ConfigError
-from rdmakv.l1 import OffloadPolicy
-from rdmakv.manager import KVCacheManager
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.replay.model import PROGRESS_EVERY, Progress, check_setup, pending_room, replay_hint
+from rdmakv.replay.fast import PROGRESS_EVERY, Progress, check_setup, pending_room, replay_hint
 from rdmakv.replay.result import ReplayResult, ReplaySetup
 from rdmakv.replay.trace import OracleOffload, TraceKeys
-from rdmakv.synthetic_kv import fill_kv, kv_matches
 
 DEFAULT_STACK_BLOCK_BYTES = 16 * 1024
 FLUSH_TIMEOUT_S = 30.0

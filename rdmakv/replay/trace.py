@@ -14,7 +14,7 @@ tools write.
 To replay a trace through the real stack, every hash id becomes one block of
 deterministic tokens (:func:`block_token_ids`, a function of the id only), and
 a request's prompt is its blocks' tokens cut to ``input_length``. The real
-:class:`~rdmakv.keys.BlockKeyer` then gives real chained keys and digests.
+:class:`~rdmakv.blocks.keys.BlockKeyer` then gives real chained keys and digests.
 Only *full* blocks are cached, as in the manager: a prompt's partial last block
 is recomputed by every request (in this trace it is never reused anyway, since
 the next turn fills it with the answer's tokens, which gives it a new id).
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from rdmakv.blocks.keys import BlockKey, BlockKeyer, KeyNamespace
+from rdmakv.engine.l1.offload_policies import NoOffload
 from rdmakv.errors import ConfigError
-from rdmakv.keys import BlockKey, BlockKeyer, KeyNamespace
-from rdmakv.l1.offload_policies import NoOffload
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake traces."""
@@ -258,7 +258,7 @@ class TraceKeys:
     def reused_tokens(self, r: int) -> int:
         """Tokens of request ``r``'s first blocks that a later request asks for again.
 
-        The perfect prefix-length hint (:data:`rdmakv.l1.KeepHint`): a later
+        The perfect prefix-length hint (:data:`rdmakv.engine.l1.KeepHint`): a later
         request that asks for block ``d`` of the chain asks for every block
         before it, so the reused blocks are a prefix.
         """

@@ -118,7 +118,8 @@ def resolve_transport(name: str, offered: tuple[str, ...] | None = None) -> str:
 
 
 def _register_tcp() -> None:
-    from rdmakv.transport.tcp import TcpNodeDataPath, TcpTransport
+    from rdmakv.transport.tcp.client_side import TcpTransport
+    from rdmakv.transport.tcp.node_side import TcpNodeDataPath
 
     register_transport(TransportSpec("tcp", TcpTransport, TcpNodeDataPath))
 

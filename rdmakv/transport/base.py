@@ -38,9 +38,11 @@ from typing import ClassVar, NamedTuple, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import ConfigError, RemoteError, TransportTimeout
-from rdmakv.protocol import AllocRequest, BatchEncoder, Channel, GetRequest, Header, NodeInfo
-from rdmakv.slab import Slab
+from rdmakv.wire.batches import AllocRequest, BatchEncoder, GetRequest
+from rdmakv.wire.channel import Channel
+from rdmakv.wire.format import Header, NodeInfo
 
 REQUEST_BYTES_AHEAD = 32 * 1024
 """While an answer that carries values (tcp's GET) is not yet read, the node
@@ -144,7 +146,7 @@ class IoFuture:
         self._error: BaseException | None = None
         self._default_timeout = default_timeout
         self.checksums: Sequence[int] | None = None
-        """Per op, the :func:`~rdmakv.protocol.value_checksum` of the bytes it
+        """Per op, the :func:`~rdmakv.wire.format.value_checksum` of the bytes it
         moved, when the transport computed it (tcp's native loop hashes each
         block on the way, while it is in cache; rdma hashes a batch's slab
         bytes in one native call, a write's as it is submitted, a read's once
@@ -276,8 +278,8 @@ class Transport(ABC):
     ) -> Stored:
         """Put slab blocks ``handles`` (``sizes`` bytes each) under ``keys``,
         each value published with the checksum of the bytes that went out.
-        ``encoder``: the call's :class:`~rdmakv.protocol.BatchEncoder` of these
-        keys, their digests and ``sizes`` (:func:`rdmakv.client.check_put`
+        ``encoder``: the call's :class:`~rdmakv.wire.batches.BatchEncoder` of these
+        keys, their digests and ``sizes`` (:func:`rdmakv.client.node_client.check_put`
         made it)."""
 
     @abstractmethod
@@ -291,8 +293,8 @@ class Transport(ABC):
     ) -> Fetched:
         """Values of ``keys`` stored with ``digests`` into slab blocks
         ``handles``, each checked against its checksum before it counts as a
-        hit. ``encoder``: the call's :class:`~rdmakv.protocol.BatchEncoder` of
-        these keys and digests (:func:`rdmakv.client.check_get` made it)."""
+        hit. ``encoder``: the call's :class:`~rdmakv.wire.batches.BatchEncoder` of
+        these keys and digests (:func:`rdmakv.client.node_client.check_get` made it)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -307,7 +309,7 @@ class PinnedValues(NamedTuple):
     """What a GET found (:meth:`NodeSession.pin_values`), in the shape its
     answer is sent in.
 
-    ``answer`` is the answer's payload (:func:`~rdmakv.protocol.encode_get_answer`:
+    ``answer`` is the answer's payload (:func:`~rdmakv.wire.batches.encode_get_answer`:
     per key its value length and checksum, both 0 for a miss; no stored value
     is empty). ``iov`` is ``uint64`` (1 + hits, 2): row 0 zero, left for the
     caller's frame head, then per hit in key order the (address, length) of

@@ -1,7 +1,7 @@
 """Value checksums of slab ranges in native code.
 
 The protocol's value checksum is XXH3-64 of a value's bytes
-(:func:`~rdmakv.protocol.value_checksum`). The writer computes it, the node
+(:func:`~rdmakv.wire.format.value_checksum`). The writer computes it, the node
 stores it, and the reader checks the bytes it got against it: never wrong KV.
 Per value in Python that is a call, a slice and a list entry each, with the
 GIL held: several times one native call's cost for a batch, and of the order
@@ -41,8 +41,8 @@ import numpy.typing as npt
 import xxhash
 
 from rdmakv import native_core
-from rdmakv.protocol import value_checksum
 from rdmakv.transport.base import iov_at
+from rdmakv.wire.format import value_checksum
 
 _ffi, _lib = native_core.ffi, native_core.lib
 

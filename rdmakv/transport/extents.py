@@ -30,24 +30,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from rdmakv.blocks.slab import Slab
 from rdmakv.errors import ConfigError, OpsFailed, ProtocolError, RdmakvError, RemoteError
-from rdmakv.protocol import (
-    LOOKUP_FLAG_LEASE,
-    AllocStatus,
-    BatchEncoder,
-    Channel,
-    NodeInfo,
-    Op,
-    Reply,
-    decode_extent_table,
-    decode_flags,
-    decode_lookup_table,
-    encode_commit,
-    encode_keys,
-    encode_u64_list,
-    value_checksum,
-)
-from rdmakv.slab import Slab
 from rdmakv.transport.base import (
     PIPELINE_WINDOW,
     REQUEST_BYTES_AHEAD,
@@ -59,6 +43,17 @@ from rdmakv.transport.base import (
     make_op_table,
     sub_batches,
 )
+from rdmakv.wire.batches import (
+    BatchEncoder,
+    decode_extent_table,
+    decode_flags,
+    decode_lookup_table,
+    encode_commit,
+    encode_keys,
+    encode_u64_list,
+)
+from rdmakv.wire.channel import Channel, Reply
+from rdmakv.wire.format import LOOKUP_FLAG_LEASE, AllocStatus, NodeInfo, Op, value_checksum
 
 log = logging.getLogger("rdmakv.client")  # its warnings are about the caller's put/get
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from rdmakv.cluster import ClusterClient
-from rdmakv.keys import BlockKey, KeyNamespace
-from rdmakv.manager import KVCacheManager
-from rdmakv.slab import Slab
+from rdmakv.blocks.keys import BlockKey, KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.cluster import ClusterClient
+from rdmakv.engine.manager import KVCacheManager
 
 CLIENT_TIMEOUT_S = 1.0
 """Every remote wait of every client here (small, so that stalls resolve fast)."""

@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 from conftest import NodeProcess
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import RdmakvError
-from rdmakv.slab import Slab
 
 from .conftest import NODE_OPTS, ChaosEnv
 from .targets import BLOCK_BYTES, CLIENT_TIMEOUT_S, ReadResult, Target

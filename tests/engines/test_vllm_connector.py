@@ -847,7 +847,7 @@ def _run_computed_in_full(e: Engine, req_id: str, prompt: list[int]) -> None:
 
 def _node_quarantines(endpoint: str) -> dict[str, str]:
     """What ``rdmakv stats`` shows as quarantined namespaces: label -> reason."""
-    from rdmakv.remote import open_remote
+    from rdmakv.client.remote import open_remote
 
     with contextlib.closing(open_remote(endpoint, None, transport="tcp", timeout=5)) as c:
         shown = c.stats()["quarantined_namespaces"]

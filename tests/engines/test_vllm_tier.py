@@ -54,7 +54,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from rdmakv.client import KVClient
+from rdmakv.client.node_client import KVClient
 from rdmakv.connectors.vllm_tier import RdmakvTier
 from rdmakv.errors import ConfigError
 

@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 from rdmakv.node.index import NO_BLOCK, IndexBase, Refcounts, Reserved
-from rdmakv.protocol import MAX_KEY_LEN, AllocRequest, AllocStatus, KeysRequest
+from rdmakv.wire.batches import AllocRequest, KeysRequest
+from rdmakv.wire.format import MAX_KEY_LEN, AllocStatus
 
 _NO_DIGEST = b""
 

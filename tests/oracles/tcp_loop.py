@@ -1,10 +1,10 @@
 """The tcp transport's per-block loop in plain Python: the oracle of
 native/rk_tcp.c's ``rk_tcp_sendv`` / ``rk_tcp_recvv`` and their hashing
-twins (:func:`rdmakv.transport.tcp.send_iov`, :func:`~rdmakv.transport.tcp.recv_iov`).
+twins (:func:`rdmakv.transport.tcp.loop.send_iov`, :func:`~rdmakv.transport.tcp.loop.recv_iov`).
 
 Before the native core was required this was the transport's own loop where
 the core was not built (``sendmsg`` / ``recvmsg_into`` of block views, and
-:func:`~rdmakv.protocol.value_checksum` per block after it moved):
+:func:`~rdmakv.wire.format.value_checksum` per block after it moved):
 tests/test_tcp_native.py checks the native loop against it, each direction
 against the other's twin.
 """
@@ -16,7 +16,8 @@ import socket
 
 import numpy as np
 
-from rdmakv.protocol import recv_views, send_views, value_checksum
+from rdmakv.wire.channel import recv_views, send_views
+from rdmakv.wire.format import value_checksum
 
 
 def views(iov: np.ndarray) -> list[memoryview]:

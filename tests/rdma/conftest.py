@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from rdmakv.slab import Slab
-from rdmakv.transport import verbs
+from rdmakv.blocks.slab import Slab
+from rdmakv.transport.rdma import verbs
 
 REQUIRE_ENV = "RDMAKV_REQUIRE_RDMA"
 BLOCK = 16384

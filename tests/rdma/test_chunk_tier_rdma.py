@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from rdmakv.client import KVClient
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.client.node_client import KVClient
 from rdmakv.connectors.chunk_tier import ChunkTier, JobOutcome
-from rdmakv.connectors.store import StoreOptions
-from rdmakv.keys import KeyNamespace
+from rdmakv.connectors.group_stores import StoreOptions
 from rdmakv.node.process import LocalNodeProcess
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """The connectors' stores over RDMA, against a real ``rdmakv serve --transport rdma``:
 with ``streams`` unset, a worker-side manager holds two queue pairs to the node
-(the RDMA default, :mod:`rdmakv.streams`) and a scheduler-side one, which only
+(the RDMA default, :mod:`rdmakv.client.streams`) and a scheduler-side one, which only
 looks keys up, holds one connection; blocks a worker saves are found by the
 scheduler side and read back exactly by another worker."""
 
@@ -12,12 +12,12 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from rdmakv.client import KVClient
-from rdmakv.connectors.store import GroupStores, StoreOptions
-from rdmakv.hybrid import FullAttentionSpec, KVCacheGroup
-from rdmakv.keys import KeyNamespace
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.client.node_client import KVClient
+from rdmakv.client.streams import STREAMS_RDMA, MultiStreamClient
+from rdmakv.connectors.group_stores import GroupStores, StoreOptions
+from rdmakv.engine.hybrid import FullAttentionSpec, KVCacheGroup
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.streams import STREAMS_RDMA, MultiStreamClient
 
 pytestmark = pytest.mark.timeout(300)
 

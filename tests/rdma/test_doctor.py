@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rdmakv import doctor
-from rdmakv.transport import verbs
+from rdmakv.transport.rdma import verbs
 
 pytestmark = pytest.mark.anydevice
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rdmakv.keys import KeyNamespace
-from rdmakv.manager import KVCacheManager
-from rdmakv.slab import Slab
-from rdmakv.tiers.infinistore import InfiniStoreTier
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.tiers.infinistore_tier import InfiniStoreTier
+from rdmakv.engine.manager import KVCacheManager
 
 BLOCK = 64 * 1024
 START_TIMEOUT = 300.0  # seconds: the server's imports and pool pinning, emulated CPU

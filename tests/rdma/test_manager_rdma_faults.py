@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from rdmakv.keys import KeyNamespace
-from rdmakv.manager import KVCacheManager
+from rdmakv.blocks.keys import KeyNamespace
+from rdmakv.client.streams import MultiStreamClient
+from rdmakv.engine.manager import KVCacheManager
 from rdmakv.node.process import LocalNodeProcess
-from rdmakv.streams import MultiStreamClient
-from rdmakv.transport.rdma import RdmaTransport
+from rdmakv.transport.rdma.client_side import RdmaTransport
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,7 @@ ops (rkeys of other clients, revoked rkeys, the pool MR's rkey) and check that
 the device refuses them and the stored bytes stay as they were.
 
 soft-RoCE (rxe) enforces a window's rkey, QP and lifetime but not its address
-range (docs/security.md, rdmakv.transport.rdma.RdmaNodeDataPath), so no
+range (docs/security.md, rdmakv.transport.rdma.node_side.RdmaNodeDataPath), so no
 test here relies on the range check.
 """
 
@@ -24,22 +24,17 @@ from typing import Any
 import pytest
 
 from rdmakv import doctor
-from rdmakv.client import KVClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import KVClient
 from rdmakv.errors import RdmaUnavailable
 from rdmakv.node.process import LocalNodeProcess
 from rdmakv.node.server import KVNode
-from rdmakv.protocol import (
-    LOOKUP_FLAG_LEASE,
-    LookupResult,
-    Op,
-    decode_lookup_results,
-    encode_keys,
-    encode_u64_list,
-)
-from rdmakv.slab import Slab
-from rdmakv.transport import verbs
 from rdmakv.transport.base import IoFuture, IoOp, Ops, io_ops
-from rdmakv.transport.rdma import RdmaOpsFailed, RdmaTransport
+from rdmakv.transport.rdma import verbs
+from rdmakv.transport.rdma.client_side import RdmaTransport
+from rdmakv.transport.rdma.device import RdmaOpsFailed
+from rdmakv.wire.batches import decode_lookup_results, encode_keys, encode_u64_list
+from rdmakv.wire.format import LOOKUP_FLAG_LEASE, LookupResult, Op
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,20 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rdmakv import streams
-from rdmakv.client import KVClient, sub_batch_sizes
-from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
-from rdmakv.protocol import (
-    AllocStatus,
-    Op,
-    decode_extent_table,
-    decode_lookup_table,
-    encode_alloc,
-    encode_keys,
-)
-from rdmakv.remote import open_remote
-from rdmakv.slab import Slab
-from rdmakv.streams import (
+from rdmakv.blocks.slab import Slab
+from rdmakv.client import streams
+from rdmakv.client.node_client import KVClient, sub_batch_sizes
+from rdmakv.client.remote import open_remote
+from rdmakv.client.streams import (
     MIN_SPLIT_BATCH_BYTES,
     MIN_SPLIT_VALUE_BYTES,
     MIN_SPLIT_VALUE_BYTES_RDMA,
@@ -39,9 +30,13 @@ from rdmakv.streams import (
     default_streams,
     usable_cpus,
 )
-from rdmakv.transport import verbs
+from rdmakv.errors import ConfigError, RdmaError, TransportError, TransportTimeout
 from rdmakv.transport.base import IoOp, make_op_table
-from rdmakv.transport.rdma import RdmaOpsFailed, RdmaTransport
+from rdmakv.transport.rdma import verbs
+from rdmakv.transport.rdma.client_side import RdmaTransport
+from rdmakv.transport.rdma.device import RdmaOpsFailed
+from rdmakv.wire.batches import decode_extent_table, decode_lookup_table, encode_alloc, encode_keys
+from rdmakv.wire.format import AllocStatus, Op
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -306,7 +301,7 @@ def test_unset_streams_goes_on_with_one_queue_pair_when_a_second_fails(
     src, dst = slab.alloc_many(8), slab.alloc_many(8)
     fill(slab, src)
     keys = [b"g%d" % i for i in range(8)]
-    with caplog.at_level(logging.WARNING, logger="rdmakv.streams"):
+    with caplog.at_level(logging.WARNING, logger="rdmakv.client.streams"):
         c = streams.MultiStreamClient(
             "127.0.0.1", node.port, slab, transport="rdma", timeout=CLIENT_TIMEOUT
         )

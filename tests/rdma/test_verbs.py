@@ -8,7 +8,7 @@ import os
 import pytest
 
 from rdmakv.errors import ConfigError, RdmaError, RdmaUnavailable
-from rdmakv.transport import verbs
+from rdmakv.transport.rdma import verbs
 
 from .conftest import BLOCK, BLOCKS, Pair
 

@@ -43,8 +43,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from rdmakv.client.streams import default_streams
 from rdmakv.perf.driver import Driver, PeerUnavailable
-from rdmakv.streams import default_streams
 
 Factory = Callable[..., Driver]
 """``factory(transport, server=None) -> Driver``."""
@@ -68,7 +68,7 @@ _EXTRA: dict[str, Factory] = {}
 CEILING = "socket_loop"
 OURS = "rdmakv"
 OURS_VARIANTS = ("rdmakv_streams1", "rdmakv_streams2")
-"""rdmakv in a configuration other than its default (:func:`rdmakv.streams.default_streams`:
+"""rdmakv in a configuration other than its default (:func:`rdmakv.client.streams.default_streams`:
 ``rdmakv`` is 2 connections over RDMA; over TCP 2 on a host of 2 usable CPUs or
 more, else 1): ``streams=1``, one connection (one queue pair, perftest's
 like), and ``streams=2``, two with a big batch split across them.

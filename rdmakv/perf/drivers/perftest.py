@@ -198,7 +198,7 @@ class PerftestDriver:
         self.transport = transport
         self.qps = qps
         """Queue pairs (``-q``): the ceiling of a client that spreads a batch over
-        that many, as rdmakv over RDMA does by default (:mod:`rdmakv.streams`)."""
+        that many, as rdmakv over RDMA does by default (:mod:`rdmakv.client.streams`)."""
         self.device = device or os.environ.get("RDMAKV_TEST_DEVICE", "rxe0")
         self.block_bytes = 0
         self.last_seconds = 0.0

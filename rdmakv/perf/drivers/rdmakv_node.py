@@ -2,7 +2,7 @@
 
 ``open()`` starts a node (``--no-lock``, a pool that holds the workload twice
 plus slack; it evicts older keys as any cache does) unless ``server="HOST:PORT"``
-names a running one. Two :class:`~rdmakv.client.KVClient` connections carry
+names a running one. Two :class:`~rdmakv.client.node_client.KVClient` connections carry
 the data: one over a slab laid on the bench's source arena (puts read it in
 place), one over a slab laid on its destination arena (gets land in it in
 place), exactly as an engine lays a slab over its host KV pool. Each
@@ -11,7 +11,7 @@ pipelined sub-batches itself. Each of the two is opened as
 ``KVCacheManager(streams=...)`` opens its client: with ``streams`` None (the
 default: 2 over RDMA; over TCP 2 on a host of 2 usable CPUs or more, else 1)
 or > 1 a
-:class:`~rdmakv.streams.MultiStreamClient` where that comes to several
+:class:`~rdmakv.client.streams.MultiStreamClient` where that comes to several
 connections (a big batch is split across them).
 """
 
@@ -25,13 +25,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rdmakv.client import NodeClient
+from rdmakv.blocks.slab import Slab
+from rdmakv.client.node_client import NodeClient
+from rdmakv.client.remote import open_remote
 from rdmakv.errors import ConfigError, RdmakvError
 from rdmakv.node.process import LocalNodeProcess, NodeStartError
 from rdmakv.perf.driver import Arena, PeerUnavailable, Workload
-from rdmakv.protocol import DIGEST_LEN
-from rdmakv.remote import open_remote
-from rdmakv.slab import Slab
+from rdmakv.wire.format import DIGEST_LEN
 
 logger = logging.getLogger(__name__)
 
