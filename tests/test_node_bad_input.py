@@ -20,7 +20,7 @@ from conftest import IO_TIMEOUT_S, NodeProcess, Raw
 from rdmakv.blocks.slab import Slab
 from rdmakv.client.node_client import KVClient
 from rdmakv.errors import ConfigError, ProtocolError, UnsupportedTransport
-from rdmakv.node.server import status_for
+from rdmakv.node.session import status_for
 from rdmakv.transport import get_transport, resolve_transport
 from rdmakv.wire.batches import (
     decode_extents,

@@ -698,7 +698,7 @@ def test_the_environment_sets_the_receive_spin_and_start_up_refuses_a_bad_one(
     doctor`` runs on it), and loading the configuration, which every command
     and connector does at start-up, refuses it by name."""
     env = {**os.environ, tcp.ENV_RECV_SPIN: value}
-    script = ("from rdmakv.transport.tcp import loop as tcp; print(tcp.recv_spin_us(), flush=True); "
+    script = ("from rdmakv.transport.tcp import loop; print(loop.recv_spin_us(), flush=True); "
               "from rdmakv.config import load_config; load_config()")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=60)

@@ -53,14 +53,10 @@ from rdmakv.wire.format import (
 
 # -- client reports (REPORT) ---------------------------------------------------------
 MAX_REPORT_TEXT = 1024
-
-
 """Longest namespace label or reason a REPORT may carry (characters)."""
 
 
 MAX_REPORTED_NAMESPACES = 256
-
-
 """Reported namespaces a node remembers; the oldest report goes first."""
 
 
@@ -748,8 +744,6 @@ _KNOWN_ALLOC_STATUS = np.zeros(256, dtype=bool)
 
 
 _KNOWN_ALLOC_STATUS[sorted(_ALLOC_STATUSES)] = True
-
-
 """Per status byte: is it an :class:`AllocStatus` (one gather checks a whole answer)."""
 
 

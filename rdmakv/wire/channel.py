@@ -75,8 +75,6 @@ def _advance(bufs: list[memoryview], i: int, done: int) -> int:
 
 
 SMALL_FRAME_BYTES = 8192
-
-
 """A frame without bulk whose payload is at most this size goes out as one
 joined ``bytes`` in one ``os.write``: the copy costs less than a gather list's
 Python through :func:`send_views` (measured: bench/README.md, "Measurements
@@ -193,8 +191,6 @@ class _HasHave(Protocol):
 
 
 _Filled = TypeVar("_Filled", bound=_HasHave)
-
-
 """What a :meth:`Channel.fill_ahead` filler returns: a result that says how
 many unread bytes it left in the buffer."""
 

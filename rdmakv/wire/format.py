@@ -129,8 +129,6 @@ PROTOCOL_VERSION = 5
 
 # -- limits: every count and length is checked against these BEFORE allocating --
 MAX_PAYLOAD = 8 * 1024 * 1024
-
-
 """Largest control payload (key lists, stats JSON)."""
 
 
@@ -147,8 +145,6 @@ MAX_TOKEN_LEN = 4096
 
 
 MAX_BULK_BYTES = 256 * 1024 * 1024
-
-
 """Bulk bytes in one PUT request or GET answer."""
 
 
@@ -166,8 +162,6 @@ IO_CHUNK_BYTES = 2 * 1024 * 1024
 
 
 RECV_AHEAD_BYTES = 8192
-
-
 """Bytes a :class:`Channel` reads ahead: a control frame (header and payload)
 then arrives in one system call instead of two. At most this much of a frame's
 bulk is copied out of the read-ahead buffer; the rest lands in place."""
@@ -177,8 +171,6 @@ RESPONSE_BIT = 0x80
 
 
 NATIVE_CALL_FRAME_BYTES = 64 * 1024
-
-
 """The largest request :meth:`Channel.call_flags` frames in C (larger ones are
 framed in Python): 64 KiB holds ~1900 keys of 32 bytes."""
 
@@ -187,8 +179,6 @@ LOOKUP_FLAG_LEASE = 0x01
 
 
 COMMIT_FLAG_REQUIRE_WRITTEN = 0x01
-
-
 """Commit only extents the node itself received in full through PUT (tcp).
 A client may then send COMMIT right behind its PUT without waiting: a value
 whose bytes did not all arrive is refused instead of exposing stale pool bytes."""
@@ -215,16 +205,12 @@ class Op(IntEnum):
 
 
 RETIRED_OPCODES = (16, 17)
-
-
 """Opcodes of earlier protocol versions, never to be reused: 16 and 17 were
 WRITE and READ (tcp's bulk writes and reads by pool address) until version 5.
 A node answers them UNKNOWN_OPCODE, as any opcode it does not serve."""
 
 
 BULK_REQUEST_OPCODES = frozenset({Op.PUT})
-
-
 """The only requests that carry bulk; a node refuses bulk on any other (and skips it)."""
 
 
@@ -245,8 +231,6 @@ class Status(IntEnum):
 FATAL_STATUSES = frozenset(
     {Status.BAD_VERSION, Status.AUTH_FAILED, Status.NOT_AUTHENTICATED, Status.FRAME_TOO_LARGE}
 )
-
-
 """Error statuses after which the node closes the connection (it answers
 first): the stream can no longer be trusted, or the client may not go on.
 Any error answer to a HELLO closes it too, whatever its status: a session
@@ -294,8 +278,6 @@ LOOKUP_ENTRY = struct.Struct("<BQIIQ16sQ")
 
 
 EXTENT_DTYPE = np.dtype([("status", "u1"), ("addr", "<u8"), ("length", "<u4"), ("rkey", "<u4")])
-
-
 """An ALLOC answer's :data:`EXTENT` entries as numpy reads them (same bytes)."""
 
 
@@ -303,14 +285,10 @@ LOOKUP_ENTRY_DTYPE = np.dtype([
     ("found", "u1"), ("addr", "<u8"), ("length", "<u4"), ("rkey", "<u4"), ("lease", "<u8"),
     ("digest", "V16"), ("checksum", "<u8"),
 ])
-
-
 """A LOOKUP answer's :data:`LOOKUP_ENTRY` entries as numpy reads them (same bytes)."""
 
 
 GET_ENTRY_BYTES = U32.size + U64.size
-
-
 """Answer bytes per key of a GET: its length, then (after all lengths) its checksum."""
 
 

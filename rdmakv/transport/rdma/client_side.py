@@ -41,8 +41,6 @@ log = logging.getLogger("rdmakv.rdma")
 
 
 RETRY_ROUNDS = 1
-
-
 """How often ops flushed behind a failure are retried on a reconnected QP."""
 
 
@@ -105,14 +103,10 @@ class RdmaFuture(IoFuture):
 
 
 WORKER_HANDOFF_S = 0.05
-
-
 """Longest a submit waits for an idle QP worker to take its batch."""
 
 
 DRAIN_WAIT_S = 5.0
-
-
 """Extra wait for the worker after forcing the QP to ERROR (the native loop's
 own drain is bounded at 2 s; this only guards against a stuck device)."""
 

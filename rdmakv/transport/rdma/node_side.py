@@ -76,8 +76,6 @@ def _runs(extents: Sequence[tuple[int, int]]) -> list[tuple[int, int, list[int]]
 
 
 BIND_TIMEOUT_S = 10.0
-
-
 """Bound on one batch of window binds (soft-RoCE under emulation is slow)."""
 
 

@@ -45,15 +45,11 @@ _ffi, _lib = native_core.ffi, native_core.lib
 
 
 ENV_RECV_SPIN = native_core.ENV_RECV_SPIN
-
-
 """Microseconds a native receive polls for more bytes before it sleeps
 (:func:`set_recv_spin_us`; 0 never spins), read when the native core loads."""
 
 
 _HASHER_ADDRESS = 0 if HASHER is None else int(_ffi.cast("uintptr_t", HASHER))
-
-
 """The address of :data:`~rdmakv.transport.checksum.HASHER`, which
 :meth:`Channel.call_get` hashes with (0: none). The struct lives as long as
 this process: the checksum module holds it."""
@@ -103,8 +99,6 @@ SEND_PLANS: dict[str, HashedSendPlan] = {
     "128k-ahead": HashedSendPlan(128 << 10, True),
     "128k-after": HashedSendPlan(128 << 10, False),
 }
-
-
 """The plans a send that hashes as it goes may follow, by the name the
 configuration's ``tcp.send_plan`` gives them (:data:`rdmakv.config.TcpSendPlan`
 lists the same names). Which costs the sending thread least depends on the CPU

@@ -36,8 +36,6 @@ from rdmakv.wire.format import (
 )
 
 PUT_DRAIN_BYTES = 1024 * 1024
-
-
 """Scratch a PUT's refused values are received into (and dropped), at most."""
 
 
