@@ -320,7 +320,7 @@ def test_bytes_read_past_a_short_error_answer_are_the_next_answers(
         got = c._ch.call_get(
             [encode_get(many, [bytes(16)] * len(many)), encode_get([b"one"], [bytes(16)])],
             [len(many), 1], np.asarray(blocks, dtype=np.uint64), slab.base_addr, BLOCK,
-            tcp._HASHER_ADDRESS, REQUEST_BYTES_AHEAD, 5.0)
+            tcp.HASHER_ADDRESS, REQUEST_BYTES_AHEAD, 5.0)
         assert got is not None
         sizes, corrupt, refused = got
         assert (sizes, corrupt) == ([None] * len(many) + [100], [])

@@ -14,6 +14,7 @@ import functools
 import json
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,8 +25,6 @@ from rdmakv.errors import (
     ProtocolError,
 )
 from rdmakv.wire.format import (
-    _FIRST,
-    _SECOND,
     ALLOC_ITEM,
     ALLOC_ITEM_CODES,
     DIGEST_LEN,
@@ -50,6 +49,8 @@ from rdmakv.wire.format import (
     check_digest,
     check_key,
 )
+
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 # -- client reports (REPORT) ---------------------------------------------------------
 MAX_REPORT_TEXT = 1024

@@ -102,7 +102,6 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -470,7 +469,6 @@ def _shown(value: object) -> str:
     return f"{type(value).__name__} {value!r:.40}"
 
 
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def version_mismatch(node: int, client: int) -> str:

@@ -32,7 +32,7 @@ from rdmakv.transport.base import (
 from rdmakv.transport.checksum import checksum_ranges
 from rdmakv.transport.extents import ExtentTransport
 from rdmakv.transport.rdma import verbs
-from rdmakv.transport.rdma.device import _NO_REGION, DataPathTotals, RdmaOpsFailed, _SharedDevice
+from rdmakv.transport.rdma.device import NO_REGION, DataPathTotals, RdmaOpsFailed, SharedDevice
 from rdmakv.wire.batches import decode_json, encode_json
 from rdmakv.wire.channel import Channel
 from rdmakv.wire.format import NodeInfo, Op
@@ -128,7 +128,7 @@ class RdmaTransport(ExtentTransport):
         self._ch = channel
         self._info = info
         self._timeout = timeout
-        self._dev = _SharedDevice.acquire()
+        self._dev = SharedDevice.acquire()
         self._mr: verbs.MemoryRegion | None = None
         self._slab: Slab | None = None
         self._remote: verbs.ConnInfo | None = None
@@ -156,7 +156,7 @@ class RdmaTransport(ExtentTransport):
     # -- connection (caller thread only: it uses the control channel) -----------
     def _connect(self) -> None:
         """Exchange QP info with the node over the control channel, go to RTS."""
-        mine = self._qp.local_info(self._mr if self._mr else _NO_REGION)
+        mine = self._qp.local_info(self._mr if self._mr else NO_REGION)
         self._ch.set_timeout(self._timeout)
         _, payload = self._ch.call(
             Op.RDMA_CONNECT, encode_json({"conn": mine.to_dict()}), "RDMA_CONNECT"

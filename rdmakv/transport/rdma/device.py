@@ -1,6 +1,6 @@
 """What both sides of the ``rdma`` transport share: the device, its usability, its counters.
 
-One device context and protection domain per process (:class:`_SharedDevice`,
+One device context and protection domain per process (:class:`SharedDevice`,
 reference counted, closed at exit after every user), the answer to "can RDMA
 run here" (:func:`rdma_usable`), the data path's counters and the error that
 names the ops a device failed.
@@ -56,7 +56,7 @@ class RdmaOpsFailed(RdmaError, OpsFailed):
 
 
 # -- one shared device per process -------------------------------------------------
-class _SharedDevice:
+class SharedDevice:
     """The process-wide :class:`verbs.Device`: every transport and data path in
     a process shares one PD, so a slab registered for one peer is registered
     for all, exactly once, and stays registered across reconnects. The device
@@ -94,7 +94,7 @@ def rdma_usable() -> tuple[bool, str]:
         return False, str(e)
 
 
-class _NoRegion:
+class NoRegion:
     """Stands in for a region before the client slab is registered."""
 
     addr = 0
@@ -102,4 +102,4 @@ class _NoRegion:
     rkey = 0
 
 
-_NO_REGION: Any = _NoRegion()
+NO_REGION: Any = NoRegion()

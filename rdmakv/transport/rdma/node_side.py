@@ -25,7 +25,7 @@ from rdmakv.transport.base import (
     NodeSession,
 )
 from rdmakv.transport.rdma import verbs
-from rdmakv.transport.rdma.device import _SharedDevice
+from rdmakv.transport.rdma.device import SharedDevice
 from rdmakv.wire.batches import decode_json, encode_json
 from rdmakv.wire.format import Header, Op
 
@@ -104,7 +104,7 @@ class RdmaNodeDataPath(NodeDataPath):
 
     def __init__(self, pool: Slab, *, confinement: str = CONFINE_WINDOWS) -> None:
         super().__init__(pool, confinement=confinement)
-        self._dev = _SharedDevice.acquire()
+        self._dev = SharedDevice.acquire()
         self.windows = confinement == CONFINE_WINDOWS
         if self.windows and not self._dev.supports_windows:
             raise RdmaUnavailable(

@@ -29,14 +29,14 @@ from rdmakv.transport.base import (
     sub_batches,
 )
 from rdmakv.transport.tcp.loop import (
-    _HASHER_ADDRESS,
-    _RK_TCP_CORRUPT,
-    _RK_TCP_MISSED,
-    _address_of,
-    _u64,
+    HASHER_ADDRESS,
+    RK_TCP_CORRUPT,
+    RK_TCP_MISSED,
+    address_of,
     native_checksums,
     recv_iov_from,
     send_iov,
+    u64_array,
 )
 from rdmakv.wire.batches import (
     BatchEncoder,
@@ -64,7 +64,7 @@ from rdmakv.wire.format import (
 _ffi, _lib = native_core.ffi, native_core.lib
 
 
-assert (_lib.RK_TCP_MISSED, _lib.RK_TCP_CORRUPT) == (_RK_TCP_MISSED, _RK_TCP_CORRUPT)
+assert (_lib.RK_TCP_MISSED, _lib.RK_TCP_CORRUPT) == (RK_TCP_MISSED, RK_TCP_CORRUPT)
 
 
 def _await_answer(ch: Channel, reply: Reply) -> RdmakvError | None:
@@ -169,14 +169,14 @@ class TcpTransport(Transport):
     ) -> Fetched | None:
         """:meth:`get` of ``requests`` (each a run of keys) in one native
         call; None where that call does not take it (nothing was sent then)."""
-        if not native_checksums():  # its hasher is the one _HASHER_ADDRESS names
+        if not native_checksums():  # its hasher is the one HASHER_ADDRESS names
             return None
         ch = self._ch
         try:
             ch.set_timeout(timeout)
             got = ch.call_get([encoder.get(s, e) for s, e in requests],
                               [e - s for s, e in requests], handle_table, slab.base_addr,
-                              slab.block_size, _HASHER_ADDRESS, REQUEST_BYTES_AHEAD, timeout)
+                              slab.block_size, HASHER_ADDRESS, REQUEST_BYTES_AHEAD, timeout)
         except OSError as e:
             raise wrap_socket_errors("GET", e) from e
         if got is None:
@@ -215,8 +215,8 @@ class TcpTransport(Transport):
         ch = self._ch
         frames: _PutFrames | None = None
         if _PutFrames.usable():  # every value's (address, length), laid out once
-            frames = _PutFrames(iov_at(slab.base_addr, _u64(handles) * np.uint64(bs),
-                                        _u64(sizes)))
+            frames = _PutFrames(iov_at(slab.base_addr, u64_array(handles) * np.uint64(bs),
+                                        u64_array(sizes)))
         try:
             ch.set_timeout(timeout)
             for start, end in batches:
@@ -302,13 +302,13 @@ class _PutFrames:
         rows = sum(len(values) + 3 for _, values, _ in parts)
         table = np.empty((rows, 2), dtype=np.uint64)
         hashes = np.empty(rows, dtype=np.uint64)
-        at = _address_of(hashes)
+        at = address_of(hashes)
         r = 0
         for put_head, values, commit_head in parts:
             n = len(values)
-            table[r] = (_address_of(put_head), len(put_head))
+            table[r] = (address_of(put_head), len(put_head))
             table[r + 1 : r + 1 + n] = values
-            table[r + 1 + n] = (_address_of(commit_head), len(commit_head))
+            table[r + 1 + n] = (address_of(commit_head), len(commit_head))
             table[r + 2 + n] = (at + U64.size * (r + 1), U64.size * n)  # hashes of the values
             r += n + 3
         send_iov(sock, table, hashes)  # `parts` and `hashes` live until it returns
@@ -399,11 +399,11 @@ class _GetReceiver:
         for j, n in enumerate(sizes, s):
             if n > 0:
                 out[j] = n
-            elif n == _RK_TCP_CORRUPT:  # corrupted on the way or in the pool
+            elif n == RK_TCP_CORRUPT:  # corrupted on the way or in the pool
                 self.corrupt.append(self.keys[j])
 
     def _receive_native(self, hdr: Header, entries: bytes) -> tuple[list[int], int]:
-        """Per key its length (a match), :data:`_RK_TCP_MISSED` or :data:`_RK_TCP_CORRUPT`;
+        """Per key its length (a match), :data:`RK_TCP_MISSED` or :data:`RK_TCP_CORRUPT`;
         and the number of matches."""
         m, slab = self.end - self.start, self.slab
         raw = _ffi.from_buffer(entries)
@@ -444,5 +444,5 @@ class _GetReceiver:
         got = np.array([value_checksum(buf[o : o + n]) for o, n in pairs], dtype=np.uint64)
         ok = got == sums[hits]
         out = lengths.astype(np.int64)
-        out[hits[~ok]] = _RK_TCP_CORRUPT
+        out[hits[~ok]] = RK_TCP_CORRUPT
         return out.tolist(), int(ok.sum())

@@ -49,7 +49,7 @@ ENV_RECV_SPIN = native_core.ENV_RECV_SPIN
 (:func:`set_recv_spin_us`; 0 never spins), read when the native core loads."""
 
 
-_HASHER_ADDRESS = 0 if HASHER is None else int(_ffi.cast("uintptr_t", HASHER))
+HASHER_ADDRESS = 0 if HASHER is None else int(_ffi.cast("uintptr_t", HASHER))
 """The address of :data:`~rdmakv.transport.checksum.HASHER`, which
 :meth:`Channel.call_get` hashes with (0: none). The struct lives as long as
 this process: the checksum module holds it."""
@@ -70,10 +70,10 @@ _RK_TCP_ERRNO = 3
 _RK_TCP_EINTR = 4
 
 
-_RK_TCP_MISSED = 0  # per key of a GET answer (rk_tcp_get_answer_check; the Python path's too)
+RK_TCP_MISSED = 0  # per key of a GET answer (rk_tcp_get_answer_check; the Python path's too)
 
 
-_RK_TCP_CORRUPT = -1
+RK_TCP_CORRUPT = -1
 
 
 def native_checksums() -> bool:
@@ -273,11 +273,11 @@ def recv_iov_from(
     channel.bulk_pending = 0
 
 
-def _u64(values: Sequence[int]) -> np.ndarray:
+def u64_array(values: Sequence[int]) -> np.ndarray:
     """Python ints as a uint64 array (array.array converts in C; faster than numpy)."""
     return np.frombuffer(array.array("Q", values), dtype=np.uint64)
 
 
-def _address_of(buf: bytes | bytearray | np.ndarray) -> int:
+def address_of(buf: bytes | bytearray | np.ndarray) -> int:
     """Where ``buf``'s bytes are (valid while the caller holds ``buf``)."""
     return int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf)))

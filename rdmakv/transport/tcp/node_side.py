@@ -16,7 +16,7 @@ from rdmakv.transport.base import (
     NodeSession,
     ReceivingValues,
 )
-from rdmakv.transport.tcp.loop import _address_of, _u64, recv_iov_from, send_iov
+from rdmakv.transport.tcp.loop import address_of, recv_iov_from, send_iov, u64_array
 from rdmakv.wire.batches import (
     AllocRequest,
     decode_alloc_request,
@@ -67,7 +67,7 @@ class TcpNodeDataPath(NodeDataPath):
                 req.opcode | RESPONSE_BIT, 0, Status.OK, len(answer), found.nbytes, req.req_id
             ) + answer
             table = found.iov
-            table[0] = (_address_of(head), len(head))
+            table[0] = (address_of(head), len(head))
             # the pins keep the blocks; the pool stays mapped
             session.channel.flush()  # answers held back go first (Channel.send)
             send_iov(session.channel.sock, table)
@@ -109,7 +109,7 @@ class TcpNodeDataPath(NodeDataPath):
         refused = total - int(extents[:, 1].sum())
         scratch = bytearray(min(refused, PUT_DRAIN_BYTES))
         step = len(scratch) or 1
-        where = _address_of(scratch) if scratch else 0  # never a pool address
+        where = address_of(scratch) if scratch else 0  # never a pool address
         reserved = iter(extents.tolist())
         rows: list[int] = []  # (address, length) pairs, flat
         for (_, size, _), st in zip(request.items, values.statuses, strict=True):
@@ -118,4 +118,4 @@ class TcpNodeDataPath(NodeDataPath):
                 continue
             for s in range(0, size, step):
                 rows += (where, min(step, size - s))
-        recv_iov_from(ch, _u64(rows).reshape(-1, 2), total)  # `scratch` lives meanwhile
+        recv_iov_from(ch, u64_array(rows).reshape(-1, 2), total)  # `scratch` lives meanwhile
