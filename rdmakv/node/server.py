@@ -78,23 +78,17 @@ from rdmakv.wire.format import (
 
 log = logging.getLogger("rdmakv.node")
 
-
 SWEEP_INTERVAL_S = 0.5
 """How often the accept loop closes connections past the handshake deadline or idle timeout."""
-
 
 SHUTDOWN_JOIN_TIMEOUT = 5.0
 """How long shutdown waits for each session thread after waking it."""
 
-
 KEEPALIVE_IDLE_S = 60
-
 
 KEEPALIVE_INTERVAL_S = 10
 
-
 KEEPALIVE_PROBES = 3
-
 
 _KEEPALIVE = [
     (opt, value)
@@ -106,9 +100,7 @@ _KEEPALIVE = [
     if (opt := getattr(socket, name, None)) is not None
 ]
 
-
 LISTEN_BACKLOG = 128
-
 
 NODE_ID_LEN = 16
 

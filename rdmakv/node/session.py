@@ -55,14 +55,11 @@ from rdmakv.wire.format import (
 
 log = logging.getLogger("rdmakv.node")
 
-
 POLL_INTERVAL = 0.2
 """How often idle sessions and the accept loop look at the stop flag (seconds)."""
 
-
 IO_TIMEOUT = 30.0
 """Once a frame has started, each read of the rest of it must return within this (seconds)."""
-
 
 HELD_FOR = frozenset({Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.RELEASE, Op.DELETE, Op.STATS})
 """Next requests an answer that may wait is held back for (:meth:`Session.reply`):
@@ -353,7 +350,6 @@ _REFUSAL_REASON = {
     Status.LIMIT_EXCEEDED: "over_limit",
 }
 """Refusal reason (a metrics label) per error status; every other status is a bad frame."""
-
 
 _STATUS_BY_ERROR: tuple[tuple[type[RdmakvError], Status], ...] = (
     (LimitExceeded, Status.LIMIT_EXCEEDED),

@@ -56,13 +56,10 @@ _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 MAX_REPORT_TEXT = 1024
 """Longest namespace label or reason a REPORT may carry (characters)."""
 
-
 MAX_REPORTED_NAMESPACES = 256
 """Reported namespaces a node remembers; the oldest report goes first."""
 
-
 REPORT_QUARANTINED = "quarantined"
-
 
 REPORT_CLEARED = "cleared"
 
@@ -740,9 +737,7 @@ def encode_extent_table(table: npt.NDArray[np.void]) -> bytes:
 
 _ALLOC_STATUSES = {int(v): v for v in AllocStatus}
 
-
 _KNOWN_ALLOC_STATUS = np.zeros(256, dtype=bool)
-
 
 _KNOWN_ALLOC_STATUS[sorted(_ALLOC_STATUSES)] = True
 """Per status byte: is it an :class:`AllocStatus` (one gather checks a whole answer)."""

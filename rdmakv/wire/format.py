@@ -118,64 +118,48 @@ from rdmakv.errors import (
 
 Buffer = bytes | bytearray | memoryview
 
-
 # -- versioning ---------------------------------------------------------------
 MAGIC = b"RDKV"
 
-
 PROTOCOL_VERSION = 5
-
 
 # -- limits: every count and length is checked against these BEFORE allocating --
 MAX_PAYLOAD = 8 * 1024 * 1024
 """Largest control payload (key lists, stats JSON)."""
 
-
 MAX_KEYS_PER_REQUEST = 16384
-
 
 MAX_KEY_LEN = 512
 
-
 DIGEST_LEN = 16
 
-
 MAX_TOKEN_LEN = 4096
-
 
 MAX_BULK_BYTES = 256 * 1024 * 1024
 """Bulk bytes in one PUT request or GET answer."""
 
-
 MAX_ERROR_MESSAGE = 4096
-
 
 # Linux IOV_MAX: the most buffers one sendmsg / recvmsg_into call accepts.
 IOV_MAX = 1024
-
 
 # recvmsg_into/sendmsg gather at most this many bytes of buffers per call: about
 # what one call can move through a loopback socket buffer, small enough that
 # building the iovec stays cheap.
 IO_CHUNK_BYTES = 2 * 1024 * 1024
 
-
 RECV_AHEAD_BYTES = 8192
 """Bytes a :class:`Channel` reads ahead: a control frame (header and payload)
 then arrives in one system call instead of two. At most this much of a frame's
 bulk is copied out of the read-ahead buffer; the rest lands in place."""
 
-
 RESPONSE_BIT = 0x80
-
 
 NATIVE_CALL_FRAME_BYTES = 64 * 1024
 """The largest request :meth:`Channel.call_flags` frames in C (larger ones are
 framed in Python): 64 KiB holds ~1900 keys of 32 bytes."""
 
-
 LOOKUP_FLAG_LEASE = 0x01
-
 
 COMMIT_FLAG_REQUIRE_WRITTEN = 0x01
 """Commit only extents the node itself received in full through PUT (tcp).
@@ -207,7 +191,6 @@ RETIRED_OPCODES = (16, 17)
 """Opcodes of earlier protocol versions, never to be reused: 16 and 17 were
 WRITE and READ (tcp's bulk writes and reads by pool address) until version 5.
 A node answers them UNKNOWN_OPCODE, as any opcode it does not serve."""
-
 
 BULK_REQUEST_OPCODES = frozenset({Op.PUT})
 """The only requests that carry bulk; a node refuses bulk on any other (and skips it)."""
@@ -248,37 +231,26 @@ class AllocStatus(IntEnum):
 
 HEADER = struct.Struct("<BBHIQQ")
 
-
 U8 = struct.Struct("<B")
-
 
 U16 = struct.Struct("<H")
 
-
 U32 = struct.Struct("<I")
-
 
 U64 = struct.Struct("<Q")
 
-
 HELLO_FIXED = struct.Struct("<4sHH")
-
 
 ALLOC_ITEM_CODES = "I16s"
 
-
 ALLOC_ITEM = struct.Struct(f"<{ALLOC_ITEM_CODES}")  # after the key: size, digest
-
 
 EXTENT = struct.Struct("<BQII")
 
-
 LOOKUP_ENTRY = struct.Struct("<BQIIQ16sQ")
-
 
 EXTENT_DTYPE = np.dtype([("status", "u1"), ("addr", "<u8"), ("length", "<u4"), ("rkey", "<u4")])
 """An ALLOC answer's :data:`EXTENT` entries as numpy reads them (same bytes)."""
-
 
 LOOKUP_ENTRY_DTYPE = np.dtype([
     ("found", "u1"), ("addr", "<u8"), ("length", "<u4"), ("rkey", "<u4"), ("lease", "<u8"),
@@ -286,10 +258,8 @@ LOOKUP_ENTRY_DTYPE = np.dtype([
 ])
 """A LOOKUP answer's :data:`LOOKUP_ENTRY` entries as numpy reads them (same bytes)."""
 
-
 GET_ENTRY_BYTES = U32.size + U64.size
 """Answer bytes per key of a GET: its length, then (after all lengths) its checksum."""
-
 
 NODE_INFO = struct.Struct("<HIQQQ16sQIIQ")
 

@@ -39,7 +39,6 @@ from rdmakv.wire.format import NodeInfo, Op
 
 log = logging.getLogger("rdmakv.rdma")
 
-
 RETRY_ROUNDS = 1
 """How often ops flushed behind a failure are retried on a reconnected QP."""
 
@@ -104,7 +103,6 @@ class RdmaFuture(IoFuture):
 
 WORKER_HANDOFF_S = 0.05
 """Longest a submit waits for an idle QP worker to take its batch."""
-
 
 DRAIN_WAIT_S = 5.0
 """Extra wait for the worker after forcing the QP to ERROR (the native loop's

@@ -63,7 +63,6 @@ from rdmakv.wire.format import (
 
 _ffi, _lib = native_core.ffi, native_core.lib
 
-
 assert (_lib.RK_TCP_MISSED, _lib.RK_TCP_CORRUPT) == (RK_TCP_MISSED, RK_TCP_CORRUPT)
 
 

@@ -43,35 +43,26 @@ from rdmakv.wire.channel import Channel
 
 _ffi, _lib = native_core.ffi, native_core.lib
 
-
 ENV_RECV_SPIN = native_core.ENV_RECV_SPIN
 """Microseconds a native receive polls for more bytes before it sleeps
 (:func:`set_recv_spin_us`; 0 never spins), read when the native core loads."""
-
 
 HASHER_ADDRESS = 0 if HASHER is None else int(_ffi.cast("uintptr_t", HASHER))
 """The address of :data:`~rdmakv.transport.checksum.HASHER`, which
 :meth:`Channel.call_get` hashes with (0: none). The struct lives as long as
 this process: the checksum module holds it."""
 
-
 _RK_TCP_OK = 0
-
 
 _RK_TCP_TIMEOUT = 1
 
-
 _RK_TCP_CLOSED = 2
-
 
 _RK_TCP_ERRNO = 3
 
-
 _RK_TCP_EINTR = 4
 
-
 RK_TCP_MISSED = 0  # per key of a GET answer (rk_tcp_get_answer_check; the Python path's too)
-
 
 RK_TCP_CORRUPT = -1
 
