@@ -69,7 +69,7 @@ lib: Any = _core.lib
 """The core's cffi ``lib``: rk_tcp.h, rk_index.h and rk_serve.h (native/build.py)."""
 CALL: Any = _load_call(_core)
 """rk_call.c's functions (``flags_call``, ``get_call``, ``join_uniform``,
-``live_handles``, ``configure``): :mod:`rdmakv.wire` configures it."""
+``live_handles``, ``configure``): :mod:`rdmakv.wire.batches` configures it."""
 
 
 class NativeModule(NamedTuple):

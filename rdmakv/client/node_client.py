@@ -454,7 +454,7 @@ class KVClient:
 
     def report(self, label: str, reason: str | None) -> bool:
         """Tell the node namespace ``label`` is quarantined here for ``reason`` (None:
-        cleared); False when the node predates REPORT (protocol.py)."""
+        cleared); False when the node predates REPORT (rdmakv.wire.format)."""
         payload = encode_report(label, reason)
         with self._lock:
             try:

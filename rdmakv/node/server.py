@@ -440,7 +440,7 @@ class KVNode:
         s.reply(req, encode_json(self.stats()))
 
     def _report(self, s: NodeSession, req: Header, payload: bytearray) -> None:
-        """A client's quarantine report (protocol.py, REPORT): kept for STATS only."""
+        """A client's quarantine report (rdmakv.wire.format, REPORT): kept for STATS only."""
         label, reason = decode_report(payload)
         with self._lock:
             old = self._reported.pop(label, None)
