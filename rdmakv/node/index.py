@@ -159,11 +159,6 @@ class IndexBase(ABC):
         self._remove_block(block)
         self._forget_rows([block])
 
-    def pending_length(self, owner: int, block: int) -> int:
-        """The size reserved in ``block`` when it holds a pending key of
-        ``owner``, else 0."""
-        return self._lengths[block] if self._is_pending(owner, block) else 0
-
     @abstractmethod
     def __len__(self) -> int:
         """Committed keys."""
@@ -234,10 +229,6 @@ class IndexBase(ABC):
     @abstractmethod
     def items(self) -> list[tuple[bytes, int]]:
         """Committed (key, block), least recently used first (introspection)."""
-
-    @abstractmethod
-    def _is_pending(self, owner: int, block: int) -> bool:
-        """Whether ``block`` holds a pending key of ``owner``."""
 
     @abstractmethod
     def _reserve(

@@ -164,9 +164,6 @@ class NativeIndex(IndexBase):
     def abandon(self, owner: int) -> list[int]:
         return self._pending_blocks(_owner(owner), True)
 
-    def _is_pending(self, owner: int, block: int) -> bool:
-        return bool(_lib.rk_index_is_pending(self._ix, block, _owner(owner)))
-
     def abort(self, owner: int, keys: Sequence[bytes]) -> list[int]:
         blocks = _blocks_out(len(keys))
         gone = _lib.rk_index_abort(

@@ -57,10 +57,6 @@ class Index(IndexBase):
     def pending_blocks(self, owner: int | None = None) -> list[int]:
         return [b for b, p in self._pending_at.items() if owner is None or p.owner == owner]
 
-    def _is_pending(self, owner: int, block: int) -> bool:
-        p = self._pending_at.get(block)
-        return p is not None and p.owner == owner
-
     def _drop_pending(self, p: _Pending) -> int:
         del self._pending[p.key], self._pending_at[p.block]
         return p.block
