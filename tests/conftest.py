@@ -7,7 +7,7 @@ is killed at teardown. ``node`` is one default node. Options map to CLI flags:
 ``pool_size="64MiB"`` -> ``--pool-size 64MiB``; ``token=b"..."`` writes a token
 file and passes ``--token-file``.
 
-``fake_node(info, script)`` is a fake node instead: a socket server speaking
+``fake_node(hello, script)`` is a fake node instead: a socket server speaking
 the protocol as a test's script says (a lying node, a stalling one).
 """
 
@@ -118,18 +118,24 @@ def declined_call(*args: object) -> None:
 
 
 Script = Callable[[Channel, Header, bytearray], bool]
-"""How a fake node answers one request after the handshake (False: close the connection)."""
+"""How a fake node answers one request after the handshake (False: close the connection).
+A HELLO answered by the script itself is the HELLO's (channel, header, payload)."""
+
+
+def _closes(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+    return False
 
 
 @pytest.fixture
-def fake_node() -> Iterator[Callable[[NodeInfo, Script], tuple[str, int]]]:
-    """``fake_node(info, script)`` starts a real socket server on 127.0.0.1
-    that answers HELLO with ``info`` and every request after it by
-    ``script``, one connection at a time, and returns its address; its
-    listening sockets are closed at teardown."""
+def fake_node() -> Iterator[Callable[[NodeInfo | Script, Script], tuple[str, int]]]:
+    """``fake_node(hello, script)`` starts a real socket server on 127.0.0.1
+    that answers HELLO with ``hello`` (a NodeInfo; or a Script, which answers
+    it itself) and every request after it by ``script`` (default: none, the
+    connection is closed), one connection at a time, and returns its
+    address; its listening sockets are closed at teardown."""
     servers: list[socket.socket] = []
 
-    def start(info: NodeInfo, script: Script) -> tuple[str, int]:
+    def start(hello: NodeInfo | Script, script: Script = _closes) -> tuple[str, int]:
         ls = socket.create_server(("127.0.0.1", 0))
         servers.append(ls)
 
@@ -142,8 +148,11 @@ def fake_node() -> Iterator[Callable[[NodeInfo, Script], tuple[str, int]]]:
                 ch = Channel(conn)
                 try:
                     hdr = ch.recv_header()
-                    ch.recv_payload(hdr)
-                    ch.send(Op.HELLO | RESPONSE_BIT, encode_node_info(info), req_id=hdr.req_id)
+                    payload = ch.recv_payload(hdr)
+                    if isinstance(hello, NodeInfo):
+                        ch.send(Op.HELLO | RESPONSE_BIT, encode_node_info(hello), req_id=hdr.req_id)
+                    elif not hello(ch, hdr, payload):
+                        continue  # the finally closes it
                     while True:
                         hdr = ch.recv_header()
                         if not script(ch, hdr, ch.recv_payload(hdr)):

@@ -10,12 +10,10 @@ and a client must not retry it (it cannot succeed).
 from __future__ import annotations
 
 import dataclasses
-import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from conftest import NodeProcess, Raw
+from conftest import NodeProcess, Raw, Script
 
 from rdmakv.client.node_client import KVClient
 from rdmakv.errors import ProtocolError, VersionMismatch
@@ -26,6 +24,7 @@ from rdmakv.wire.format import (
     RESPONSE_BIT,
     RETIRED_OPCODES,
     U32,
+    Header,
     NodeInfo,
     Op,
     Status,
@@ -41,41 +40,21 @@ V4 = 4
 INFO = NodeInfo(PROTOCOL_VERSION, 0, 4096, 1 << 40, 1 << 20, b"n" * 16, 1, 1 << 20, 1024,
                 1 << 24, ("tcp",))
 
-Answer = Callable[[Channel, int, bytes], None]
-"""How a fake node answers a HELLO: (channel, request id, the HELLO's payload)."""
+FakeNode = Callable[[Script], tuple[str, int]]
+"""conftest's ``fake_node`` with a Script that answers HELLO itself."""
 
 
-@pytest.fixture
-def fake_node() -> Iterator[Callable[[Answer], tuple[tuple[str, int], list[int]]]]:
-    """A node that answers each connection's HELLO as told, then closes it;
-    returns its address and the client versions it was greeted with."""
-    servers: list[socket.socket] = []
+def _greeted(seen: list[int], answer: Callable[[Channel, int, int], None]) -> Script:
+    """A HELLO answer that records the client's version in ``seen``, has
+    ``answer(channel, request id, client version)`` reply, and closes."""
 
-    def start(answer: Answer) -> tuple[tuple[str, int], list[int]]:
-        ls = socket.create_server(("127.0.0.1", 0))
-        servers.append(ls)
-        seen: list[int] = []
+    def hello(ch: Channel, hdr: Header, payload: bytearray) -> bool:
+        version = decode_hello(payload)[0]
+        seen.append(version)
+        answer(ch, hdr.req_id, version)
+        return False
 
-        def serve() -> None:
-            while True:
-                try:
-                    conn, _ = ls.accept()
-                except OSError:
-                    return
-                with conn:
-                    ch = Channel(conn)
-                    hdr = ch.recv_header()
-                    payload = bytes(ch.recv_payload(hdr))
-                    seen.append(decode_hello(payload)[0])
-                    answer(ch, hdr.req_id, payload)
-
-        threading.Thread(target=serve, daemon=True).start()
-        host, port = ls.getsockname()[:2]
-        return (host, port), seen
-
-    yield start
-    for ls in servers:
-        ls.close()
+    return hello
 
 
 def test_a_version_4_client_is_refused_naming_both_versions(node: NodeProcess) -> None:
@@ -96,19 +75,19 @@ def test_a_version_4_client_is_refused_naming_both_versions(node: NodeProcess) -
 
 
 def test_a_version_5_client_refused_by_a_version_4_node_says_so_at_once(
-    fake_node: Callable[[Answer], tuple[tuple[str, int], list[int]]],
+    fake_node: FakeNode,
 ) -> None:
     """A version-4 node answers BAD_VERSION in its own words: the client
     raises it as a VersionMismatch on the first attempt, not after retrying
     as if the node were starting."""
 
-    def old_node(ch: Channel, req_id: int, payload: bytes) -> None:
-        version, _ = decode_hello(payload)
+    def old_node(ch: Channel, req_id: int, version: int) -> None:
         ch.send(Op.HELLO | RESPONSE_BIT,
                 f"client speaks protocol version {version}, this node speaks {V4}".encode(),
                 status=Status.BAD_VERSION, req_id=req_id)
 
-    addr, seen = fake_node(old_node)
+    seen: list[int] = []
+    addr = fake_node(_greeted(seen, old_node))
     with pytest.raises(VersionMismatch) as e:
         KVClient(*addr, None, connect_retries=3)
     assert str(e.value) == (
@@ -121,16 +100,17 @@ def test_a_version_5_client_refused_by_a_version_4_node_says_so_at_once(
 
 @pytest.mark.parametrize(("version", "upgrade"), [(V4, "node"), (PROTOCOL_VERSION + 1, "client")])
 def test_a_node_that_answers_another_version_is_refused_by_the_client(
-    fake_node: Callable[[Answer], tuple[tuple[str, int], list[int]]], version: int, upgrade: str,
+    fake_node: FakeNode, version: int, upgrade: str,
 ) -> None:
     """The client checks the node's version too (a node that let a HELLO of
     another version through), before it reads anything else of the answer."""
 
-    def answer(ch: Channel, req_id: int, payload: bytes) -> None:
+    def answer(ch: Channel, req_id: int, client_version: int) -> None:
         info = dataclasses.replace(INFO, version=version)
         ch.send(Op.HELLO | RESPONSE_BIT, encode_node_info(info), req_id=req_id)
 
-    addr, seen = fake_node(answer)
+    seen: list[int] = []
+    addr = fake_node(_greeted(seen, answer))
     with pytest.raises(VersionMismatch) as e:
         KVClient(*addr, None, connect_retries=3)
     assert str(e.value) == (
